@@ -1,0 +1,163 @@
+// Python bindings: one Executor object; every call below is a whole forward, pullback or
+// optimizer step, run with the GIL released.
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "blas.hpp"
+#include "model.hpp"
+
+namespace py = pybind11;
+using zoo::Executor;
+
+namespace {
+
+using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+py::array_t<float> view(py::object owner, float* data, std::vector<py::ssize_t> shape) {
+    std::vector<py::ssize_t> strides(shape.size());
+    py::ssize_t s = sizeof(float);
+    for (int i = (int)shape.size() - 1; i >= 0; i--) {
+        strides[i] = s;
+        s *= shape[i];
+    }
+    return py::array_t<float>(shape, strides, data, owner);
+}
+
+zoo::Dims dims_from(const py::dict& c) {
+    zoo::Dims d;
+    d.vocab_size = c["vocab_size"].cast<int>();
+    d.max_seq_len = c["max_seq_len"].cast<int>();
+    d.d_model = c["d_model"].cast<int>();
+    d.n_layer = c["n_layer"].cast<int>();
+    d.n_head = c["n_head"].cast<int>();
+    d.n_kv_head = c["n_kv_head"].cast<int>();
+    d.head_dim = c["head_dim"].cast<int>();
+    d.d_ff = c["d_ff"].cast<int>();
+    std::string norm = c["norm"].cast<std::string>(), mlp = c["mlp"].cast<std::string>();
+    if (norm != "layernorm" && norm != "rmsnorm") throw std::invalid_argument("zoo: unknown norm " + norm);
+    if (mlp != "gelu" && mlp != "swiglu") throw std::invalid_argument("zoo: unknown mlp " + mlp);
+    d.norm = norm == "layernorm" ? zoo::NormKind::layernorm : zoo::NormKind::rmsnorm;
+    d.mlp = mlp == "swiglu" ? zoo::MlpKind::swiglu : zoo::MlpKind::gelu;
+    d.rope = c["positions"].cast<std::string>() == "rope";
+    d.norm_eps = c["norm_eps"].cast<float>();
+    d.attention_bias = c["attention_bias"].cast<bool>();
+    d.mlp_bias = c["mlp_bias"].cast<bool>();
+    d.tied_embeddings = c["tied_embeddings"].cast<bool>();
+    return d;
+}
+
+void check_tokens(const Tokens& t, const char* what) {
+    if (t.ndim() != 2) throw std::invalid_argument(std::string("zoo: ") + what + " must be 2-D (B, T)");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "zoo's native core: blocks, executor, optimizer";
+
+    m.def("set_threads", [](int n) {
+        if (n < 1) throw std::invalid_argument("zoo: threads must be >= 1");
+        omp_set_num_threads(n);
+        zoo::blas::set_threads(n);
+    });
+    m.def("get_threads", []() { return omp_get_max_threads(); });
+    m.def("build_info", []() {
+        py::dict info;
+#ifdef __clang__
+        info["compiler"] = std::string("clang ") + __clang_version__;
+#else
+        info["compiler"] = std::string("gcc ") + __VERSION__;
+#endif
+        info["openmp"] = _OPENMP;
+        info["blas"] = ZOO_BLAS_NAME;
+        return info;
+    });
+
+    py::class_<Executor>(m, "Executor")
+        .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t>> b,
+                         std::vector<float> inv_freq) {
+                 std::vector<zoo::ParamBinding> bindings;
+                 for (auto& [role, layer, offset] : b) {
+                     if (offset >= n_params) throw std::invalid_argument("zoo: binding offset out of range");
+                     bindings.push_back({role, layer, offset});
+                 }
+                 return new Executor(dims_from(cfg), n_params, bindings, inv_freq);
+             }),
+             py::arg("config"), py::arg("n_params"), py::arg("bindings"), py::arg("inv_freq"))
+        .def("params", [](py::object self) {
+            auto& e = self.cast<Executor&>();
+            return view(self, e.params(), {(py::ssize_t)e.n_params()});
+        })
+        .def("grads", [](py::object self) {
+            auto& e = self.cast<Executor&>();
+            return view(self, e.grads(), {(py::ssize_t)e.n_params()});
+        })
+        .def("adam_m", [](py::object self) {
+            auto& e = self.cast<Executor&>();
+            return view(self, e.adam_m(), {(py::ssize_t)e.n_params()});
+        })
+        .def("adam_v", [](py::object self) {
+            auto& e = self.cast<Executor&>();
+            return view(self, e.adam_v(), {(py::ssize_t)e.n_params()});
+        })
+        .def("activation_floats", &Executor::activation_floats)
+        .def("forward",
+             [](Executor& e, Tokens tokens, std::optional<Tokens> targets) {
+                 check_tokens(tokens, "tokens");
+                 int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
+                 const int32_t* tg = nullptr;
+                 if (targets) {
+                     check_tokens(*targets, "targets");
+                     if (targets->shape(0) != B || targets->shape(1) != T)
+                         throw std::invalid_argument("zoo: targets must have the shape of tokens");
+                     tg = targets->data();
+                 }
+                 py::gil_scoped_release nogil;
+                 return e.forward(tokens.data(), tg, B, T);
+             },
+             py::arg("tokens"), py::arg("targets") = py::none())
+        .def("logits", [](py::object self, int B, int T) {
+            auto& e = self.cast<Executor&>();
+            return view(self, const_cast<float*>(e.logits()), {B, T, e.dims().vocab_size});
+        })
+        .def("backward", [](Executor& e, float grad_scale) {
+            py::gil_scoped_release nogil;
+            e.backward(grad_scale);
+        })
+        .def("forward_backward",
+             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale) {
+                 check_tokens(tokens, "tokens");
+                 check_tokens(targets, "targets");
+                 if (targets.shape(0) != tokens.shape(0) || targets.shape(1) != tokens.shape(1))
+                     throw std::invalid_argument("zoo: targets must have the shape of tokens");
+                 int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
+                 py::gil_scoped_release nogil;
+                 double loss = e.forward(tokens.data(), targets.data(), B, T);
+                 e.backward(grad_scale);
+                 return loss;
+             })
+        .def("zero_grads", &Executor::zero_grads)
+        .def("grad_norm", &Executor::grad_norm)
+        .def("set_decay_ranges", &Executor::set_decay_ranges)
+        .def("adamw_step",
+             [](Executor& e, float lr, float b1, float b2, float eps, float wd, float max_norm) {
+                 py::gil_scoped_release nogil;
+                 return e.adamw_step(lr, b1, b2, eps, wd, max_norm);
+             })
+        .def_readwrite("step_count", &Executor::step_count)
+        .def("reset_cache", &Executor::reset_cache)
+        .def("forward_cached", [](Executor& e, Tokens tokens, int pos0) {
+            check_tokens(tokens, "tokens");
+            int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
+            const float* out;
+            {
+                py::gil_scoped_release nogil;
+                out = e.forward_cached(tokens.data(), B, T, pos0);
+            }
+            py::array_t<float> logits({B, e.dims().vocab_size});
+            std::memcpy(logits.mutable_data(), out, sizeof(float) * B * e.dims().vocab_size);
+            return logits;
+        });
+}

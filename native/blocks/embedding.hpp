@@ -1,0 +1,52 @@
+// Token embedding plus optional learned position embedding: x[b,t] = wte[tok[b,t]] + wpe[pos0+t].
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace zoo {
+
+inline void embedding_forward_row(const float* wte_row, const float* wpe_row, float* x, int C) {
+    for (int i = 0; i < C; i++) x[i] = wte_row[i] + wpe_row[i];
+}
+
+struct Embedding {
+    int C;
+
+    // tokens: (B, T); x: (B*T, C). wpe may be null (RoPE models). pos0 offsets positions
+    // (generation with a KV cache).
+    void forward(const int32_t* tokens, const float* wte, const float* wpe, float* x, int B, int T,
+                 int pos0 = 0) const {
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < B * T; n++) {
+            const float* te = wte + (size_t)tokens[n] * C;
+            float* xr = x + (size_t)n * C;
+            if (wpe) {
+                embedding_forward_row(te, wpe + (size_t)(pos0 + n % T) * C, xr, C);
+            } else {
+                for (int i = 0; i < C; i++) xr[i] = te[i];
+            }
+        }
+    }
+
+    // Adds dx rows into the rows of dwte (and dwpe) they came from. Column blocks in
+    // parallel: repeated tokens never race and the sum order is fixed.
+    void pullback(const int32_t* tokens, const float* dx, float* dwte, float* dwpe, int B,
+                  int T) const {
+        const int block = 64;
+#pragma omp parallel for schedule(static)
+        for (int c0 = 0; c0 < C; c0 += block) {
+            int c1 = c0 + block < C ? c0 + block : C;
+            for (int n = 0; n < B * T; n++) {
+                const float* dxr = dx + (size_t)n * C;
+                float* dte = dwte + (size_t)tokens[n] * C;
+                for (int i = c0; i < c1; i++) dte[i] += dxr[i];
+                if (dwpe) {
+                    float* dpe = dwpe + (size_t)(n % T) * C;
+                    for (int i = c0; i < c1; i++) dpe[i] += dxr[i];
+                }
+            }
+        }
+    }
+};
+
+}  // namespace zoo

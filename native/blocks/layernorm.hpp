@@ -1,0 +1,74 @@
+// LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * w + b.
+#pragma once
+#include <cmath>
+
+namespace zoo {
+
+// One row. Plain loops over pointers so Clad can differentiate it; mean and rstd are
+// written out because the hand-written pullback reuses them.
+inline void layernorm_forward_row(const float* x, const float* w, const float* b, float* y,
+                                  float* mean_out, float* rstd_out, int C, float eps) {
+    float sum = 0.0f;
+    for (int i = 0; i < C; i++) sum += x[i];
+    float mean = sum / C;
+    float sq = 0.0f;
+    for (int i = 0; i < C; i++) sq += (x[i] - mean) * (x[i] - mean);
+    float rstd = 1.0f / std::sqrt(sq / C + eps);
+    for (int i = 0; i < C; i++) y[i] = (x[i] - mean) * rstd * w[i] + b[i];
+    mean_out[0] = mean;
+    rstd_out[0] = rstd;
+}
+
+struct LayerNorm {
+    int C;
+    float eps;
+
+    // x, y: (N, C); mean, rstd: (N) saved for the pullback.
+    void forward(const float* x, const float* w, const float* b, float* y, float* mean,
+                 float* rstd, int N) const {
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++)
+            layernorm_forward_row(x + (size_t)n * C, w, b, y + (size_t)n * C, mean + n, rstd + n,
+                                  C, eps);
+    }
+
+    // Adds into dx, dw, db. Rows in parallel for dx; column blocks in parallel for dw, db so
+    // no two threads write the same weight gradient.
+    void pullback(const float* x, const float* w, const float* mean, const float* rstd,
+                  const float* dy, float* dx, float* dw, float* db, int N) const {
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const float* xr = x + (size_t)n * C;
+            const float* dyr = dy + (size_t)n * C;
+            float* dxr = dx + (size_t)n * C;
+            float m = mean[n], r = rstd[n];
+            float sum_g = 0.0f, sum_gx = 0.0f;
+            for (int i = 0; i < C; i++) {
+                float g = dyr[i] * w[i];
+                sum_g += g;
+                sum_gx += g * (xr[i] - m) * r;
+            }
+            float mean_g = sum_g / C, mean_gx = sum_gx / C;
+            for (int i = 0; i < C; i++) {
+                float xhat = (xr[i] - m) * r;
+                dxr[i] += r * (dyr[i] * w[i] - mean_g - xhat * mean_gx);
+            }
+        }
+        const int block = 64;
+#pragma omp parallel for schedule(static)
+        for (int c0 = 0; c0 < C; c0 += block) {
+            int c1 = c0 + block < C ? c0 + block : C;
+            for (int n = 0; n < N; n++) {
+                const float* xr = x + (size_t)n * C;
+                const float* dyr = dy + (size_t)n * C;
+                float m = mean[n], r = rstd[n];
+                for (int i = c0; i < c1; i++) {
+                    dw[i] += dyr[i] * (xr[i] - m) * r;
+                    db[i] += dyr[i];
+                }
+            }
+        }
+    }
+};
+
+}  // namespace zoo

@@ -1,0 +1,65 @@
+// Rotary position embedding, rotate-half convention (Hugging Face Llama): for i < h = hd/2,
+// (x_i, x_{i+h}) -> (x_i cos - x_{i+h} sin, x_{i+h} cos + x_i sin), angle = pos * inv_freq[i].
+// inv_freq comes from the config (theta, Llama-3 scaling) and is turned into cos/sin tables once.
+#pragma once
+#include <cmath>
+#include <cstddef>
+
+namespace zoo {
+
+inline void rope_forward_row(float* x, const float* cos_row, const float* sin_row, int half) {
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos_row[i] - b * sin_row[i];
+        x[i + half] = b * cos_row[i] + a * sin_row[i];
+    }
+}
+
+struct RoPE {
+    int head_dim;
+
+    // Fills cos/sin tables (max_pos, head_dim/2) from inv_freq, in float32 as transformers does.
+    void build_tables(const float* inv_freq, float* cos_t, float* sin_t, int max_pos) const {
+        int half = head_dim / 2;
+        for (int p = 0; p < max_pos; p++)
+            for (int i = 0; i < half; i++) {
+                float angle = (float)p * inv_freq[i];
+                cos_t[(size_t)p * half + i] = std::cos(angle);
+                sin_t[(size_t)p * half + i] = std::sin(angle);
+            }
+    }
+
+    // In place on the first n_heads heads of each row of x (row stride `stride` floats):
+    // used on q and k inside the fused qkv rows. Row n is at position pos0 + n % T.
+    void forward(float* x, int stride, int n_heads, const float* cos_t, const float* sin_t,
+                 int B, int T, int pos0 = 0) const {
+        int half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < B * T; n++) {
+            size_t p = (size_t)(pos0 + n % T) * half;
+            for (int h = 0; h < n_heads; h++)
+                rope_forward_row(x + (size_t)n * stride + h * head_dim, cos_t + p, sin_t + p, half);
+        }
+    }
+
+    // The rotation is orthogonal: the pullback rotates the adjoint back, in place.
+    void pullback(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
+                  int B, int T) const {
+        int half = head_dim / 2;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < B * T; n++) {
+            const float* c = cos_t + (size_t)(n % T) * half;
+            const float* s = sin_t + (size_t)(n % T) * half;
+            for (int h = 0; h < n_heads; h++) {
+                float* d = dx + (size_t)n * stride + h * head_dim;
+                for (int i = 0; i < half; i++) {
+                    float a = d[i], b = d[i + half];
+                    d[i] = a * c[i] + b * s[i];
+                    d[i + half] = b * c[i] - a * s[i];
+                }
+            }
+        }
+    }
+};
+
+}  // namespace zoo

@@ -1,0 +1,142 @@
+// The executor: a decoder-only transformer laid out in two arenas, run forward block by block
+// and then pulled back in reverse. The layout of parameters is decided in Python
+// (zoo/layout.py) and bound here by role; activations are planned here for a (B, T).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "arena.hpp"
+#include "blocks/adamw.hpp"
+#include "blocks/attention.hpp"
+#include "blocks/cross_entropy.hpp"
+#include "blocks/embedding.hpp"
+#include "blocks/gelu.hpp"
+#include "blocks/layernorm.hpp"
+#include "blocks/linear.hpp"
+#include "blocks/residual.hpp"
+#include "blocks/rmsnorm.hpp"
+#include "blocks/rope.hpp"
+#include "blocks/swiglu.hpp"
+
+namespace zoo {
+
+enum class NormKind { layernorm, rmsnorm };
+enum class MlpKind { gelu, swiglu };
+
+struct Dims {
+    int vocab_size, max_seq_len, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff;
+    NormKind norm;
+    MlpKind mlp;
+    bool rope;
+    float norm_eps;
+    bool attention_bias, mlp_bias, tied_embeddings;
+
+    int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
+    int attn_dim() const { return n_head * head_dim; }
+    int fc_dim() const { return mlp == MlpKind::swiglu ? 2 * d_ff : d_ff; }
+};
+
+// Pointers to one layer's tensors (weights, or the matching gradients).
+struct LayerWeights {
+    float *ln1_w = nullptr, *ln1_b = nullptr, *qkv_w = nullptr, *qkv_b = nullptr;
+    float *attn_out_w = nullptr, *attn_out_b = nullptr, *ln2_w = nullptr, *ln2_b = nullptr;
+    float *fc_w = nullptr, *fc_b = nullptr, *proj_w = nullptr, *proj_b = nullptr;
+};
+
+struct Weights {
+    float *wte = nullptr, *wpe = nullptr, *lnf_w = nullptr, *lnf_b = nullptr, *lm_head = nullptr;
+    std::vector<LayerWeights> layers;
+};
+
+// One layer's saved activations for the pullback.
+struct LayerActs {
+    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *probs, *att, *res_mid;
+    float *ln2, *ln2_mean, *ln2_rstd, *fc, *act;
+};
+
+struct ParamBinding {
+    std::string role;
+    int layer;
+    size_t offset;  // floats into the parameter region
+};
+
+class Executor {
+public:
+    Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& bindings,
+             const std::vector<float>& inv_freq);
+
+    const Dims& dims() const { return d_; }
+    size_t n_params() const { return n_params_; }
+    float* params() { return store_.data; }
+    float* grads() { return store_.data + n_params_; }
+    float* adam_m() { return store_.data + 2 * n_params_; }
+    float* adam_v() { return store_.data + 3 * n_params_; }
+
+    // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
+    void plan(int B, int T);
+    size_t activation_floats(int B, int T) const;
+
+    // Forward over tokens (B, T). With targets, returns the mean loss; without, NaN. The
+    // logits (B*T, V) stay in the arena until the next call.
+    double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+    const float* logits() const { return logits_; }
+    // Pulls back the last forward (which must have had targets): adds grad_scale * dloss/dp
+    // into the gradient region.
+    void backward(float grad_scale);
+    void zero_grads() { std::memset(grads(), 0, sizeof(float) * n_params_); }
+
+    // Global gradient norm over all parameters (double accumulation, fixed order).
+    double grad_norm() const;
+    // Clips to max_norm (<= 0: no clipping), then AdamW over every tensor range; decay per range.
+    double adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
+                      float max_norm);
+    int step_count = 0;
+    void set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed);  // [begin, end)
+
+    // Generation: KV cache for up to (B, max_len); forward_cached returns last-position logits.
+    void reset_cache(int B, int max_len);
+    const float* forward_cached(const int32_t* tokens, int B, int T, int pos0);
+
+private:
+    Dims d_;
+    size_t n_params_;
+    Arena store_;  // params | grads | adam m | adam v
+    Weights w_, g_;
+    std::vector<float> rope_cos_, rope_sin_;
+    std::vector<std::pair<size_t, size_t>> decay_ranges_;
+
+    // Activation arena and the plan laid over it.
+    Arena acts_;
+    int cap_B_ = 0, cap_T_ = 0, B_ = 0, T_ = 0;
+    float *residual_ = nullptr;  // (n_layer + 1) x (N, d): the input of each layer, then the output
+    std::vector<LayerActs> la_;
+    float *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *logits_ = nullptr,
+          *row_loss_ = nullptr;
+    // Gradient scratch, shared by all layers.
+    float *d_res_ = nullptr, *d_norm_ = nullptr, *d_qkv_ = nullptr, *d_att_ = nullptr,
+          *d_fc_ = nullptr, *d_act_ = nullptr, *attn_scratch_ = nullptr;
+    std::vector<int32_t> tokens_, targets_;
+    int n_valid_ = 0;
+    bool have_targets_ = false;
+
+    // KV cache arena for generation.
+    Arena cache_;
+    int cache_B_ = 0, cache_len_ = 0, cache_T_cap_ = 0;
+    float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_x_ = nullptr, *c_norm_ = nullptr,
+          *c_stat_ = nullptr, *c_qkv_ = nullptr, *c_probs_ = nullptr, *c_att_ = nullptr,
+          *c_fc_ = nullptr, *c_act_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
+
+    void bind(Weights& w, float* base, const std::vector<ParamBinding>& bindings);
+    void norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
+                      float* rstd, int N) const;
+    void norm_pullback(const float* x, const float* w, const float* mean, const float* rstd,
+                       const float* dy, float* dx, float* dw, float* db, int N) const;
+    const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }
+    float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head; }
+};
+
+}  // namespace zoo

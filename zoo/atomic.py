@@ -1,0 +1,66 @@
+"""Atomic file writes: a write that is interrupted leaves the previous file intact.
+
+The new content goes to a temporary file in the same folder (so os.replace is a rename on
+one filesystem), is flushed and fsynced, then replaces the target; the folder is fsynced
+so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open `path` for binary writing; the file appears only when the block ends without error."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    f = os.fdopen(fd, "wb")
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+    except BaseException:
+        f.close()
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make renames and deletions in `folder` durable (a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path) as f:
+        f.write(data)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    write_bytes(path, (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
+def copy_file(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    with open(src, "rb") as fin, atomic_open(dst) as fout:
+        shutil.copyfileobj(fin, fout, 1 << 20)

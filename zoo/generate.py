@@ -1,0 +1,115 @@
+"""Sampling with a KV cache: the prompt goes through the model once, then one token per call.
+
+Temperature 0 is greedy (argmax, ties to the lowest id, as torch.argmax); otherwise logits
+are divided by the temperature, cut to the top-k and then to the smallest set whose
+probability reaches top-p, and sampled with a generator seeded by `seed`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Optional
+
+import numpy as np
+
+
+def sample_token(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: Optional[float],
+                 rng: np.random.Generator) -> int:
+    """One token id from a (V,) row of logits."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and 0 < top_k < z.size:
+        kth = np.partition(z, -top_k)[-top_k]
+        z = np.where(z >= kth, z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[: int(np.searchsorted(cum, top_p)) + 1]  # always at least the top token
+        mask = np.zeros_like(p)
+        mask[keep] = p[keep]
+        p = mask / mask.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
+             eos_id: Optional[int] = None, on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+    """The new token ids after `prompt_ids` (stopping after EOS or at the model's context).
+
+    `on_token` is called with each new id as soon as it is chosen (for streaming).
+    """
+    if not prompt_ids:
+        raise ValueError("generate: the prompt is empty (give text, or a tokenizer with a BOS token)")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    max_len = model.config.max_seq_len
+    if len(prompt_ids) > max_len:
+        raise ValueError(f"prompt: {len(prompt_ids)} tokens, beyond the model's max_seq_len {max_len}")
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} outside the model's vocabulary (size {vocab})")
+    budget = min(max_new_tokens, max_len - len(prompt_ids))
+    if budget <= 0:
+        return []
+
+    rng = np.random.default_rng(seed)
+    model.reset_cache(1, len(prompt_ids) + budget)
+    logits = model.forward_cached(np.asarray([prompt_ids], dtype=np.int32), 0)[0]
+    out: list[int] = []
+    pos = len(prompt_ids)
+    while True:
+        tok = sample_token(logits, temperature, top_k, top_p, rng)
+        out.append(tok)
+        if on_token is not None:
+            on_token(tok)
+        if tok == eos_id or len(out) == budget:
+            return out
+        logits = model.forward_cached(np.asarray([[tok]], dtype=np.int32), pos)[0]
+        pos += 1
+
+
+def prompt_tokens(tokenizer, text: str) -> list[int]:
+    """A prompt as the model saw documents in training: BOS (if distinct from EOS) then text."""
+    bos, eos = tokenizer.bos_id, tokenizer.eos_id
+    ids = [bos] if bos is not None and bos != eos else []
+    ids += list(tokenizer.encode(text)) if text else []
+    if not ids and eos is not None:
+        ids = [eos]  # GPT-2 style: <|endoftext|> starts a fresh document
+    return ids
+
+
+class TextStream:
+    """Writes decoded text as tokens arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], file=None):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.file = file if file is not None else sys.stdout
+        self.shown = tokenizer.decode(self.ids)
+
+    def __call__(self, tok: int) -> None:
+        if tok == self.tokenizer.eos_id:
+            return
+        self.ids.append(tok)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            return
+        if text.startswith(self.shown):
+            self.file.write(text[len(self.shown):])
+        else:  # a tokenizer that rewrites earlier text on decode: show the tail only
+            self.file.write(self.tokenizer.decode([tok]))
+        self.file.flush()
+        self.shown = text
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode([t for t in self.ids if t != self.tokenizer.eos_id])
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self.file.write(text[len(self.shown):])
+        self.file.write("\n")
+        self.file.flush()

@@ -1,0 +1,130 @@
+"""Parameter layout: the one place that says which tensors a config has, their names,
+shapes, order in the parameter arena, and the role the native executor binds them to.
+
+Naming rule: configs with learned positions use GPT2LMHeadModel names, configs with RoPE
+use LlamaForCausalLM names. A block the family does not have keeps the family's pattern
+(e.g. a GPT-2-named model with RMSNorm has ln_1.weight and no ln_1.bias; a Llama-named
+model with LayerNorm gets input_layernorm.bias; a Llama-named GELU MLP has up_proj and
+down_proj only; a GPT-2-named SwiGLU MLP has mlp.c_fc holding [gate; up]).
+
+2-D weights are stored (out_features, in_features), as torch.nn.Linear. GPT-2's Conv1D
+checkpoints store (in, out): those tensors carry hf_transposed=True.
+
+Fused GEMMs need adjacent tensors: q, k, v projections (and their biases) are laid out
+next to each other and bound as one "qkv" weight; gate_proj and up_proj likewise as "fc".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    role: str  # what the executor binds; "" for a tensor bound through its fused neighbour
+    layer: int  # -1 for tensors outside the layer stack
+    hf_transposed: bool  # stored transposed relative to the Hugging Face checkpoint
+    decay: bool  # AdamW weight decay applies by default (2-D matmul weights only)
+
+
+def parameter_layout(cfg: "ModelConfig") -> list[ParamSpec]:
+    return _gpt2_layout(cfg) if cfg.family == "gpt2" else _llama_layout(cfg)
+
+
+def parameter_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, ...]]:
+    return {p.name: p.shape for p in parameter_layout(cfg)}
+
+
+def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
+    d, hd = cfg.d_model, cfg.head_dim
+    fc_out = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+    out: list[ParamSpec] = []
+
+    def add(name, shape, role, layer=-1, transposed=False, decay=False):
+        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay))
+
+    add("transformer.wte.weight", (cfg.vocab_size, d), "wte")
+    add("transformer.wpe.weight", (cfg.max_seq_len, d), "wpe")
+    for i in range(cfg.n_layer):
+        p = f"transformer.h.{i}."
+        add(p + "ln_1.weight", (d,), "ln1_w", i)
+        if cfg.norm == "layernorm":
+            add(p + "ln_1.bias", (d,), "ln1_b", i)
+        add(p + "attn.c_attn.weight", (cfg.qkv_dim, d), "qkv_w", i, True, True)
+        if cfg.attention_bias:
+            add(p + "attn.c_attn.bias", (cfg.qkv_dim,), "qkv_b", i)
+        add(p + "attn.c_proj.weight", (d, cfg.n_head * hd), "attn_out_w", i, True, True)
+        if cfg.attention_bias:
+            add(p + "attn.c_proj.bias", (d,), "attn_out_b", i)
+        add(p + "ln_2.weight", (d,), "ln2_w", i)
+        if cfg.norm == "layernorm":
+            add(p + "ln_2.bias", (d,), "ln2_b", i)
+        add(p + "mlp.c_fc.weight", (fc_out, d), "fc_w", i, True, True)
+        if cfg.mlp_bias:
+            add(p + "mlp.c_fc.bias", (fc_out,), "fc_b", i)
+        add(p + "mlp.c_proj.weight", (d, cfg.d_ff), "proj_w", i, True, True)
+        if cfg.mlp_bias:
+            add(p + "mlp.c_proj.bias", (d,), "proj_b", i)
+    add("transformer.ln_f.weight", (d,), "lnf_w")
+    if cfg.norm == "layernorm":
+        add("transformer.ln_f.bias", (d,), "lnf_b")
+    if not cfg.tied_embeddings:
+        add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
+    return out
+
+
+def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
+    d, hd = cfg.d_model, cfg.head_dim
+    q_out, kv_out = cfg.n_head * hd, cfg.n_kv_head * hd
+    out: list[ParamSpec] = []
+
+    def add(name, shape, role, layer=-1, decay=False):
+        out.append(ParamSpec(name, tuple(shape), role, layer, False, decay))
+
+    add("model.embed_tokens.weight", (cfg.vocab_size, d), "wte")
+    if cfg.positions == "learned":  # unreachable today (learned => gpt2 naming); kept for clarity
+        add("model.embed_positions.weight", (cfg.max_seq_len, d), "wpe")
+    for i in range(cfg.n_layer):
+        p = f"model.layers.{i}."
+        add(p + "input_layernorm.weight", (d,), "ln1_w", i)
+        if cfg.norm == "layernorm":
+            add(p + "input_layernorm.bias", (d,), "ln1_b", i)
+        # q, k, v weights adjacent: one (q_out + 2 kv_out, d) GEMM
+        add(p + "self_attn.q_proj.weight", (q_out, d), "qkv_w", i, True)
+        add(p + "self_attn.k_proj.weight", (kv_out, d), "", i, True)
+        add(p + "self_attn.v_proj.weight", (kv_out, d), "", i, True)
+        if cfg.attention_bias:
+            add(p + "self_attn.q_proj.bias", (q_out,), "qkv_b", i)
+            add(p + "self_attn.k_proj.bias", (kv_out,), "", i)
+            add(p + "self_attn.v_proj.bias", (kv_out,), "", i)
+        add(p + "self_attn.o_proj.weight", (d, q_out), "attn_out_w", i, True)
+        if cfg.attention_bias:
+            add(p + "self_attn.o_proj.bias", (d,), "attn_out_b", i)
+        add(p + "post_attention_layernorm.weight", (d,), "ln2_w", i)
+        if cfg.norm == "layernorm":
+            add(p + "post_attention_layernorm.bias", (d,), "ln2_b", i)
+        if cfg.mlp == "swiglu":
+            add(p + "mlp.gate_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
+            add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "", i, True)
+            if cfg.mlp_bias:
+                add(p + "mlp.gate_proj.bias", (cfg.d_ff,), "fc_b", i)
+                add(p + "mlp.up_proj.bias", (cfg.d_ff,), "", i)
+        else:
+            add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
+            if cfg.mlp_bias:
+                add(p + "mlp.up_proj.bias", (cfg.d_ff,), "fc_b", i)
+        add(p + "mlp.down_proj.weight", (d, cfg.d_ff), "proj_w", i, True)
+        if cfg.mlp_bias:
+            add(p + "mlp.down_proj.bias", (d,), "proj_b", i)
+    add("model.norm.weight", (d,), "lnf_w")
+    if cfg.norm == "layernorm":
+        add("model.norm.bias", (d,), "lnf_b")
+    if not cfg.tied_embeddings:
+        add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
+    return out

@@ -1,0 +1,364 @@
+"""Reading and writing safetensors files, single or sharded with an index.
+
+Format (a fact of the safetensors spec): 8 bytes little-endian header length N, N bytes of
+JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then
+the data; offsets count from the end of the header. We parse the header ourselves, rather
+than through the safetensors package, so every offset, dtype and shape is checked before
+any byte is read and a bad file gives an error naming the file and tensor.
+
+Reading goes through a memory map: an F32 or F16 tensor is copied straight from the map into
+its destination; a BF16 tensor costs one temporary float32 copy of itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from .atomic import atomic_open, fsync_dir, write_json
+from .errors import CheckpointError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+# Little-endian numpy dtypes of the safetensors dtypes. BF16 has no numpy dtype: read as uint16.
+_NUMPY_DTYPE = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2",
+    "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+    "F8_E4M3": "u1", "F8_E5M2": "u1",
+}
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+# What users type -> safetensors dtype code.
+DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+_MAX_HEADER_BYTES = 100 * 1024**2  # the spec's own limit; guards against a huge bogus length
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # byte offsets into the data section
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+class SafetensorsFile:
+    """One .safetensors file, header parsed and validated, data memory-mapped."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < 8:
+                    raise CheckpointError(self.path, f"file is {size} bytes, too short for a safetensors header (truncated?)")
+                n = int.from_bytes(f.read(8), "little")
+                if n > size - 8:
+                    raise CheckpointError(self.path, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
+                if n > _MAX_HEADER_BYTES:
+                    raise CheckpointError(self.path, f"header length {n} exceeds the {_MAX_HEADER_BYTES}-byte limit")
+                header_bytes = f.read(n)
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
+        self._data_start = 8 + n
+        data_len = size - self._data_start
+        self.metadata, self.tensors = _parse_header(self.path, header_bytes, data_len)
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the map closes when that view is freed
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(self.path, "tensor not in this file", key=name) from None
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        """A read-only view of the stored tensor (BF16 as uint16), no copy."""
+        dtype = np.dtype(_NUMPY_DTYPE[info.dtype])
+        count = math.prod(info.shape)
+        arr = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._data_start + info.begin)
+        return arr.reshape(info.shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """A new float32 array holding the tensor."""
+        info = self.info(name)
+        out = np.empty(info.shape, dtype=np.float32)
+        self.copy_into(name, out)
+        return out
+
+    def copy_into(self, name: str, out: np.ndarray, transpose: bool = False) -> None:
+        """Convert the tensor to float32 into `out` (e.g. a view into the parameter arena).
+        transpose=True: the stored tensor is the transpose of `out` (GPT-2 Conv1D weights)."""
+        info = self.info(name)
+        expected = tuple(reversed(out.shape)) if transpose else tuple(out.shape)
+        if info.shape != expected:
+            raise CheckpointError(self.path, f"shape {list(info.shape)}, expected {list(expected)}", key=name)
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(self.path, f"dtype {info.dtype} is not a floating-point weight "
+                                             f"(supported: {', '.join(FLOAT_DTYPES)})", key=name)
+        src = self._raw(info)
+        if info.dtype == "BF16":
+            # bfloat16 is the top half of a float32: widen, shift, reinterpret (one copy).
+            src = (src.astype(np.uint32) << 16).view(np.float32)
+        out[...] = src.T if transpose else src  # F16/F64 cast during assignment, no full copy
+        del src
+
+
+def _parse_header(path: Path, header_bytes: bytes, data_len: int) -> tuple[dict, dict[str, TensorInfo]]:
+    try:
+        header = json.loads(header_bytes.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"header is not valid JSON ({e}); not a safetensors file, or corrupt") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(path, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise CheckpointError(path, "__metadata__ is not a JSON object", key="__metadata__")
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        tensors[name] = _parse_entry(path, name, entry, data_len)
+    return metadata, tensors
+
+
+def _parse_entry(path: Path, name: str, entry, data_len: int) -> TensorInfo:
+    if not isinstance(entry, dict):
+        raise CheckpointError(path, "header entry is not a JSON object", key=name)
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _NUMPY_DTYPE:
+        raise CheckpointError(path, f"unknown dtype {dtype!r}", key=name)
+    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise CheckpointError(path, f"shape {shape!r} is not a list of non-negative integers", key=name)
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise CheckpointError(path, f"data_offsets {offsets!r} is not a pair of integers", key=name)
+    begin, end = offsets
+    if not 0 <= begin <= end or end > data_len:
+        raise CheckpointError(path, f"data_offsets [{begin}, {end}] point outside the file's {data_len} data bytes "
+                                    "(file truncated or header corrupt)", key=name)
+    nbytes = math.prod(shape) * np.dtype(_NUMPY_DTYPE[dtype]).itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(path, f"data_offsets [{begin}, {end}] hold {end - begin} bytes but "
+                                    f"{dtype} {shape} needs {nbytes}", key=name)
+    return TensorInfo(name, dtype, tuple(shape), begin, end)
+
+
+class CheckpointReader:
+    """The weights of a checkpoint folder: model.safetensors, or shards listed by
+    model.safetensors.index.json. Also accepts the path of a single .safetensors file."""
+
+    def __init__(self, path: str | os.PathLike):
+        path = Path(path)
+        self.files: list[SafetensorsFile] = []
+        self._file_of: dict[str, SafetensorsFile] = {}
+        if path.is_file():
+            self.source = path
+            self._open_single(path)
+        elif (path / SINGLE_FILE).is_file():  # preferred over an index, as transformers does
+            self.source = path / SINGLE_FILE
+            self._open_single(self.source)
+        elif (path / INDEX_FILE).is_file():
+            self.source = path / INDEX_FILE
+            self._open_index(self.source)
+        else:
+            raise CheckpointError(path, _missing_weights_message(path))
+
+    def _open_single(self, path: Path) -> None:
+        f = SafetensorsFile(path)
+        self.files.append(f)
+        self._file_of = {name: f for name in f.tensors}
+
+    def _open_index(self, index_path: Path) -> None:
+        weight_map = _read_index(index_path)
+        by_shard: dict[str, SafetensorsFile] = {}
+        try:
+            for name, shard in weight_map.items():
+                if shard not in by_shard:
+                    shard_path = index_path.parent / shard
+                    if not shard_path.is_file():
+                        raise CheckpointError(index_path, f"names shard file {shard!r}, which does not exist", key=name)
+                    by_shard[shard] = SafetensorsFile(shard_path)
+                    self.files.append(by_shard[shard])
+                f = by_shard[shard]
+                if name not in f.tensors:
+                    raise CheckpointError(f.path, f"tensor listed in {index_path.name} is not in this shard", key=name)
+                self._file_of[name] = f
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def file_of(self, name: str) -> SafetensorsFile:
+        try:
+            return self._file_of[name]
+        except KeyError:
+            raise CheckpointError(self.source, "tensor missing from the checkpoint", key=name) from None
+
+    def info(self, name: str) -> TensorInfo:
+        return self.file_of(name).info(name)
+
+    def read(self, name: str) -> np.ndarray:
+        return self.file_of(name).read(name)
+
+    def copy_into(self, name: str, out: np.ndarray, transpose: bool = False) -> None:
+        self.file_of(name).copy_into(name, out, transpose)
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(index_path, f"not valid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(index_path, "has no \"weight_map\" object", key="weight_map")
+    for name, shard in weight_map.items():
+        # Plain file names only: an index must not reach outside its folder.
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise CheckpointError(index_path, f"shard {shard!r} is not a file name in this folder", key=name)
+    return weight_map
+
+
+def _missing_weights_message(folder: Path) -> str:
+    if not folder.exists():
+        return "no such file or folder"
+    if not folder.is_dir():
+        return "not a .safetensors file or a checkpoint folder"
+    pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+    hint = (f"; found {', '.join(sorted(pickles))}: zoo reads safetensors only (pickled weights can run code "
+            "on load); convert them with transformers' save_pretrained(safe_serialization=True)") if pickles else ""
+    return f"no {SINGLE_FILE} or {INDEX_FILE} in this folder{hint}"
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """`arr` as contiguous little-endian bytes of `dtype` (at most one copy of the tensor)."""
+    if dtype == "F32":
+        return np.ascontiguousarray(arr, dtype="<f4")
+    if dtype == "F16":
+        return np.ascontiguousarray(arr, dtype="<f2")
+    if dtype == "BF16":
+        bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
+        # Round to nearest, ties to even, as torch does; NaN must stay NaN (rounding could make it inf).
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
+        rounded[np.isnan(bits.view("<f4"))] = 0x7FC0
+        return rounded
+    raise ValueError(f"cannot write dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
+
+
+def write_file(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], dtype: str = "F32",
+               metadata: dict[str, str] | None = None) -> None:
+    """Write one .safetensors file atomically. `tensors` is read twice (header, then data),
+    so pass a list; arrays may be views (e.g. transposed), converted one at a time."""
+    tensors = list(tensors)
+    itemsize = np.dtype(_NUMPY_DTYPE[dtype]).itemsize
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, arr in tensors:
+        nbytes = arr.size * itemsize
+        header[name] = {"dtype": dtype, "shape": list(arr.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)  # data starts 8-byte aligned
+    with atomic_open(path) as f:
+        f.write(len(header_bytes).to_bytes(8, "little"))
+        f.write(header_bytes)
+        for name, arr in tensors:
+            f.write(memoryview(_encode(arr, dtype)).cast("B"))
+
+
+def shard_file_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+def plan_shards(sizes: list[int], max_shard_bytes: int) -> list[list[int]]:
+    """Split tensors (in order) into shards of at most max_shard_bytes; a tensor larger than the
+    limit gets a shard of its own."""
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    return shards
+
+
+def write_checkpoint(folder: str | os.PathLike, tensors: list[tuple[str, np.ndarray]], dtype: str = "F32",
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write the weights of a checkpoint folder: model.safetensors, or shards and an index when
+    they exceed max_shard_bytes. Each file is written atomically; weight files of an earlier
+    save that the new one does not use are removed only after the new files are in place."""
+    folder = Path(folder)
+    itemsize = np.dtype(_NUMPY_DTYPE[dtype]).itemsize
+    shards = plan_shards([arr.size * itemsize for _, arr in tensors], max_shard_bytes)
+    written: list[Path] = []
+    if len(shards) == 1:
+        written.append(folder / SINGLE_FILE)
+        write_file(written[0], tensors, dtype)
+    else:
+        weight_map = {}
+        for k, members in enumerate(shards, start=1):
+            name = shard_file_name(k, len(shards))
+            write_file(folder / name, [tensors[i] for i in members], dtype)
+            written.append(folder / name)
+            weight_map.update({tensors[i][0]: name for i in members})
+        total = sum(arr.size * itemsize for _, arr in tensors)
+        write_json(folder / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        written.append(folder / INDEX_FILE)
+    _remove_stale_weights(folder, written)
+    return written
+
+
+def _remove_stale_weights(folder: Path, keep: list[Path]) -> None:
+    keep_names = {p.name for p in keep}
+    stale = [folder / SINGLE_FILE, folder / INDEX_FILE] + list(folder.glob("model-*-of-*.safetensors"))
+    removed = False
+    for p in stale:
+        if p.name not in keep_names and p.is_file():
+            p.unlink()
+            removed = True
+    if removed:
+        fsync_dir(folder)

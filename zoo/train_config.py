@@ -1,0 +1,170 @@
+"""TrainConfig: everything one training or finetuning run needs, as one Pydantic model.
+
+Every field is also a command-line flag (`zoo train --batch-size 8` sets `batch_size`), so a
+run can be described by a YAML/JSON file, by flags, or both (flags win). The CLI builds its
+flags from the fields here; add a field and the flag follows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .config import ModelConfig
+
+DEFAULT_STEPS = 1000
+
+# Fields that may change between an interrupted run and its --resume without changing the
+# trajectory (the losses). Any other field must be the same, or the resume is refused.
+RESUMABLE_CHANGES = {
+    "resume", "eval_every", "save_every", "keep_checkpoints", "log_every", "progress",
+    "sample_prompt", "sample_tokens", "cache_dir",
+}
+
+# Fields holding filesystem paths: relative ones in a config file are taken relative to it.
+PATH_FIELDS = ("from_dir", "tokenizer", "out", "cache_dir")
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    # --- what to train, on what -------------------------------------------------------
+    from_dir: Optional[str] = Field(None, alias="from",
+                                    description="checkpoint folder (Hugging Face layout) to finetune")
+    preset: Optional[str] = Field(None, description="train from scratch: a named preset (see `zoo presets`)")
+    model: Optional[ModelConfig] = Field(None, description="train from scratch: a model config (config files only)")
+    tokenizer: Optional[str] = Field(None, description="tokenizer folder (default: the checkpoint's; "
+                                                       "byte-level when training from scratch)")
+    data: list[str] = Field(default_factory=list, description="text files or folders of text files")
+    out: str = Field("runs/demo", description="run folder: checkpoints, metrics, plot, final model")
+    cache_dir: Optional[str] = Field(None, description="where tokenized data is cached "
+                                                       "(default: $ZOO_CACHE or ~/.cache/zoo)")
+
+    # --- batch shape ------------------------------------------------------------------
+    batch_size: int = Field(8, gt=0, description="sequences per micro-batch")
+    seq_len: int = Field(128, gt=0, description="tokens per sequence")
+    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+
+    # --- budget: one of these (default: steps) ----------------------------------------
+    steps: Optional[int] = Field(None, gt=0, description=f"optimizer steps (default {DEFAULT_STEPS})")
+    epochs: Optional[float] = Field(None, gt=0, description="passes over the training tokens")
+    tokens: Optional[int] = Field(None, gt=0, description="training tokens")
+
+    # --- AdamW and its schedule -------------------------------------------------------
+    lr: float = Field(3e-4, gt=0, description="peak learning rate")
+    min_lr: Optional[float] = Field(None, ge=0, description="final learning rate (default lr/10)")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="decay after warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay (2-D matmul weights only)")
+    max_grad_norm: Optional[float] = Field(1.0, ge=0, description="global gradient-norm clip (0: off)")
+
+    # --- evaluation, checkpoints, logging ---------------------------------------------
+    val_fraction: float = Field(0.1, ge=0, le=0.5, description="tail of the token stream held out")
+    eval_every: int = Field(100, ge=0, description="evaluate every N steps (0: start and end only)")
+    eval_batches: int = Field(8, gt=0, description="batches per evaluation")
+    save_every: int = Field(500, ge=0, description="checkpoint every N steps (0: at the end only)")
+    keep_checkpoints: int = Field(2, gt=0, description="how many recent checkpoints to keep")
+    log_every: int = Field(1, gt=0, description="write a metrics line every N steps")
+    progress: bool = Field(True, description="show a progress bar")
+
+    # --- run control ------------------------------------------------------------------
+    seed: int = Field(0, ge=0, description="seed for initialization and data order")
+    threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all)")
+    resume: bool = Field(False, description="continue the run in --out from its latest checkpoint")
+    checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
+    sample_prompt: str = Field("", description="prompt for the sample printed at the end")
+    sample_tokens: int = Field(200, ge=0, description="tokens to sample at the end (0: none)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        sources = [n for n, v in (("from", self.from_dir), ("preset", self.preset), ("model", self.model))
+                   if v is not None]
+        if len(sources) > 1:
+            raise ValueError(f"set only one of from, preset, model (got {', '.join(sources)})")
+        budgets = [n for n in ("steps", "epochs", "tokens") if getattr(self, n) is not None]
+        if len(budgets) > 1:
+            raise ValueError(f"set only one budget of steps, epochs, tokens (got {', '.join(budgets)})")
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"min_lr: {self.min_lr} is above lr {self.lr}")
+        return self
+
+    # --- derived ----------------------------------------------------------------------
+
+    @property
+    def final_lr(self) -> float:
+        return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def total_steps(self, train_tokens: int) -> int:
+        """Optimizer steps this budget buys, given the size of the training split."""
+        per_step = self.batch_size * self.seq_len * self.grad_accum
+        if self.epochs is not None:
+            return max(1, round(self.epochs * train_tokens / per_step))
+        if self.tokens is not None:
+            return max(1, -(-self.tokens // per_step))
+        return self.steps if self.steps is not None else DEFAULT_STEPS
+
+    def trajectory_diff(self, other: "TrainConfig") -> list[str]:
+        """Fields that differ and would change the losses of a resumed run."""
+        a, b = self.model_dump(), other.model_dump()
+        return [k for k in a if k not in RESUMABLE_CHANGES and a[k] != b[k]]
+
+    # --- files ------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TrainConfig":
+        return validate(read_config_file(path), f"config file {path}")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2, by_alias=True)
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A YAML or JSON training config as a dict, with relative paths made relative to the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"config file {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {path}: cannot read it ({e})") from None
+    try:
+        if path.suffix.lower() == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text)
+    except Exception as e:  # json.JSONDecodeError or yaml.YAMLError, with line and column
+        raise ValueError(f"config file {path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {e}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: expected a mapping of field names to values")
+    base = path.resolve().parent
+    raw = dict(raw)
+    for key in PATH_FIELDS + ("from",):
+        if isinstance(raw.get(key), str):
+            raw[key] = str(base / raw[key])
+    if isinstance(raw.get("data"), list):
+        raw["data"] = [str(base / p) if isinstance(p, str) else p for p in raw["data"]]
+    elif isinstance(raw.get("data"), str):
+        raw["data"] = [str(base / raw["data"])]
+    return raw
+
+
+def validate(fields: dict, where: str) -> TrainConfig:
+    """TrainConfig from a dict, with a validation error turned into one readable message."""
+    try:
+        return TrainConfig.model_validate(fields)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "config"
+            problems.append(f"{loc}: {err['msg']}")
+        raise ValueError(f"{where}: " + "; ".join(problems)) from None
