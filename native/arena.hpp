@@ -3,10 +3,9 @@
 // the model's lifetime, so views handed to Python never move) and the activation arena
 // (planned for a batch shape before a step; re-planned only when a larger shape arrives).
 #pragma once
+#include <sys/mman.h>
+
 #include <cstddef>
-#include <cstdlib>
-#include <cstring>
-#include <new>
 #include <stdexcept>
 #include <string>
 
@@ -19,20 +18,31 @@ struct Arena {
     Arena() = default;
     Arena(const Arena&) = delete;
     Arena& operator=(const Arena&) = delete;
-    ~Arena() { std::free(data); }
+    ~Arena() { release(); }
 
+    // Anonymous pages: page-aligned, zero, and resident only once touched, so an arena
+    // costs memory for what a step really uses.
     void reset(size_t n_floats) {
-        std::free(data);
+        release();
+        if (n_floats == 0) return;
+        bytes_ = n_floats * sizeof(float);
+        void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) {
+            bytes_ = 0;
+            throw std::runtime_error("zoo: cannot allocate " + std::to_string((n_floats * 4) >> 20) +
+                                     " MiB for the arena");
+        }
+        data = static_cast<float*>(p);
+        size = n_floats;
+    }
+
+private:
+    size_t bytes_ = 0;
+    void release() {
+        if (data) munmap(data, bytes_);
         data = nullptr;
         size = 0;
-        if (n_floats == 0) return;
-        size_t bytes = ((n_floats * sizeof(float) + 63) / 64) * 64;
-        data = static_cast<float*>(std::aligned_alloc(64, bytes));
-        if (!data)
-            throw std::runtime_error("zoo: cannot allocate " + std::to_string(bytes >> 20) +
-                                     " MiB for the arena");
-        std::memset(data, 0, bytes);
-        size = n_floats;
+        bytes_ = 0;
     }
 };
 

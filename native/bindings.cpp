@@ -11,6 +11,8 @@
 namespace py = pybind11;
 using zoo::Executor;
 
+void bind_blocks(py::module_& parent);  // block_bindings.cpp
+
 namespace {
 
 using Tokens = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
@@ -56,6 +58,7 @@ void check_tokens(const Tokens& t, const char* what) {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zoo's native core: blocks, executor, optimizer";
+    bind_blocks(m);
 
     m.def("set_threads", [](int n) {
         if (n < 1) throw std::invalid_argument("zoo: threads must be >= 1");
@@ -74,6 +77,10 @@ PYBIND11_MODULE(_native, m) {
         info["blas"] = ZOO_BLAS_NAME;
         return info;
     });
+
+    m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing) {
+        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T);
+    }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false);
 
     py::class_<Executor>(m, "Executor")
         .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t>> b,
@@ -122,10 +129,6 @@ PYBIND11_MODULE(_native, m) {
             auto& e = self.cast<Executor&>();
             return view(self, const_cast<float*>(e.logits()), {B, T, e.dims().vocab_size});
         })
-        .def("backward", [](Executor& e, float grad_scale) {
-            py::gil_scoped_release nogil;
-            e.backward(grad_scale);
-        })
         .def("forward_backward",
              [](Executor& e, Tokens tokens, Tokens targets, float grad_scale) {
                  check_tokens(tokens, "tokens");
@@ -134,11 +137,11 @@ PYBIND11_MODULE(_native, m) {
                      throw std::invalid_argument("zoo: targets must have the shape of tokens");
                  int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
                  py::gil_scoped_release nogil;
-                 double loss = e.forward(tokens.data(), targets.data(), B, T);
-                 e.backward(grad_scale);
-                 return loss;
+                 return e.forward_backward(tokens.data(), targets.data(), B, T, grad_scale);
              })
         .def("zero_grads", &Executor::zero_grads)
+        .def("set_checkpointing", &Executor::set_checkpointing)
+        .def("checkpointing", &Executor::checkpointing)
         .def("grad_norm", &Executor::grad_norm)
         .def("set_decay_ranges", &Executor::set_decay_ranges)
         .def("adamw_step",
@@ -147,6 +150,16 @@ PYBIND11_MODULE(_native, m) {
                  return e.adamw_step(lr, b1, b2, eps, wd, max_norm);
              })
         .def_readwrite("step_count", &Executor::step_count)
+        .def("set_profiling", [](Executor& e, bool on) {
+            e.profile = zoo::Profile{};
+            e.profile.on = on;
+        })
+        .def("profile", [](Executor& e) {
+            py::dict out;
+            for (int k = 0; k < zoo::kBlockKinds; k++)
+                out[zoo::block_kind_name(k)] = py::make_tuple(e.profile.forward[k], e.profile.pullback[k]);
+            return out;
+        })
         .def("reset_cache", &Executor::reset_cache)
         .def("forward_cached", [](Executor& e, Tokens tokens, int pos0) {
             check_tokens(tokens, "tokens");

@@ -6,6 +6,14 @@
 
 namespace zoo {
 
+// Runs the statement, adding its wall time to profile.<dir>[kind] when profiling is on.
+#define TIMED(dir, kind, ...)                                      \
+    do {                                                            \
+        double t0_ = profile.on ? omp_get_wtime() : 0.0;            \
+        __VA_ARGS__;                                                \
+        if (profile.on) profile.dir[kind] += omp_get_wtime() - t0_; \
+    } while (0)
+
 Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& bindings,
                    const std::vector<float>& inv_freq)
     : d_(dims), n_params_(n_params) {
@@ -73,27 +81,58 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
     }
 }
 
-size_t Executor::activation_floats(int B, int T) const {
+// Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
+// logits of the whole batch, so the head costs O(chunk * vocab) memory in training.
+static int head_chunk_rows(int N, int V) {
+    int rows = (int)std::max<long>(16, (8L << 20) / V);  // about 8M floats
+    return std::min(rows, N);
+}
+
+size_t activation_floats(const Dims& d, bool checkpointing, int B, int T) {
     ArenaPlanner pl;
-    size_t N = (size_t)B * T, d = d_.d_model;
-    pl.take((d_.n_layer + 1) * N * d);
-    for (int l = 0; l < d_.n_layer; l++) {
-        pl.take(N * d); pl.take(N); pl.take(N);
-        pl.take(N * d_.qkv_dim());
-        pl.take((size_t)B * d_.n_head * T * T);
-        pl.take(N * d_.attn_dim());
-        pl.take(N * d);
-        pl.take(N * d); pl.take(N); pl.take(N);
-        pl.take(N * d_.fc_dim());
-        pl.take(N * d_.d_ff);
-    }
-    pl.take(N * d); pl.take(N); pl.take(N);
-    pl.take(N * d_.vocab_size);
-    pl.take(N);
-    pl.take(N * d); pl.take(N * d); pl.take(N * d_.qkv_dim()); pl.take(N * d_.attn_dim());
-    pl.take(N * d_.fc_dim()); pl.take(N * d_.d_ff);
-    pl.take((size_t)omp_get_max_threads() * T);
+    layout_activations(d, checkpointing, pl, nullptr, B, T);
     return pl.used;
+}
+
+ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlanner& pl, float* base,
+                                  int B, int T) {
+    const size_t N = (size_t)B * T, d = d_.d_model;
+    auto take = [&](size_t n) { size_t at = pl.take(n); return base ? base + at : nullptr; };
+    ActivationPlan p;
+    p.residual = take((d_.n_layer + 1) * N * d);
+    auto layer = [&](LayerActs& l) {
+        l.ln1 = take(N * d); l.ln1_mean = take(N); l.ln1_rstd = take(N);
+        l.qkv = take(N * d_.qkv_dim());
+        l.probs = take((size_t)B * d_.n_head * T * T);
+        l.att = take(N * d_.attn_dim());
+        l.res_mid = take(N * d);
+        l.ln2 = take(N * d); l.ln2_mean = take(N); l.ln2_rstd = take(N);
+        l.fc = take(N * d_.fc_dim());
+        l.act = take(N * d_.d_ff);
+    };
+    p.layers.resize(d_.n_layer);
+    if (checkpointing) {  // one set of internals, recomputed per layer in the pullback
+        LayerActs shared;
+        layer(shared);
+        for (auto& l : p.layers) l = shared;
+    } else {
+        for (auto& l : p.layers) layer(l);
+    }
+    p.lnf = take(N * d); p.lnf_mean = take(N); p.lnf_rstd = take(N);
+    p.head_rows = head_chunk_rows((int)N, d_.vocab_size);
+    p.head_logits = take((size_t)p.head_rows * d_.vocab_size);
+    p.row_loss = take(N);
+    p.d_res = take(N * d); p.d_norm = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
+    p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
+    p.attn_scratch = take((size_t)omp_get_max_threads() * T);
+    return p;
+}
+
+void Executor::set_checkpointing(bool on) {
+    if (on != checkpointing_) {
+        checkpointing_ = on;
+        cap_B_ = cap_T_ = 0;  // re-plan at the next step
+    }
 }
 
 void Executor::plan(int B, int T) {
@@ -103,34 +142,14 @@ void Executor::plan(int B, int T) {
                                     " exceeds max_seq_len " + std::to_string(d_.max_seq_len));
     B_ = B;
     T_ = T;
-    if (B <= cap_B_ && T == cap_T_) return;  // the layout depends on T (probs are T x T)
+    if (B <= cap_B_ && T == cap_T_) return;  // attention probabilities are laid out T x T
     acts_.reset(activation_floats(B, T));
+    ArenaPlanner pl;
+    a_ = layout_activations(d_, checkpointing_, pl, acts_.data, B, T);
     cap_B_ = B;
     cap_T_ = T;
-    ArenaPlanner pl;
-    float* a = acts_.data;
-    size_t N = (size_t)B * T, d = d_.d_model;
-    auto take = [&](size_t n) { return a + pl.take(n); };
-    residual_ = take((d_.n_layer + 1) * N * d);
-    la_.resize(d_.n_layer);
-    for (auto& l : la_) {
-        l.ln1 = take(N * d); l.ln1_mean = take(N); l.ln1_rstd = take(N);
-        l.qkv = take(N * d_.qkv_dim());
-        l.probs = take((size_t)B * d_.n_head * T * T);
-        l.att = take(N * d_.attn_dim());
-        l.res_mid = take(N * d);
-        l.ln2 = take(N * d); l.ln2_mean = take(N); l.ln2_rstd = take(N);
-        l.fc = take(N * d_.fc_dim());
-        l.act = take(N * d_.d_ff);
-    }
-    lnf_ = take(N * d); lnf_mean_ = take(N); lnf_rstd_ = take(N);
-    logits_ = take(N * d_.vocab_size);
-    row_loss_ = take(N);
-    d_res_ = take(N * d); d_norm_ = take(N * d); d_qkv_ = take(N * d_.qkv_dim());
-    d_att_ = take(N * d_.attn_dim()); d_fc_ = take(N * d_.fc_dim()); d_act_ = take(N * d_.d_ff);
-    attn_scratch_ = take((size_t)omp_get_max_threads() * T);
-    tokens_.resize(N);
-    targets_.resize(N);
+    tokens_.resize((size_t)B * T);
+    targets_.resize((size_t)B * T);
 }
 
 void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
@@ -149,9 +168,8 @@ void Executor::norm_pullback(const float* x, const float* w, const float* mean, 
         RMSNorm{d_.d_model, d_.norm_eps}.pullback(x, w, rstd, dy, dx, dw, N);
 }
 
-double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
-    plan(B, T);
-    const int N = B * T, d = d_.d_model, V = d_.vocab_size;
+void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
+    const int V = d_.vocab_size;
     for (int n = 0; n < N; n++) {
         if (tokens[n] < 0 || tokens[n] >= V)
             throw std::invalid_argument("zoo: token id " + std::to_string(tokens[n]) +
@@ -160,81 +178,137 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
             throw std::invalid_argument("zoo: target id " + std::to_string(targets[n]) +
                                         " outside the vocabulary [0, " + std::to_string(V) + ")");
     }
-    std::copy(tokens, tokens + N, tokens_.begin());
-    have_targets_ = targets != nullptr;
-    if (targets) std::copy(targets, targets + N, targets_.begin());
-
-    Embedding{d}.forward(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, residual_, B, T);
-    const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
-    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()},
-        proj{d_.d_ff, d};
-    for (int i = 0; i < d_.n_layer; i++) {
-        const LayerWeights& w = w_.layers[i];
-        LayerActs& a = la_[i];
-        const float* x = residual_ + (size_t)i * N * d;
-        float* x_out = residual_ + (size_t)(i + 1) * N * d;
-        norm_forward(x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_mean, a.ln1_rstd, N);
-        qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N);
-        if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
-            RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                      rope_cos_.data(), rope_sin_.data(), B, T);
-        attn.forward(a.qkv, a.probs, a.att, B, T);
-        std::memcpy(a.res_mid, x, sizeof(float) * N * d);
-        attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, /*accumulate=*/true);
-        norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N);
-        fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N);
-        if (d_.mlp == MlpKind::swiglu)
-            SwiGLU{d_.d_ff}.forward(a.fc, a.act, N);
-        else
-            GELU{d_.d_ff}.forward(a.fc, a.act, N);
-        std::memcpy(x_out, a.res_mid, sizeof(float) * N * d);
-        proj.forward(a.act, w.proj_w, w.proj_b, x_out, N, /*accumulate=*/true);
-    }
-    norm_forward(residual_ + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, lnf_, lnf_mean_,
-                 lnf_rstd_, N);
-    Linear{d, V}.forward(lnf_, head_weight(), nullptr, logits_, N);
-    if (!targets) return NAN;
-    return CrossEntropy{V}.forward(logits_, targets, row_loss_, N, &n_valid_);
 }
 
-void Executor::backward(float grad_scale) {
-    if (!have_targets_) throw std::logic_error("zoo: backward needs a forward with targets");
-    have_targets_ = false;  // the logits are consumed below
-    const int B = B_, T = T_, N = B * T, d = d_.d_model, V = d_.vocab_size;
+// Layer i from a_.residual[i]. With full=false it stops after the activation: what a
+// checkpointed pullback needs recomputed (the MLP output only feeds a_.residual[i+1]).
+void Executor::layer_forward(int i, int B, int T, bool full) {
+    const int N = B * T, d = d_.d_model;
+    const LayerWeights& w = w_.layers[i];
+    LayerActs& a = a_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
-    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()},
-        proj{d_.d_ff, d};
+    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
+    const float* x = a_.residual + (size_t)i * N * d;
+    TIMED(forward, kNorm, norm_forward(x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_mean, a.ln1_rstd, N));
+    TIMED(forward, kLinear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
+    if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
+        TIMED(forward, kRope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
+                                                       rope_cos_.data(), rope_sin_.data(), B, T));
+    TIMED(forward, kAttention, attn.forward(a.qkv, a.probs, a.att, B, T));
+    // The residual add is fused into the projection: res_mid starts as x, the GEMM adds.
+    TIMED(forward, kResidual, std::memcpy(a.res_mid, x, sizeof(float) * N * d));
+    TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, true));
+    TIMED(forward, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
+    TIMED(forward, kLinear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
+    if (d_.mlp == MlpKind::swiglu)
+        TIMED(forward, kActivation, SwiGLU{d_.d_ff}.forward(a.fc, a.act, N));
+    else
+        TIMED(forward, kActivation, GELU{d_.d_ff}.forward(a.fc, a.act, N));
+    if (!full) return;
+    float* x_out = a_.residual + (size_t)(i + 1) * N * d;
+    TIMED(forward, kResidual, std::memcpy(x_out, a.res_mid, sizeof(float) * N * d));
+    TIMED(forward, kLinear, proj.forward(a.act, w.proj_w, w.proj_b, x_out, N, true));
+}
 
-    CrossEntropy{V}.pullback(logits_, targets_.data(), N, n_valid_, grad_scale);
-    float* dlogits = logits_;
-    Linear{d, V}.pullback(lnf_, head_weight(), dlogits, d_norm_, head_grad(), nullptr, N);
-    std::memset(d_res_, 0, sizeof(float) * N * d);
-    norm_pullback(residual_ + (size_t)d_.n_layer * N * d, w_.lnf_w, lnf_mean_, lnf_rstd_, d_norm_,
-                  d_res_, g_.lnf_w, g_.lnf_b, N);
-    for (int i = d_.n_layer - 1; i >= 0; i--) {
-        const LayerWeights& w = w_.layers[i];
-        LayerWeights& g = g_.layers[i];
-        LayerActs& a = la_[i];
-        const float* x = residual_ + (size_t)i * N * d;
-        // d_res holds dL/d(layer output) = dL/d(res_mid) through the MLP's residual path.
-        proj.pullback(a.act, w.proj_w, d_res_, d_act_, g.proj_w, g.proj_b, N);
-        if (d_.mlp == MlpKind::swiglu)
-            SwiGLU{d_.d_ff}.pullback(a.fc, d_act_, d_fc_, N);
-        else
-            GELU{d_.d_ff}.pullback(a.fc, d_act_, d_fc_, N);
-        fc.pullback(a.ln2, w.fc_w, d_fc_, d_norm_, g.fc_w, g.fc_b, N);
-        norm_pullback(a.res_mid, w.ln2_w, a.ln2_mean, a.ln2_rstd, d_norm_, d_res_, g.ln2_w,
-                      g.ln2_b, N);
-        // d_res now holds dL/d(res_mid) = dL/d(layer input) through the attention residual.
-        attn_out.pullback(a.att, w.attn_out_w, d_res_, d_att_, g.attn_out_w, g.attn_out_b, N);
-        attn.pullback(a.qkv, a.probs, d_att_, d_qkv_, attn_scratch_, B, T);
-        if (d_.rope)
-            RoPE{d_.head_dim}.pullback(d_qkv_, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                       rope_cos_.data(), rope_sin_.data(), B, T);
-        qkv.pullback(a.ln1, w.qkv_w, d_qkv_, d_norm_, g.qkv_w, g.qkv_b, N);
-        norm_pullback(x, w.ln1_w, a.ln1_mean, a.ln1_rstd, d_norm_, d_res_, g.ln1_w, g.ln1_b, N);
+// a_.d_res holds dL/d(a_.residual[i+1]) on entry and dL/d(a_.residual[i]) on exit: the residual
+// adds pass it through unchanged, so the norm pullbacks add their parts into it.
+void Executor::layer_pullback(int i, int B, int T) {
+    const int N = B * T, d = d_.d_model;
+    const LayerWeights& w = w_.layers[i];
+    LayerWeights& g = g_.layers[i];
+    LayerActs& a = a_.layers[i];
+    const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
+    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
+    const float* x = a_.residual + (size_t)i * N * d;
+    TIMED(pullback, kLinear, proj.pullback(a.act, w.proj_w, a_.d_res, a_.d_act, g.proj_w, g.proj_b, N));
+    if (d_.mlp == MlpKind::swiglu)
+        TIMED(pullback, kActivation, SwiGLU{d_.d_ff}.pullback(a.fc, a_.d_act, a_.d_fc, N));
+    else
+        TIMED(pullback, kActivation, GELU{d_.d_ff}.pullback(a.fc, a_.d_act, a_.d_fc, N));
+    TIMED(pullback, kLinear, fc.pullback(a.ln2, w.fc_w, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
+    TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, a.ln2_mean, a.ln2_rstd, a_.d_norm, a_.d_res,
+                                         g.ln2_w, g.ln2_b, N));
+    TIMED(pullback, kLinear, attn_out.pullback(a.att, w.attn_out_w, a_.d_res, a_.d_att, g.attn_out_w,
+                                               g.attn_out_b, N));
+    TIMED(pullback, kAttention, attn.pullback(a.qkv, a.probs, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
+    if (d_.rope)
+        TIMED(pullback, kRope, RoPE{d_.head_dim}.pullback(a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
+                                                         rope_cos_.data(), rope_sin_.data(), B, T));
+    TIMED(pullback, kLinear, qkv.pullback(a.ln1, w.qkv_w, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N));
+    TIMED(pullback, kNorm, norm_pullback(x, w.ln1_w, a.ln1_mean, a.ln1_rstd, a_.d_norm, a_.d_res, g.ln1_w,
+                                         g.ln1_b, N));
+}
+
+// Embedding, every layer, final norm: leaves a_.lnf ready for the head.
+void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
+    const int N = B * T, d = d_.d_model;
+    TIMED(forward, kEmbedding, Embedding{d}.forward(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, a_.residual, B, T));
+    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, B, T, true);
+    TIMED(forward, kNorm, norm_forward(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf,
+                                       a_.lnf_mean, a_.lnf_rstd, N));
+}
+
+// LM head and cross-entropy, chunk by chunk of rows. With pullback, each chunk's logits turn
+// into their adjoint at once and flow into a_.d_norm (dL/d lnf) and the head's weight gradient.
+double Executor::head(const int32_t* targets, int N, bool pullback, float grad_scale) {
+    const int d = d_.d_model, V = d_.vocab_size;
+    const CrossEntropy ce{V};
+    const Linear lm{d, V};
+    int n_valid = 0;
+    for (int n = 0; n < N; n++) n_valid += targets[n] != CrossEntropy::ignore_index;
+    double total = 0.0;
+    for (int r0 = 0; r0 < N; r0 += a_.head_rows) {
+        const int rows = std::min(a_.head_rows, N - r0);
+        const float* x = a_.lnf + (size_t)r0 * d;
+        int counted = 0;
+        double chunk_mean = 0.0;
+        TIMED(forward, kLinear, lm.forward(x, head_weight(), nullptr, a_.head_logits, rows));
+        TIMED(forward, kCrossEntropy,
+              chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
+        total += chunk_mean * counted;
+        if (!pullback) continue;
+        TIMED(pullback, kCrossEntropy, ce.pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid, grad_scale));
+        TIMED(pullback, kLinear, lm.pullback(x, head_weight(), a_.head_logits, a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
     }
-    Embedding{d}.pullback(tokens_.data(), d_res_, g_.wte, d_.rope ? nullptr : g_.wpe, B, T);
+    return n_valid ? total / n_valid : 0.0;
+}
+
+double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+    plan(B, T);
+    const int N = B * T;
+    check_ids(tokens, targets, N);
+    trunk_forward(tokens, B, T);
+    if (targets) return head(targets, N, false, 0.0f);
+    // Full logits only for callers that ask for them (inference): their own arena.
+    const size_t need = (size_t)N * d_.vocab_size;
+    if (logits_arena_.size < need) logits_arena_.reset(need);
+    TIMED(forward, kLinear, Linear{d_.d_model, d_.vocab_size}.forward(a_.lnf, head_weight(), nullptr,
+                                                                     logits_arena_.data, N));
+    return NAN;
+}
+
+double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T,
+                                  float grad_scale) {
+    plan(B, T);
+    const int N = B * T, d = d_.d_model;
+    check_ids(tokens, targets, N);
+    grads_zero_ = false;
+    trunk_forward(tokens, B, T);
+    double loss = head(targets, N, true, grad_scale);
+    std::memset(a_.d_res, 0, sizeof(float) * N * d);
+    TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, a_.lnf_mean,
+                                         a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
+    for (int i = d_.n_layer - 1; i >= 0; i--) {
+        if (checkpointing_) layer_forward(i, B, T, false);
+        layer_pullback(i, B, T);
+    }
+    TIMED(pullback, kEmbedding, Embedding{d}.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
+    return loss;
+}
+
+void Executor::zero_grads() {
+    if (!grads_zero_) std::memset(grads(), 0, sizeof(float) * n_params_);
+    grads_zero_ = true;
 }
 
 double Executor::grad_norm() const {
@@ -256,6 +330,7 @@ void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& de
 
 double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
                             float max_norm) {
+    double t0 = profile.on ? omp_get_wtime() : 0.0;
     double norm = grad_norm();
     float scale = 1.0f;
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
@@ -266,7 +341,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     auto run = [&](size_t begin, size_t end, bool decay) {
         if (end > begin)
             opt.update(params() + begin, grads() + begin, adam_m() + begin, adam_v() + begin,
-                       end - begin, step_count, decay, scale);
+                       end - begin, step_count, decay, scale, /*zero_grad=*/true);
     };
     for (const auto& r : decay_ranges_) {
         run(at, r.first, false);
@@ -274,6 +349,8 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
         at = r.second;
     }
     run(at, n_params_, false);
+    grads_zero_ = true;  // the update consumed and cleared them
+    if (profile.on) profile.forward[kAdamW] += omp_get_wtime() - t0;
     return norm;
 }
 

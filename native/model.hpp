@@ -58,6 +58,37 @@ struct LayerActs {
     float *ln2, *ln2_mean, *ln2_rstd, *fc, *act;
 };
 
+// Wall time per block kind, forward and pullback, accumulated while profiling is on.
+enum BlockKind { kEmbedding, kNorm, kLinear, kRope, kAttention, kActivation, kResidual, kCrossEntropy,
+                 kAdamW, kBlockKinds };
+inline const char* block_kind_name(int k) {
+    static const char* names[] = {"embedding", "norm",     "linear",        "rope", "attention",
+                                  "activation", "residual", "cross_entropy", "adamw"};
+    return names[k];
+}
+struct Profile {
+    bool on = false;
+    double forward[kBlockKinds] = {}, pullback[kBlockKinds] = {};
+};
+
+// Where every activation buffer of a (B, T) step sits in the activation arena.
+struct ActivationPlan {
+    float* residual = nullptr;  // (n_layer + 1) x (N, d): each layer's input, then the output
+    std::vector<LayerActs> layers;  // with checkpointing, all alias one shared set
+    float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
+    float *head_logits = nullptr, *row_loss = nullptr;  // one chunk of head rows at a time
+    int head_rows = 0;
+    // Gradient scratch, shared by all layers.
+    float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
+          *d_act = nullptr, *attn_scratch = nullptr;
+};
+
+// Lays out every activation buffer of a (B, T) step from base (nullptr: only count floats
+// into pl). A free function so memory can be estimated without building a model.
+ActivationPlan layout_activations(const Dims& d, bool checkpointing, ArenaPlanner& pl, float* base,
+                                  int B, int T);
+size_t activation_floats(const Dims& d, bool checkpointing, int B, int T);
+
 struct ParamBinding {
     std::string role;
     int layer;
@@ -78,16 +109,20 @@ public:
 
     // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
     void plan(int B, int T);
-    size_t activation_floats(int B, int T) const;
+    size_t activation_floats(int B, int T) const { return zoo::activation_floats(d_, checkpointing_, B, T); }
+    // Keep only each layer's input; recompute its internals during the pullback.
+    void set_checkpointing(bool on);
+    bool checkpointing() const { return checkpointing_; }
 
-    // Forward over tokens (B, T). With targets, returns the mean loss; without, NaN. The
-    // logits (B*T, V) stay in the arena until the next call.
+    // Forward over tokens (B, T). With targets, returns the mean loss (the head runs chunk by
+    // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
     double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
-    const float* logits() const { return logits_; }
-    // Pulls back the last forward (which must have had targets): adds grad_scale * dloss/dp
-    // into the gradient region.
-    void backward(float grad_scale);
-    void zero_grads() { std::memset(grads(), 0, sizeof(float) * n_params_); }
+    const float* logits() const { return logits_arena_.data; }
+    // One training micro-step: forward, then every pullback in reverse, adding
+    // grad_scale * dloss/dparam into the gradient region. Returns the loss.
+    double forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T,
+                            float grad_scale);
+    void zero_grads();
 
     // Global gradient norm over all parameters (double accumulation, fixed order).
     double grad_norm() const;
@@ -95,6 +130,7 @@ public:
     double adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
                       float max_norm);
     int step_count = 0;
+    Profile profile;
     void set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed);  // [begin, end)
 
     // Generation: KV cache for up to (B, max_len); forward_cached returns last-position logits.
@@ -111,17 +147,12 @@ private:
 
     // Activation arena and the plan laid over it.
     Arena acts_;
+    bool checkpointing_ = false;
     int cap_B_ = 0, cap_T_ = 0, B_ = 0, T_ = 0;
-    float *residual_ = nullptr;  // (n_layer + 1) x (N, d): the input of each layer, then the output
-    std::vector<LayerActs> la_;
-    float *lnf_ = nullptr, *lnf_mean_ = nullptr, *lnf_rstd_ = nullptr, *logits_ = nullptr,
-          *row_loss_ = nullptr;
-    // Gradient scratch, shared by all layers.
-    float *d_res_ = nullptr, *d_norm_ = nullptr, *d_qkv_ = nullptr, *d_att_ = nullptr,
-          *d_fc_ = nullptr, *d_act_ = nullptr, *attn_scratch_ = nullptr;
+    ActivationPlan a_;
     std::vector<int32_t> tokens_, targets_;
-    int n_valid_ = 0;
-    bool have_targets_ = false;
+    bool grads_zero_ = true;
+    Arena logits_arena_;  // full logits, for inference calls only
 
     // KV cache arena for generation.
     Arena cache_;
@@ -131,6 +162,11 @@ private:
           *c_fc_ = nullptr, *c_act_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
 
     void bind(Weights& w, float* base, const std::vector<ParamBinding>& bindings);
+    void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
+    void trunk_forward(const int32_t* tokens, int B, int T);
+    void layer_forward(int i, int B, int T, bool full);
+    void layer_pullback(int i, int B, int T);
+    double head(const int32_t* targets, int N, bool pullback, float grad_scale);
     void norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
                       float* rstd, int N) const;
     void norm_pullback(const float* x, const float* w, const float* mean, const float* rstd,

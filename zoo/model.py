@@ -33,6 +33,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False) -> int:
+    """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
+    return 4 * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len), bool(checkpointing)))
+
+
 def _as_tokens(a, what: str, vocab_size: int, allow_ignore: bool = False) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 2:
@@ -50,9 +55,11 @@ class Model:
 
     seed: GPT-2-style random init (normal(0, 0.02), residual projections scaled by
     1/sqrt(2 n_layer), zero biases, unit norms); None leaves every parameter zero (for loading).
+    checkpointing: keep only each layer's input during training and recompute the layer's
+    internals in the pullback (less activation memory, about one more forward of compute).
     """
 
-    def __init__(self, config: ModelConfig, seed: Optional[int] = 0):
+    def __init__(self, config: ModelConfig, seed: Optional[int] = 0, checkpointing: bool = False):
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
         offsets, at = {}, 0
@@ -67,6 +74,7 @@ class Model:
         self._params = self._views(self._exec.params())
         self._grads = self._views(self._exec.grads())
         self.set_decay_mask({p.name: p.decay for p in self.layout})
+        self._exec.set_checkpointing(bool(checkpointing))
         if seed is not None:
             self.init_weights(seed)
 
@@ -170,10 +178,21 @@ class Model:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         return self._exec.forward_cached(tok, int(start_pos))
 
+    # --- profiling ----------------------------------------------------------------
+
+    def set_profiling(self, on: bool) -> None:
+        """Start (and reset) or stop timing every block call inside the native steps."""
+        self._exec.set_profiling(bool(on))
+
+    def block_profile(self) -> dict[str, tuple[float, float]]:
+        """Seconds spent per block kind since set_profiling(True): (forward, pullback)."""
+        return {k: (float(f), float(b)) for k, (f, b) in self._exec.profile().items()}
+
     # --- memory -------------------------------------------------------------------
 
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:
-        return 4 * int(self._exec.activation_floats(int(batch_size), int(seq_len)))
+        """Bytes of the activation arena for a training step at (batch_size, seq_len)."""
+        return activation_bytes(self.config, batch_size, seq_len, self.checkpointing)
 
     # --- checkpoints --------------------------------------------------------------
 

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstring>
 
+#include "../fastmath.hpp"
+
 namespace zoo {
 
 // One query row against keys 0..n_keys-1 (rows kv_stride apart). Writes the softmax
@@ -21,7 +23,7 @@ inline void attention_forward_row(const float* q, const float* k, const float* v
     }
     float sum = 0.0f;
     for (int j = 0; j < n_keys; j++) {
-        p[j] = std::exp(p[j] - mx);
+        p[j] = fast_exp(p[j] - mx);
         sum += p[j];
     }
     float inv = 1.0f / sum;

@@ -6,14 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../fastmath.hpp"
+
 namespace zoo {
 
 // loss_out = logsumexp(logits) - logits[target].
 inline void cross_entropy_forward_row(const float* logits, int target, float* loss_out, int V) {
-    float mx = -INFINITY;
-    for (int v = 0; v < V; v++) mx = logits[v] > mx ? logits[v] : mx;
+    float mx = row_max(logits, V);
     float sum = 0.0f;
-    for (int v = 0; v < V; v++) sum += std::exp(logits[v] - mx);
+    for (int v = 0; v < V; v++) sum += fast_exp(logits[v] - mx);
     loss_out[0] = std::log(sum) + mx - logits[target];
 }
 
@@ -44,8 +45,9 @@ struct CrossEntropy {
         return count ? total / count : 0.0;
     }
 
-    // logits -> dlogits in place: (softmax - onehot(target)) * grad_scale / n_valid.
-    void pullback(float* logits, const int32_t* targets, int N, int n_valid,
+    // logits -> dlogits in place: (softmax - onehot(target)) * grad_scale / n_valid. The
+    // forward's row_loss gives logsumexp back (row_loss + logit[target]): one pass per row.
+    void pullback(float* logits, const int32_t* targets, const float* row_loss, int N, int n_valid,
                   float grad_scale) const {
         const float k = n_valid ? grad_scale / n_valid : 0.0f;
 #pragma omp parallel for schedule(static)
@@ -55,15 +57,8 @@ struct CrossEntropy {
                 for (int v = 0; v < V; v++) l[v] = 0.0f;
                 continue;
             }
-            float mx = -INFINITY;
-            for (int v = 0; v < V; v++) mx = l[v] > mx ? l[v] : mx;
-            float sum = 0.0f;
-            for (int v = 0; v < V; v++) {
-                l[v] = std::exp(l[v] - mx);
-                sum += l[v];
-            }
-            float inv = k / sum;
-            for (int v = 0; v < V; v++) l[v] *= inv;
+            const float lse = row_loss[n] + l[targets[n]];
+            for (int v = 0; v < V; v++) l[v] = k * fast_exp(l[v] - lse);
             l[targets[n]] -= k;
         }
     }

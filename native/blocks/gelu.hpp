@@ -1,6 +1,9 @@
-// GELU, tanh approximation (GPT-2's gelu_new): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+// GELU, tanh approximation (GPT-2's gelu_new): 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3).
+// Computed as x * sigmoid(2u), the same function, which needs one exp and no cancellation.
 #pragma once
 #include <cmath>
+
+#include "../fastmath.hpp"
 
 namespace zoo {
 
@@ -8,7 +11,7 @@ inline void gelu_forward_row(const float* x, float* y, int C) {
     const float k = 0.7978845608028654f;  // sqrt(2/pi)
     for (int i = 0; i < C; i++) {
         float u = k * (x[i] + 0.044715f * x[i] * x[i] * x[i]);
-        y[i] = 0.5f * x[i] * (1.0f + std::tanh(u));
+        y[i] = x[i] / (1.0f + fast_exp(-2.0f * u));
     }
 }
 
@@ -27,9 +30,9 @@ struct GELU {
 #pragma omp parallel for schedule(static)
         for (long i = 0; i < total; i++) {
             float xi = x[i];
-            float t = std::tanh(k * (xi + 0.044715f * xi * xi * xi));
+            float s = 1.0f / (1.0f + fast_exp(-2.0f * k * (xi + 0.044715f * xi * xi * xi)));
             float du = k * (1.0f + 3.0f * 0.044715f * xi * xi);
-            dx[i] = dy[i] * (0.5f * (1.0f + t) + 0.5f * xi * (1.0f - t * t) * du);
+            dx[i] = dy[i] * (s + 2.0f * xi * s * (1.0f - s) * du);
         }
     }
 };

@@ -2,12 +2,14 @@
 #pragma once
 #include <cmath>
 
+#include "../fastmath.hpp"
+
 namespace zoo {
 
 inline void swiglu_forward_row(const float* gate_up, float* y, int F) {
     for (int i = 0; i < F; i++) {
         float g = gate_up[i];
-        y[i] = g / (1.0f + std::exp(-g)) * gate_up[F + i];
+        y[i] = g / (1.0f + fast_exp(-g)) * gate_up[F + i];
     }
 }
 
@@ -30,7 +32,7 @@ struct SwiGLU {
             float* d = d_gate_up + (size_t)n * 2 * F;
             for (int i = 0; i < F; i++) {
                 float g = gu[i], u = gu[F + i];
-                float s = 1.0f / (1.0f + std::exp(-g));
+                float s = 1.0f / (1.0f + fast_exp(-g));
                 d[i] = dyr[i] * u * s * (1.0f + g * (1.0f - s));
                 d[F + i] = dyr[i] * g * s;
             }

@@ -1,0 +1,34 @@
+# The two commands a fresh clone needs:
+#   make demo   set up, then train a tiny model from scratch on the embedded text
+#   make test   set up with the test extras, then run the whole suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NATIVE := $(wildcard native/*.hpp native/*.cpp native/blocks/*.hpp) CMakeLists.txt pyproject.toml
+
+.PHONY: demo test setup setup-dev clean
+
+demo: $(VENV)/.installed
+	$(VENV)/bin/zoo train
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/pytest -q tests
+
+setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+# The native core is built once here (no build isolation, so rebuilds reuse these tools).
+$(VENV)/.installed: $(VENV)/bin/python $(NATIVE)
+	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "scipy-openblas32>=0.3.27" ninja cmake
+	$(PY) -m pip install -q --no-build-isolation -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q --no-build-isolation -e ".[dev]"
+	touch $@
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,210 @@
+// Each block's forward and pullback on NumPy arrays, one call each: for the per-block
+// tests (finite differences, torch autograd) and the per-block benchmark. Outputs are fresh
+// arrays; pullbacks that add into their adjoints get zeroed ones.
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "blocks/adamw.hpp"
+#include "blocks/attention.hpp"
+#include "blocks/cross_entropy.hpp"
+#include "blocks/embedding.hpp"
+#include "blocks/gelu.hpp"
+#include "blocks/layernorm.hpp"
+#include "blocks/linear.hpp"
+#include "blocks/residual.hpp"
+#include "blocks/rmsnorm.hpp"
+#include "blocks/rope.hpp"
+#include "blocks/swiglu.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using F = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using I = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+F zeros(std::vector<py::ssize_t> shape) {
+    F a(shape);
+    std::fill(a.mutable_data(), a.mutable_data() + a.size(), 0.0f);
+    return a;
+}
+
+int rows(const F& x, int C, const char* what) {
+    if (x.ndim() < 1 || x.shape(x.ndim() - 1) != C || x.size() % C)
+        throw std::invalid_argument(std::string("zoo: ") + what + ": last dimension must be " +
+                                    std::to_string(C));
+    return (int)(x.size() / C);
+}
+
+std::vector<py::ssize_t> shape_of(const F& x) { return {x.shape(), x.shape() + x.ndim()}; }
+
+}  // namespace
+
+void bind_blocks(py::module_& parent) {
+    py::module_ m = parent.def_submodule("blocks", "each block's forward and pullback");
+
+    m.def("layernorm_forward", [](F x, F w, F b, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "layernorm x");
+        F y(shape_of(x)), mean({N}), rstd({N});
+        zoo::LayerNorm{C, eps}.forward(x.data(), w.data(), b.data(), y.mutable_data(),
+                                       mean.mutable_data(), rstd.mutable_data(), N);
+        return py::make_tuple(y, mean, rstd);
+    });
+    m.def("layernorm_pullback", [](F x, F w, F mean, F rstd, F dy, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "layernorm x");
+        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
+        zoo::LayerNorm{C, eps}.pullback(x.data(), w.data(), mean.data(), rstd.data(), dy.data(),
+                                        dx.mutable_data(), dw.mutable_data(), db.mutable_data(), N);
+        return py::make_tuple(dx, dw, db);
+    });
+    m.def("rmsnorm_forward", [](F x, F w, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
+        F y(shape_of(x)), rstd({N});
+        zoo::RMSNorm{C, eps}.forward(x.data(), w.data(), y.mutable_data(), rstd.mutable_data(), N);
+        return py::make_tuple(y, rstd);
+    });
+    m.def("rmsnorm_pullback", [](F x, F w, F rstd, F dy, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
+        F dx = zeros(shape_of(x)), dw = zeros({C});
+        zoo::RMSNorm{C, eps}.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(),
+                                      dw.mutable_data(), N);
+        return py::make_tuple(dx, dw);
+    });
+    m.def("gelu_forward", [](F x) {
+        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
+        F y(shape_of(x));
+        zoo::GELU{C}.forward(x.data(), y.mutable_data(), N);
+        return y;
+    });
+    m.def("gelu_pullback", [](F x, F dy) {
+        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
+        F dx(shape_of(x));
+        zoo::GELU{C}.pullback(x.data(), dy.data(), dx.mutable_data(), N);
+        return dx;
+    });
+    m.def("swiglu_forward", [](F gate_up) {
+        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
+        auto shape = shape_of(gate_up);
+        shape.back() = F2 / 2;
+        F y(shape);
+        zoo::SwiGLU{F2 / 2}.forward(gate_up.data(), y.mutable_data(), N);
+        return y;
+    });
+    m.def("swiglu_pullback", [](F gate_up, F dy) {
+        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
+        F d(shape_of(gate_up));
+        zoo::SwiGLU{F2 / 2}.pullback(gate_up.data(), dy.data(), d.mutable_data(), N);
+        return d;
+    });
+    m.def("linear_forward", [](F x, F W, std::optional<F> b) {
+        int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
+        F y({(py::ssize_t)N, (py::ssize_t)out});
+        zoo::Linear{in, out}.forward(x.data(), W.data(), b ? b->data() : nullptr, y.mutable_data(), N);
+        return y;
+    });
+    m.def("linear_pullback", [](F x, F W, F dy, bool has_bias) {
+        int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
+        F dx({(py::ssize_t)N, (py::ssize_t)in}), dW = zeros({out, in}), db = zeros({out});
+        zoo::Linear{in, out}.pullback(x.data(), W.data(), dy.data(), dx.mutable_data(),
+                                      dW.mutable_data(), has_bias ? db.mutable_data() : nullptr, N);
+        return py::make_tuple(dx, dW, has_bias ? py::object(db) : py::object(py::none()));
+    });
+    m.def("embedding_forward", [](I tokens, F wte, std::optional<F> wpe) {
+        int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)wte.shape(1);
+        F x({(py::ssize_t)B * T, (py::ssize_t)C});
+        zoo::Embedding{C}.forward(tokens.data(), wte.data(), wpe ? wpe->data() : nullptr,
+                                  x.mutable_data(), B, T);
+        return x;
+    });
+    m.def("embedding_pullback", [](I tokens, F dx, int vocab, int max_pos) {
+        int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)dx.shape(1);
+        F dwte = zeros({vocab, C}), dwpe = zeros({std::max(max_pos, 1), C});
+        zoo::Embedding{C}.pullback(tokens.data(), dx.data(), dwte.mutable_data(),
+                                   max_pos ? dwpe.mutable_data() : nullptr, B, T);
+        return py::make_tuple(dwte, max_pos ? py::object(dwpe) : py::object(py::none()));
+    });
+    // x: (B, T, n_heads * head_dim), rotated in a copy.
+    m.def("rope_forward", [](F x, F inv_freq, int head_dim) {
+        int B = (int)x.shape(0), T = (int)x.shape(1), H = (int)(x.shape(2) / head_dim);
+        std::vector<float> c((size_t)T * head_dim / 2), s(c.size());
+        zoo::RoPE rope{head_dim};
+        rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
+        F y(shape_of(x));
+        std::copy(x.data(), x.data() + x.size(), y.mutable_data());
+        rope.forward(y.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T);
+        return y;
+    });
+    m.def("rope_pullback", [](F dy, F inv_freq, int head_dim) {
+        int B = (int)dy.shape(0), T = (int)dy.shape(1), H = (int)(dy.shape(2) / head_dim);
+        std::vector<float> c((size_t)T * head_dim / 2), s(c.size());
+        zoo::RoPE rope{head_dim};
+        rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
+        F dx(shape_of(dy));
+        std::copy(dy.data(), dy.data() + dy.size(), dx.mutable_data());
+        rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T);
+        return dx;
+    });
+    // qkv: (B, T, (n_head + 2 n_kv_head) head_dim).
+    m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
+        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        zoo::Attention a{n_head, n_kv_head, head_dim};
+        if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
+            throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
+        F out({B, T, n_head * head_dim}), probs = zeros({B, n_head, T, T});
+        a.forward(qkv.data(), probs.mutable_data(), out.mutable_data(), B, T);
+        return py::make_tuple(out, probs);
+    });
+    m.def("attention_pullback", [](F qkv, F probs, F dout, int n_head, int n_kv_head, int head_dim) {
+        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        zoo::Attention a{n_head, n_kv_head, head_dim};
+        F p(shape_of(probs));
+        std::copy(probs.data(), probs.data() + probs.size(), p.mutable_data());
+        F dqkv(shape_of(qkv));
+        std::vector<float> scratch((size_t)omp_get_max_threads() * T);
+        a.pullback(qkv.data(), p.mutable_data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        return dqkv;
+    });
+    m.def("cross_entropy_forward", [](F logits, I targets) {
+        int V = (int)logits.shape(1), N = (int)logits.shape(0);
+        F row_loss({N});
+        int n_valid = 0;
+        double loss = zoo::CrossEntropy{V}.forward(logits.data(), targets.data(),
+                                                   row_loss.mutable_data(), N, &n_valid);
+        return py::make_tuple(loss, n_valid);
+    });
+    m.def("cross_entropy_pullback", [](F logits, I targets, int n_valid, float grad_scale) {
+        int V = (int)logits.shape(1), N = (int)logits.shape(0);
+        F d(shape_of(logits)), row_loss({N});
+        int counted = 0;
+        zoo::CrossEntropy{V}.forward(logits.data(), targets.data(), row_loss.mutable_data(), N, &counted);
+        std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());
+        zoo::CrossEntropy{V}.pullback(d.mutable_data(), targets.data(), row_loss.data(), N, n_valid,
+                                      grad_scale);
+        return d;
+    });
+    m.def("residual_forward", [](F a, F b) {
+        F y(shape_of(a));
+        zoo::Residual{}.forward(a.data(), b.data(), y.mutable_data(), a.size());
+        return y;
+    });
+    m.def("residual_pullback", [](F dy) {
+        F da = zeros(shape_of(dy)), db = zeros(shape_of(dy));
+        zoo::Residual{}.pullback(dy.data(), da.mutable_data(), db.mutable_data(), dy.size());
+        return py::make_tuple(da, db);
+    });
+    // In place on p, m, v (float32 C-contiguous arrays).
+    m.def("adamw_update", [](py::array_t<float, py::array::c_style> p, py::array_t<float, py::array::c_style> g,
+                             py::array_t<float, py::array::c_style> mo,
+                             py::array_t<float, py::array::c_style> v, float lr, float b1, float b2,
+                             float eps, float wd, int step, bool decay, float grad_scale) {
+        zoo::AdamW{lr, b1, b2, eps, wd}.update(p.mutable_data(), g.mutable_data(), mo.mutable_data(),
+                                               v.mutable_data(), p.size(), step, decay, grad_scale);
+    });
+}

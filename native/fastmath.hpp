@@ -1,0 +1,42 @@
+// exp for float that compilers vectorize: the libm call in a loop stays scalar, and the
+// activations, softmax and cross-entropy spend most of their time in exp. Cody-Waite range
+// reduction x = n ln2 + r, |r| <= ln2/2, then the Cephes minimax polynomial; about 1 ulp.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace zoo {
+
+inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // keeps 2^n a normal float
+    float n = std::floor(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+// Maximum of a row, in 16 independent lanes so it vectorizes (a plain running max does not:
+// NaN semantics forbid reordering it).
+inline float row_max(const float* x, int n) {
+    float lane[16];
+    for (int j = 0; j < 16; j++) lane[j] = -INFINITY;
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+    float m = -INFINITY;
+    for (int j = 0; j < 16; j++) m = lane[j] > m ? lane[j] : m;
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+}  // namespace zoo
