@@ -82,10 +82,12 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
 }
 
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
-// logits of the whole batch, so the head costs O(chunk * vocab) memory in training.
+// logits of the whole batch, so the head costs O(chunk * vocab) memory in training. Chunks
+// of about 8M floats, evened out so the last one is not a sliver (GEMM efficiency).
 static int head_chunk_rows(int N, int V) {
-    int rows = (int)std::max<long>(16, (8L << 20) / V);  // about 8M floats
-    return std::min(rows, N);
+    long max_rows = std::max<long>(16, (8L << 20) / V);
+    long chunks = (N + max_rows - 1) / max_rows;
+    return (int)((N + chunks - 1) / chunks);
 }
 
 size_t activation_floats(const Dims& d, bool checkpointing, int B, int T) {

@@ -190,6 +190,14 @@ class Model:
 
     # --- memory -------------------------------------------------------------------
 
+    @property
+    def checkpointing(self) -> bool:
+        return bool(self._exec.checkpointing())
+
+    def set_checkpointing(self, on: bool) -> None:
+        """Turn activation checkpointing on or off (re-plans the activation arena)."""
+        self._exec.set_checkpointing(bool(on))
+
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes of the activation arena for a training step at (batch_size, seq_len)."""
         return activation_bytes(self.config, batch_size, seq_len, self.checkpointing)

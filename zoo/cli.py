@@ -1,0 +1,271 @@
+"""The `zoo` command. Each verb is a pair of small functions: `_add_<verb>(subparsers)` declares
+its flags, `_cmd_<verb>(args)` runs it. Add a verb by writing both and listing it in VERBS."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+
+from .train_config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
+
+# Errors that are the user's to fix: shown as one line, without a traceback.
+# ValueError covers bad files and configs (CheckpointError, DataError, pydantic's ValidationError).
+_USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zoo", description="GPT-2 and Llama models: train, finetune, generate.")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for add in VERBS:
+        add(sub)
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    from .trainer import TrainError, TrainInterrupted
+
+    try:
+        return args.run(args) or 0
+    except TrainInterrupted as e:
+        print(f"zoo: {e}; continue with the same command and --resume", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("zoo: interrupted", file=sys.stderr)
+        return 130
+    except (TrainError, *_USER_ERRORS) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"zoo: error: {msg}", file=sys.stderr)
+        return 1
+
+
+# --- train, finetune, demo ------------------------------------------------------------
+
+
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field (--batch-size for batch_size, --from for from_dir)."""
+    p.add_argument("--config", metavar="FILE", help="YAML or JSON file of training settings; flags override it")
+    for name, field in TrainConfig.model_fields.items():
+        if name == "model":  # a whole ModelConfig: config files only
+            continue
+        flag = "--from" if name == "from_dir" else "--" + name.replace("_", "-")
+        kind = field.annotation
+        if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": field.description}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is list:
+            kw["nargs"] = "+"
+            kw["metavar"] = "PATH"
+        elif typing.get_origin(kind) is typing.Literal:
+            kw["choices"] = typing.get_args(kind)
+        else:
+            kw["type"] = kind
+            kw["metavar"] = "DIR" if name in PATH_FIELDS else {int: "N", float: "X"}.get(kind, "TEXT")
+        p.add_argument(flag, **kw)
+
+
+def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
+    """Settings by precedence: flags, then --config file, then the resumed run's, then defaults."""
+    from .trainer import saved_config
+
+    flags = {k: getattr(args, k) for k in TrainConfig.model_fields if hasattr(args, k)}
+    # Absolute paths, so a resumed run finds its files from any working directory.
+    for key in PATH_FIELDS:
+        if flags.get(key) is not None:
+            flags[key] = str(Path(flags[key]).absolute())
+    if "data" in flags:
+        flags["data"] = [str(Path(p).absolute()) for p in flags["data"]]
+    from_file = read_config_file(args.config) if args.config else {}
+    merged = {**defaults, **from_file, **flags}
+    if merged.get("resume"):
+        out = merged.get("out", TrainConfig.model_fields["out"].default)
+        merged = {**saved_config(out), **from_file, **flags}
+    return validate(merged, f"config file {args.config}" if args.config else "settings")
+
+
+def _run_training(cfg: TrainConfig) -> int:
+    from .trainer import Trainer, sample_text
+
+    trainer = Trainer(cfg)
+    result = trainer.run()
+    print(f"done: step {result['step']}"
+          + (f", train loss {result['loss']:.4f}" if result["loss"] is not None else "")
+          + (f", val loss {result['val_loss']:.4f}" if result["val_loss"] is not None else "")
+          + f"; model in {cfg.out}" + (f", plot {result['plot']}" if result["plot"] else ""), file=sys.stderr)
+    if cfg.sample_tokens:
+        print("--- sample ---", file=sys.stderr)
+        sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
+    return 0
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train from scratch (--preset or --config); "
+                                     "with no model and data, the embedded demo")
+    _add_train_flags(p)
+    p.set_defaults(run=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    chosen = {k for k in ("from_dir", "preset", "data") if hasattr(args, k)}
+    demo = not chosen and not args.config and not getattr(args, "resume", False)
+    if demo:
+        print("zoo: no --preset/--data given: the embedded demo (a tiny Llama learns the stories in zoo/assets/demo)",
+              file=sys.stderr)
+    return _run_training(_train_config(args, DEMO if demo else {}))
+
+
+def _add_finetune(sub) -> None:
+    p = sub.add_parser("finetune", help="finetune a checkpoint folder (--from) on text (--data)")
+    _add_train_flags(p)
+    p.set_defaults(run=_cmd_finetune)
+
+
+def _cmd_finetune(args) -> int:
+    cfg = _train_config(args, {})
+    if cfg.from_dir is None:
+        raise ValueError("finetune: --from DIR is required (a checkpoint folder in Hugging Face layout)")
+    return _run_training(cfg)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the embedded demo: a tiny model trained from scratch in a few minutes")
+    _add_train_flags(p)
+    p.set_defaults(run=lambda args: _run_training(_train_config(args, DEMO)))
+
+
+# --- generate, plot -------------------------------------------------------------------
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.set_defaults(run=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    import zoo
+
+    from .checkpoints import load_pretrained
+    from .generate import TextStream, generate, prompt_tokens
+    from .tokenizers import Tokenizer
+
+    if args.threads:
+        zoo.set_threads(args.threads)
+    src = Path(args.from_dir)
+    if not src.is_dir():
+        raise ValueError(f"--from {src}: no such checkpoint folder")
+    model = load_pretrained(src)
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocab_size {model.config.vocab_size}")
+    ids = prompt_tokens(tokenizer, args.prompt)
+    stream = TextStream(tokenizer, ids)
+    generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+             stop_ids=tokenizer.eos_ids, on_token=stream)
+    stream.finish()
+    return 0
+
+
+def _add_plot(sub) -> None:
+    p = sub.add_parser("plot", help="plot a run's train and validation loss to RUN_DIR/loss.png")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(run=_cmd_plot)
+
+
+def _cmd_plot(args) -> int:
+    from .plot import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
+
+
+# --- inspect, convert -----------------------------------------------------------------
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="a checkpoint folder: architecture, parameters, dtypes, memory to finetune")
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch size for the memory estimate")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(context, 1024))")
+    p.set_defaults(run=_cmd_inspect)
+
+
+def _cmd_inspect(args) -> int:
+    from .checkpoints import format_inspection, inspect_checkpoint
+
+    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len)))
+    return 0
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="rewrite a checkpoint folder: storage dtype, shard size")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder to read")
+    p.add_argument("dst", metavar="DST", help="folder to write (tokenizer files are copied along)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard the weights above this size")
+    p.set_defaults(run=_cmd_convert)
+
+
+def _cmd_convert(args) -> int:
+    from .checkpoints import load_pretrained, save_pretrained
+
+    model = load_pretrained(args.src)
+    out = save_pretrained(model, args.dst, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1024**3))
+    print(f"wrote {out} ({args.dtype})")
+    return 0
+
+
+# --- bench ------------------------------------------------------------------------------
+
+
+def _add_bench(sub) -> None:
+    from .bench import add_arguments
+
+    p = sub.add_parser("bench", help="time a training step of zoo and of PyTorch eager, side by side "
+                                     "(see docs/benchmarks.md)")
+    add_arguments(p)
+    p.set_defaults(run=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    from .bench import run_from_args
+
+    return run_from_args(args)
+
+
+# --- presets ----------------------------------------------------------------------------
+
+
+def _add_presets(sub) -> None:
+    p = sub.add_parser("presets", help="list the named architectures with their parameter counts")
+    p.set_defaults(run=_cmd_presets)
+
+
+def _cmd_presets(args) -> int:
+    from .presets import PRESETS
+
+    print(f"{'preset':16} {'parameters':>15}  {'layers':>6} {'d_model':>7} {'heads':>9}  blocks")
+    for p in PRESETS:
+        c = p.config
+        heads = f"{c.n_head}/{c.n_kv_head}"
+        blocks = f"{c.norm}, {c.mlp}, {c.positions}{', tied' if c.tied_embeddings else ''}"
+        print(f"{p.name:16} {c.num_parameters():>15,}  {c.n_layer:>6} {c.d_model:>7} {heads:>9}  {blocks}")
+    return 0
+
+
+VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_plot, _add_inspect, _add_convert, _add_bench]
+
+if __name__ == "__main__":
+    sys.exit(main())
