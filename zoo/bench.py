@@ -1,0 +1,467 @@
+"""`zoo bench`: one full training step (zero grads, forward, loss, backward, gradient clipping,
+AdamW) of zoo and of an independent PyTorch eager implementation (zoo/bench_torch.py), side by
+side, with the same weights and the same data.
+
+Every system runs in a process of its own, one after the other, so each one's peak resident
+memory is its own (getrusage's ru_maxrss, read in the child) and no two compete for the cores:
+
+  zoo            python -m zoo.bench_worker --mode time        timed, unprofiled
+  torch_fused    python zoo/bench_torch.py --optimizer fused   AdamW(fused=True)
+  torch_default  python zoo/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
+  (profile)      python -m zoo.bench_worker --mode profile     per-block times, then sgemm
+
+This process writes the weights (GPT-2-style random init), the token batch and zoo's parameter
+layout into a temporary work folder that every worker reads. The FLOP count of a step is
+analytic (see step_flops); docs/benchmarks.md explains every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+SCHEMA = "zoo-bench/1"
+SYSTEMS = ("zoo", "torch_fused", "torch_default")
+# The optimizer both sides run: AdamW, weight decay on 2-D matmul weights, global-norm clipping.
+OPTIMIZER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}
+BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "residual",
+               "cross_entropy", "adamw")
+
+
+class BenchError(Exception):
+    """A worker failed or a setting cannot be run: shown as a message, not a traceback."""
+
+
+# --- command line -----------------------------------------------------------------------
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--preset", default=None, help="a named architecture (default: gpt2)")
+    model.add_argument("--config", metavar="FILE", default=None,
+                       help="a YAML or JSON ModelConfig (or a training config with a `model:` section)")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per system (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--threads", type=int, default=None,
+                   help=f"threads for every system (default: the CPUs this process may use, {default_threads()})")
+    p.add_argument("--vs", choices=["torch", "none"], default=None,
+                   help="compare with PyTorch eager (default when torch is installed) or measure zoo alone")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
+    p.add_argument("--png", metavar="FILE", default=None,
+                   help="chart of step times and zoo's per-block times (default: next to --json)")
+    p.add_argument("--ad", default="manual", help="zoo's differentiation backend (default: manual pullbacks)")
+    p.add_argument("--checkpointing", action="store_true", help="zoo with activation checkpointing")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token batch")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zoo bench", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    return run_from_args(build_parser().parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Runs the benchmark for parsed arguments and prints the table; 0, or 1 on an error."""
+    try:
+        cfg = model_config(args.preset, args.config)
+        results = run_bench(
+            cfg, preset_name=args.preset or (None if args.config else "gpt2"), config_file=args.config,
+            batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
+            threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing, seed=args.seed)
+    except (BenchError, ValueError, KeyError, OSError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"zoo bench: error: {msg}", file=sys.stderr)
+        return 1
+    print(markdown(results))
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if png:
+        results["png"] = str(png)
+        write_png(results, png)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    if args.json or png:
+        print(", ".join(f"wrote {f}" for f in (args.json, png) if f), file=sys.stderr)
+    return 0
+
+
+def model_config(preset: Optional[str], config_file: Optional[str]):
+    """The ModelConfig to measure: a preset (default gpt2), or a YAML/JSON file holding a
+    ModelConfig's fields, or a training config whose `model:` (or `preset:`) names one."""
+    from .config import ModelConfig
+    from .presets import preset as lookup
+
+    if config_file is None:
+        return lookup(preset or "gpt2")
+    from .train_config import read_config_file
+
+    raw = read_config_file(config_file)
+    if isinstance(raw.get("model"), dict):
+        raw = raw["model"]
+    elif isinstance(raw.get("preset"), str):
+        return lookup(raw["preset"])
+    try:
+        return ModelConfig(**raw)
+    except Exception as e:  # pydantic's ValidationError names the fields
+        raise ValueError(f"config file {config_file}: not a model config: {e}") from None
+
+
+# --- FLOPs --------------------------------------------------------------------------------
+
+
+def matmul_params(cfg) -> int:
+    """Parameters that take part in a matrix multiply: every layer's q/k/v, attention output,
+    MLP in (gate and up for SwiGLU) and out weights, and the LM head (the embedding matrix
+    again when tied). Embedding lookups, norms and biases are not matmuls."""
+    fc_out = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+    per_layer = cfg.d_model * cfg.qkv_dim + cfg.n_head * cfg.head_dim * cfg.d_model \
+        + cfg.d_model * fc_out + cfg.d_ff * cfg.d_model
+    return cfg.n_layer * per_layer + cfg.d_model * cfg.vocab_size
+
+
+def step_flops(cfg, batch: int, seq_len: int) -> dict:
+    """FLOPs of one training step, counted analytically.
+
+    matmuls:   6 * N_matmul * B * T   (2 forward, 4 backward: the input and the weight gradient)
+    attention: 6 * n_layer * B * T^2 * n_head * head_dim
+               (QK^T and PV are 2 * T^2 * head_dim each per head forward, 4 * T^2 * hd forward,
+                twice that backward: 12 * T^2 * hd per head; halved for the causal mask)
+    """
+    tokens = batch * seq_len
+    n = matmul_params(cfg)
+    mm = 6 * n * tokens
+    att = 12 * cfg.n_layer * batch * seq_len * seq_len * cfg.head_dim * cfg.n_head // 2
+    return {"total": mm + att, "matmul": mm, "attention": att, "matmul_params": n,
+            "formula": "6 * N_matmul * B * T + 6 * n_layer * B * T^2 * n_head * head_dim"}
+
+
+# --- running ------------------------------------------------------------------------------
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> None:
+    """manifest.json, weights.bin (float32, zoo's arena order) and tokens.bin (int32, B x (T+1)).
+    The init is GPT-2's: normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer),
+    zero biases, unit norm weights; written one tensor at a time."""
+    import numpy as np
+
+    from .layout import parameter_layout
+
+    layout = parameter_layout(cfg)
+    rng = np.random.default_rng(seed)
+    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+    entries, offset = [], 0
+    with open(workdir / "weights.bin", "wb") as f:
+        for p in layout:
+            if p.role in ("ln1_w", "ln2_w", "lnf_w"):
+                t = np.ones(p.shape, np.float32)
+            elif len(p.shape) == 1:
+                t = np.zeros(p.shape, np.float32)
+            else:
+                std = residual_std if p.role in ("attn_out_w", "proj_w") else 0.02
+                t = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
+            f.write(t.tobytes())
+            entries.append({"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer,
+                            "offset": offset, "decay": p.decay})
+            offset += math.prod(p.shape)
+    tokens = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
+    tokens.tofile(workdir / "tokens.bin")
+    manifest = {"config": cfg.model_dump(), "batch": batch, "seq_len": seq_len, "optimizer": OPTIMIZER,
+                "params": entries}
+    (workdir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _run_worker(what: str, cmd: list[str], out: Path, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    print(f"zoo bench: {what} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd + ["--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+    if proc.returncode != 0 or not out.is_file():
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+        if proc.returncode < 0:
+            tail += f"\n(killed by signal {-proc.returncode}{': out of memory?' if proc.returncode == -9 else ''})"
+        raise BenchError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(out.read_text())
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def _summary(raw: dict, tokens: int, flops: float) -> dict:
+    ms = [1000.0 * s for s in raw["step_s"]]
+    median = statistics.median(ms)
+    out = {"step_ms_median": median, "step_ms_min": min(ms), "step_ms_max": max(ms),
+           "tokens_per_s": tokens / (median / 1000.0), "peak_rss_mib": raw["peak_rss_mib"],
+           "step_ms_mean": statistics.fmean(ms), "step_ms": ms, "gflops": flops / (median / 1000.0) / 1e9,
+           "threads": raw["threads"], "loss_first": raw["losses"][0], "loss_last": raw["losses"][-1],
+           "rss_after_import_mib": raw["rss_after_import_mib"], "implementation": raw["implementation"]}
+    for k in ("activation_mib", "torch_version", "build_info"):
+        if k in raw:
+            out[k] = raw[k]
+    if raw.get("activation_error"):
+        out["activation_error"] = raw["activation_error"]
+    return out
+
+
+def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[str] = None, batch: int = 4,
+              seq_len: int = 64, steps: int = 10, warmup: int = 3, threads: Optional[int] = None,
+              vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
+              seed: int = 0) -> dict:
+    """Runs every worker and returns the results (the --json document)."""
+    for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
+                         ("--warmup", warmup, 0)):
+        if v < low:
+            raise ValueError(f"{name} must be at least {low}, got {v}")
+    if seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's context ({cfg.max_seq_len})")
+    threads = threads or default_threads()
+    if threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    if vs is None:
+        vs = "torch" if torch_available() else "none"
+    elif vs == "torch" and not torch_available():
+        raise ValueError("--vs torch: PyTorch is not installed here (pip install torch), or use --vs none")
+
+    tokens = batch * seq_len
+    flops = step_flops(cfg, batch, seq_len)
+    common = ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
+    zoo_flags = ["--ad", ad] + (["--checkpointing"] if checkpointing else [])
+    raw: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
+        work = Path(tmp)
+        print(f"zoo bench: writing weights and data ({cfg.num_parameters():,} parameters)", file=sys.stderr)
+        write_workdir(work, cfg, batch, seq_len, seed)
+        zoo_cmd = [sys.executable, "-m", "zoo.bench_worker", "--workdir", tmp] + common + zoo_flags
+        raw["zoo"] = _run_worker(f"zoo: {steps} steps after {warmup} warm-up", zoo_cmd + ["--mode", "time"],
+                                 work / "zoo.json", threads)
+        if vs == "torch":
+            script = str(Path(__file__).with_name("bench_torch.py"))
+            for name, opt in (("torch_fused", "fused"), ("torch_default", "default")):
+                raw[name] = _run_worker(f"{name}: {steps} steps after {warmup} warm-up",
+                                        [sys.executable, script, "--workdir", tmp, "--optimizer", opt] + common,
+                                        work / f"{name}.json", threads)
+        profile = _run_worker("zoo, profiled per block; then sgemm", zoo_cmd + ["--mode", "profile"],
+                              work / "profile.json", threads)
+
+    systems = {name: (_summary(raw[name], tokens, flops["total"]) if name in raw else None) for name in SYSTEMS}
+    zoo_ms = systems["zoo"]["step_ms_median"]
+    ratios = {}
+    for name in SYSTEMS[1:]:
+        s = systems[name]
+        ratios[f"zoo_over_{name}"] = None if s is None else {
+            "step_time": zoo_ms / s["step_ms_median"],
+            "tokens_per_s": systems["zoo"]["tokens_per_s"] / s["tokens_per_s"],
+            "peak_rss": systems["zoo"]["peak_rss_mib"] / s["peak_rss_mib"]}
+
+    prof_ms = [1000.0 * s for s in profile["step_s"]]
+    blocks = {}
+    for kind in BLOCK_KINDS + tuple(k for k in profile["blocks_s"] if k not in BLOCK_KINDS):
+        fwd, back = profile["blocks_s"].get(kind, (0.0, 0.0))
+        blocks[kind] = {"forward_ms": 1000.0 * fwd / steps, "pullback_ms": 1000.0 * back / steps,
+                        "total_ms": 1000.0 * (fwd + back) / steps}
+    in_blocks = sum(b["total_ms"] for b in blocks.values())
+    prof_mean = statistics.fmean(prof_ms)
+    sgemm = profile["sgemm"]
+    zoo_gflops = systems["zoo"]["gflops"]
+    sgemm_gflops = sgemm["gflops_median"]
+    return {
+        "schema": SCHEMA,
+        "command": shlex.join(
+            ["zoo", "bench", *(["--config", config_file] if config_file else ["--preset", preset_name or "?"]),
+             "--batch-size", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--warmup", str(warmup),
+             "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed)]
+            + (["--checkpointing"] if checkpointing else [])),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
+                  "n_params": cfg.num_parameters(), "matmul_params": flops["matmul_params"]},
+        "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
+        "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,
+        "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm",
+                          decay_on="2-D matmul weights (zoo's decay mask)"),
+        "flops_per_step": flops["total"],
+        "flops": {k: flops[k] for k in ("matmul", "attention", "formula")},
+        "systems": systems,
+        "ratios": ratios,
+        "sgemm_gflops": sgemm_gflops,
+        "zoo_step_gflops": zoo_gflops,
+        "zoo_step_fraction_of_sgemm": zoo_gflops / sgemm_gflops,
+        "sgemm": {"what": "zoo._native.blocks.linear_forward: (m, k) x (k, n), the LM head forward",
+                  **sgemm},
+        "blocks": blocks,
+        "blocks_profile": {"norm": cfg.norm, "activation": cfg.mlp, "steps": steps,
+                           "step_ms_mean": prof_mean, "step_ms_median": statistics.median(prof_ms),
+                           "in_blocks_ms": in_blocks, "outside_blocks_ms": max(prof_mean - in_blocks, 0.0)},
+        "machine": machine_info(),
+    }
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import numpy
+
+    info = {"cpu": cpu, "cpus_usable": default_threads(), "cpus_total": os.cpu_count(),
+            "platform": platform.platform(), "python": platform.python_version(), "numpy": numpy.__version__,
+            "hostname": platform.node()}
+    try:
+        import zoo
+
+        info["zoo"] = zoo.__version__
+        info["zoo_build"] = zoo.build_info()
+    except Exception:  # the build info is a courtesy; the workers already ran zoo
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["torch"] = version("torch")
+    except Exception:
+        info["torch"] = None
+    return info
+
+
+# --- reporting ----------------------------------------------------------------------------
+
+
+def _f(x: float, digits: int = 1) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def markdown(r: dict) -> str:
+    m, cfg = r["model"], r["model"]["config"]
+    name = m["preset"] or m["config_file"] or "model"
+    lines = [
+        f"## zoo bench: {name} ({m['n_params']:,} parameters), batch {r['batch']} x seq {r['seq_len']} "
+        f"= {r['tokens_per_step']} tokens, {r['threads']} thread{'s' if r['threads'] != 1 else ''}",
+        "",
+        f"{r['steps']} timed steps after {r['warmup']} warm-up, each system in its own process. A step: zero "
+        f"grads, forward, cross-entropy, backward, clip to norm {r['optimizer']['max_grad_norm']}, AdamW "
+        f"(weight decay {r['optimizer']['weight_decay']}).",
+        "",
+        "| system | step ms (median) | min | max | tokens/s | GFLOP/s | peak RSS MiB | zoo step / this step |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    labels = {"zoo": "zoo" + (" (checkpointing)" if r["checkpointing"] else ""),
+              "torch_fused": "torch_fused: eager, AdamW(fused=True)", "torch_default": "torch_default: eager, AdamW()"}
+    zoo_ms = r["systems"]["zoo"]["step_ms_median"]
+    for key in SYSTEMS:
+        s = r["systems"][key]
+        if s is None:
+            continue
+        lines.append(f"| {labels[key]} | {_f(s['step_ms_median'])} | {_f(s['step_ms_min'])} | {_f(s['step_ms_max'])} "
+                     f"| {_f(s['tokens_per_s'], 0)} | {_f(s['gflops'])} | {_f(s['peak_rss_mib'], 0)} "
+                     f"| {zoo_ms / s['step_ms_median']:.3f}x |")
+    lines.append("")
+    for key, ratio in r["ratios"].items():
+        if ratio:
+            other = key.removeprefix("zoo_over_")
+            lines.append(f"- zoo / {other}: step time {ratio['step_time']:.3f}x, peak RSS {ratio['peak_rss']:.3f}x")
+    if r["vs"] == "none":
+        lines.append("- zoo alone (--vs none)")
+    act = r["systems"]["zoo"].get("activation_mib")
+    if act is not None:
+        lines.append(f"- zoo's activation arena: {act:,.1f} MiB"
+                     + (" (activation checkpointing)" if r["checkpointing"] else ""))
+    f = r["flops"]
+    sg = r["sgemm"]
+    lines += [
+        f"- FLOPs per step: {r['flops_per_step'] / 1e9:,.2f} GFLOP = matmuls 6 x {r['model']['matmul_params']:,} x "
+        f"{r['tokens_per_step']} ({f['matmul'] / 1e9:,.2f}) + causal attention ({f['attention'] / 1e9:,.3f})",
+        f"- sgemm, zoo linear_forward at the LM head shape ({sg['m']} x {sg['k']}) x ({sg['k']} x {sg['n']}): "
+        f"{r['sgemm_gflops']:,.1f} GFLOP/s (median of {sg['reps']}; best {sg['gflops_best']:,.1f})",
+        f"- zoo's whole step: {r['zoo_step_gflops']:,.1f} GFLOP/s = {100 * r['zoo_step_fraction_of_sgemm']:.0f}% "
+        "of that sgemm rate",
+        "",
+        f"### zoo per block (a separate profiled run, ms per step, mean of {r['blocks_profile']['steps']})",
+        "",
+        "| block | forward | pullback | total | share |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    bp = r["blocks_profile"]
+    shown = {"norm": f"norm ({bp['norm']})", "activation": f"activation ({bp['activation']})",
+             "adamw": "adamw (clip + update)"}
+    total = bp["step_ms_mean"]
+    for kind, b in r["blocks"].items():
+        if kind == "rope" and cfg["positions"] != "rope":
+            continue
+        lines.append(f"| {shown.get(kind, kind)} | {b['forward_ms']:.2f} | {b['pullback_ms']:.2f} | "
+                     f"{b['total_ms']:.2f} | {100 * b['total_ms'] / total:.1f}% |")
+    lines.append(f"| outside blocks | | | {bp['outside_blocks_ms']:.2f} | "
+                 f"{100 * bp['outside_blocks_ms'] / total:.1f}% |")
+    lines.append(f"| profiled step (mean) | | | {total:.2f} | 100% |")
+    return "\n".join(lines)
+
+
+def write_png(r: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.5]})
+    names = [k for k in SYSTEMS if r["systems"][k] is not None]
+    med = [r["systems"][k]["step_ms_median"] for k in names]
+    lo = [m - r["systems"][k]["step_ms_min"] for k, m in zip(names, med)]
+    hi = [r["systems"][k]["step_ms_max"] - m for k, m in zip(names, med)]
+    colors = ["tab:green", "tab:blue", "tab:gray"][:len(names)]
+    bars = ax1.bar(names, med, yerr=[lo, hi], capsize=6, color=colors)
+    for b, k in zip(bars, names):
+        ax1.annotate(f"{r['systems'][k]['step_ms_median']:,.0f} ms\n{r['systems'][k]['peak_rss_mib']:,.0f} MiB",
+                     (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8,
+                     xytext=(0, 3), textcoords="offset points")
+    ax1.set_ylabel("ms per training step (median, min-max)")
+    ax1.set_title(f"{r['model']['preset'] or 'model'}, B={r['batch']}, T={r['seq_len']}, {r['threads']} threads")
+    ax1.margins(y=0.2)
+
+    kinds = [k for k, b in r["blocks"].items() if b["total_ms"] > 0] or list(r["blocks"])
+    fwd = [r["blocks"][k]["forward_ms"] for k in kinds]
+    back = [r["blocks"][k]["pullback_ms"] for k in kinds]
+    ax2.barh(kinds, fwd, color="tab:orange", label="forward (adamw: update)")
+    ax2.barh(kinds, back, left=fwd, color="tab:purple", label="pullback")
+    ax2.invert_yaxis()
+    ax2.set_xlabel("ms per step")
+    ax2.set_title(f"zoo per block (profiled); sgemm {r['sgemm_gflops']:,.0f} GFLOP/s, "
+                  f"step {r['zoo_step_gflops']:,.0f} GFLOP/s")
+    ax2.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The zoo side of `zoo bench`, one process per run (`python -m zoo.bench_worker ...`).
+
+--mode time:    warm-up steps, then timed training steps; peak RSS of this process.
+--mode profile: the same steps with zoo's per-block profiling on (a separate process, so the
+                timed run carries no profiling overhead), then the sgemm rate of zoo's own
+                linear_forward at the model's largest GEMM (the LM head forward).
+
+It reads the work folder `zoo bench` wrote (manifest.json, weights.bin, tokens.bin; see
+bench_torch.py) and writes its result as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+
+def _rss_now_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+
+
+def model_options(ad: str, checkpointing: bool) -> dict:
+    """zoo.Model keyword arguments for --ad and --checkpointing; a clear error where this
+    build of zoo does not have them yet."""
+    import zoo
+
+    accepted = inspect.signature(zoo.Model).parameters
+    kw = {}
+    if ad != "manual":
+        if "ad" not in accepted:
+            raise ValueError(f"--ad {ad}: this zoo has only the hand-written pullbacks (--ad manual); "
+                             "zoo.Model takes no ad= option yet")
+        kw["ad"] = ad
+    if checkpointing:
+        if "checkpointing" not in accepted:
+            raise ValueError("--checkpointing: zoo.Model takes no checkpointing= option yet")
+        kw["checkpointing"] = True
+    return kw
+
+
+def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool):
+    import zoo
+    from zoo.config import ModelConfig
+
+    cfg = ModelConfig(**manifest["config"])
+    model = zoo.Model(cfg, seed=None, **model_options(ad, checkpointing))
+    params = model.parameters()
+    with open(os.path.join(workdir, "weights.bin"), "rb", buffering=0) as f:
+        for p in manifest["params"]:  # straight into the arena, no intermediate copies
+            f.seek(4 * p["offset"])
+            buf = memoryview(params[p["name"]]).cast("B")
+            got = 0
+            while got < len(buf):
+                got += f.readinto(buf[got:])
+    return model
+
+
+def measure_sgemm(m: int, k: int, n: int, min_seconds: float = 0.5, min_reps: int = 3) -> dict:
+    """zoo's linear_forward (x (m, k) times W (n, k) transposed, no bias) at one shape."""
+    import numpy as np
+
+    from zoo._load_native import _native
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32) * np.float32(0.02)
+    _native.blocks.linear_forward(x, w, None)  # warm-up: pages, thread pool
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < min_seconds and len(times) < 200):
+        t0 = time.perf_counter()
+        _native.blocks.linear_forward(x, w, None)
+        times.append(time.perf_counter() - t0)
+    flops = 2.0 * m * k * n
+    return {"m": m, "k": k, "n": n, "reps": len(times), "flops": flops,
+            "gflops_median": flops / statistics.median(times) / 1e9, "gflops_best": flops / min(times) / 1e9}
+
+
+def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str, checkpointing: bool) -> dict:
+    rss_start = _rss_now_mib()
+    import numpy as np
+
+    import zoo
+
+    zoo.set_threads(threads)
+    rss_imported = _rss_now_mib()
+    with open(os.path.join(workdir, "manifest.json")) as f:
+        manifest = json.load(f)
+    B, T, o = manifest["batch"], manifest["seq_len"], manifest["optimizer"]
+    model = load_model(workdir, manifest, ad, checkpointing)
+    data = np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32).reshape(B, T + 1)
+    x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+
+    def step() -> float:
+        model.zero_grads()
+        loss = model.forward_backward(x, y)
+        model.adamw_step(o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["max_grad_norm"])
+        return loss
+
+    for _ in range(warmup):
+        step()
+    if mode == "profile":
+        model.set_profiling(True)
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    peak = _peak_rss_mib()
+    activation_error = None
+    try:  # the planned activation arena: informative only, never a reason to lose the timings
+        activation_mib = model.activation_bytes(B, T) / 2**20
+    except Exception as e:
+        activation_mib, activation_error = None, f"{type(e).__name__}: {e}"
+    out = {"step_s": times, "losses": losses, "peak_rss_mib": peak, "rss_start_mib": rss_start,
+           "rss_after_import_mib": rss_imported, "threads": zoo.get_threads(), "activation_mib": activation_mib,
+           "activation_error": activation_error,
+           "implementation": f"zoo {zoo.__version__} (ad={ad}{', checkpointing' if checkpointing else ''})",
+           "build_info": zoo.build_info()}
+    if mode == "profile":
+        out["blocks_s"] = {k: list(v) for k, v in model.block_profile().items()}
+        model.set_profiling(False)
+        cfg = manifest["config"]
+        del model  # the sgemm arrays need not sit beside the arena
+        out["sgemm"] = measure_sgemm(B * T, cfg["d_model"], cfg["vocab_size"])
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="zoo bench's zoo worker (run by zoo bench)")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--mode", choices=["time", "profile"], default="time")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--ad", default="manual")
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--out", required=True, help="where to write the result (JSON)")
+    a = ap.parse_args(argv)
+    try:
+        result = run(a.workdir, a.mode, a.steps, a.warmup, a.threads, a.ad, a.checkpointing)
+    except ValueError as e:  # a setting this zoo cannot honour: one line for the parent to show
+        print(f"zoo bench worker: {e}", file=sys.stderr)
+        return 3
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
