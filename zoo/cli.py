@@ -265,7 +265,60 @@ def _cmd_presets(args) -> int:
     return 0
 
 
-VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_plot, _add_inspect, _add_convert, _add_bench]
+# --- card, cards ------------------------------------------------------------------------
+
+
+def _add_card(sub) -> None:
+    p = sub.add_parser("card", help="print a preset's model card (Markdown; see model_cards/)")
+    p.add_argument("name", metavar="NAME", help="a preset name (zoo presets lists them)")
+    p.add_argument("--benchmarks", metavar="DIR", default=None,
+                   help="zoo bench --json results to show (default: benchmarks/ at the repository root)")
+    p.add_argument("--json", action="store_true", help="print the machine-readable card instead")
+    p.set_defaults(run=_cmd_card)
+
+
+def _cmd_card(args) -> int:
+    from . import cards
+
+    bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
+    data = cards.card_data(cards.find_preset(args.name), cards.read_benchmarks(bench_dir))
+    print(cards.card_json(data) if args.json else cards.card_markdown(data), end="")
+    return 0
+
+
+def _add_cards(sub) -> None:
+    p = sub.add_parser("cards", help="regenerate model_cards/ from the presets and benchmarks/ (--check: only compare)")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 listing the cards that differ from what would be generated")
+    p.add_argument("--out", metavar="DIR", default=None, help="cards folder (default: model_cards/ at the repository root)")
+    p.add_argument("--benchmarks", metavar="DIR", default=None,
+                   help="zoo bench --json results to show (default: benchmarks/ at the repository root)")
+    p.set_defaults(run=_cmd_cards)
+
+
+def _cmd_cards(args) -> int:
+    from . import cards
+
+    root = cards.default_root()
+    out = Path(args.out) if args.out else root / cards.CARDS_DIR
+    files = cards.render_all(Path(args.benchmarks) if args.benchmarks else root / cards.BENCHMARKS_DIR)
+    if args.check:
+        bad = cards.differing(out, files)
+        for line in bad:
+            print(line)
+        if bad:
+            print(f"zoo cards: {len(bad)} card(s) out of date; run `zoo cards` to regenerate", file=sys.stderr)
+            return 1
+        print(f"zoo cards: {len(files)} files in {out} are up to date", file=sys.stderr)
+        return 0
+    done = cards.write_all(out, files)
+    for line in done:
+        print(line)
+    print(f"zoo cards: {len(files)} files in {out}, {len(done)} changed", file=sys.stderr)
+    return 0
+
+
+VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_plot, _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,0 +1,154 @@
+"""Model cards (zoo/cards.py): every preset has a committed card, the committed cards are exactly
+what the generator writes today (so they cannot drift from the code), `zoo card NAME` prints one,
+and a card shows a `zoo bench --json` result placed in its benchmarks folder."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from zoo import cards
+from zoo.cli import main
+from zoo.config import ModelConfig
+from zoo.memory import finetune_memory_bytes
+from zoo.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+CARDS = ROOT / cards.CARDS_DIR
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return cards.render_all(ROOT / cards.BENCHMARKS_DIR)
+
+
+def test_every_preset_has_a_committed_card(generated):
+    names = [p.name for p in PRESETS]
+    assert sorted(generated) == sorted([f"{n}.md" for n in names] + [f"{n}.json" for n in names] + ["README.md"])
+    for n in names:
+        assert (CARDS / f"{n}.md").is_file(), f"model_cards/{n}.md missing: run `zoo cards`"
+        assert (CARDS / f"{n}.json").is_file(), f"model_cards/{n}.json missing: run `zoo cards`"
+
+
+def test_regenerating_changes_nothing(generated):
+    stale = cards.differing(CARDS, generated)
+    assert not stale, f"model cards out of date, run `zoo cards`: {stale}"
+    # Deterministic: a second rendering is byte-identical.
+    assert cards.render_all(ROOT / cards.BENCHMARKS_DIR) == generated
+
+
+def test_check_and_write(tmp_path, capsys):
+    bench = tmp_path / "no-benchmarks"
+    out = tmp_path / "cards"
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 1
+    assert not out.exists()  # --check writes nothing
+    assert main(["cards", "--out", str(out), "--benchmarks", str(bench)]) == 0
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 0
+    (out / "gpt2.md").write_text("edited by hand\n")
+    (out / "old-preset.json").write_text("{}\n")
+    capsys.readouterr()
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 1
+    listed = capsys.readouterr().out
+    assert "gpt2.md (differs)" in listed and "old-preset.json (stale" in listed
+    assert "tiny-llama" not in listed
+    assert (out / "gpt2.md").read_text() == "edited by hand\n"
+    assert main(["cards", "--out", str(out), "--benchmarks", str(bench)]) == 0
+    assert not (out / "old-preset.json").exists()
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 0
+
+
+def test_card_json_facts():
+    for p in PRESETS:
+        d = json.loads((CARDS / f"{p.name}.json").read_text())
+        cfg = p.config
+        assert ModelConfig(**d["config"]) == cfg
+        assert d["parameters"]["total"] == cfg.num_parameters()
+        assert sum(t["parameters"] for t in d["tensors"]) == cfg.num_parameters()
+        assert d["hf_checkpoints"] == list(p.hf_checkpoints) and d["licence"] == p.licence
+        kind = d["blocks"]["attention"]["kind"]
+        assert kind == ("MHA" if cfg.n_kv_head == cfg.n_head else "MQA" if cfg.n_kv_head == 1 else "GQA")
+        for row in d["finetune_memory"]:
+            assert row["seq_len"] <= cfg.max_seq_len
+            m = finetune_memory_bytes(cfg, row["batch"], row["seq_len"], row["checkpointing"])
+            assert row["total"] == m.total and row["activations"] == m.activations
+
+
+def test_card_contents():
+    gpt2 = (CARDS / "gpt2.md").read_text()
+    for text in ("124,439,808", "openai-community/gpt2", "MHA", "LayerNorm", "GELU", "learned absolute",
+                 "`transformer.h.{i}.attn.c_attn.weight` | 2304 x 768 *", "Not measured yet",
+                 "zoo bench --preset gpt2 --batch-size 4 --seq-len 256", "MIT (OpenAI"):
+        assert text in gpt2, text
+    llama = (CARDS / "llama-3.2-1b.md").read_text()
+    for text in ("GQA", "32 query heads, 8 key/value heads", "head_dim 64", "theta 500000", "llama3: factor 32",
+                 "meta-llama/Llama-3.2-1B-Instruct", "Llama 3.x Community License", "| 8 | 1024 |"):
+        assert text in llama, text
+    tiny = (CARDS / "tiny-llama.md").read_text()
+    assert "None: a zoo-only shape" in tiny and "| 8 | 256 |" in tiny and "| 8 | 1024 |" not in tiny
+    index = (CARDS / "README.md").read_text()
+    assert all(f"[{p.name}]({p.name}.md)" in index and f"{p.config.num_parameters():,}" in index for p in PRESETS)
+
+
+def test_zoo_card_prints(capsys):
+    assert main(["card", "gpt2"]) == 0
+    assert capsys.readouterr().out == (CARDS / "gpt2.md").read_text()
+    assert main(["card", "tiny-llama", "--json"]) == 0
+    assert capsys.readouterr().out == (CARDS / "tiny-llama.json").read_text()
+
+
+def test_unknown_preset(capsys):
+    assert main(["card", "gpt3"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown preset 'gpt3'" in err and "gpt2, gpt2-medium" in err and "tiny-llama" in err
+    with pytest.raises(KeyError, match="known presets"):
+        cards.render_card("gpt3", None)
+
+
+def test_card_picks_up_benchmarks(tmp_path, capsys):
+    """A real `zoo bench --json` run (zoo alone, one step) and a copy with PyTorch ratios."""
+    bench = tmp_path / "benchmarks"
+    run = bench / "tiny-gpt2-b1-t16.json"
+    assert main(["bench", "--preset", "tiny-gpt2", "--batch-size", "1", "--seq-len", "16", "--steps", "1",
+                 "--warmup", "0", "--threads", "1", "--vs", "none", "--json", str(run),
+                 "--png", str(tmp_path / "chart.png")]) == 0
+    r = json.loads(run.read_text())
+    vs_torch = dict(r, command=r["command"].replace("--vs none", "--vs torch"), batch=2, vs="torch",
+                    ratios={"zoo_over_torch_fused": {"step_time": 0.81234, "tokens_per_s": 1.2, "peak_rss": 0.5},
+                            "zoo_over_torch_default": {"step_time": 0.5, "tokens_per_s": 2.0, "peak_rss": 0.4}})
+    (bench / "a-vs-torch.json").write_text(json.dumps(vs_torch))
+    (bench / "other-preset.json").write_text(json.dumps(dict(r, model=dict(r["model"], preset="tiny-llama"))))
+    (bench / "not-a-bench.json").write_text(json.dumps({"hello": 1}))
+    capsys.readouterr()
+
+    assert main(["card", "tiny-gpt2", "--benchmarks", str(bench)]) == 0
+    md = capsys.readouterr().out
+    assert "Not measured yet" not in md
+    assert r["command"] in md and vs_torch["command"] in md
+    zoo = r["systems"]["zoo"]
+    assert f"| 1 | 16 | 1 | no | {round(zoo['step_ms_median'], 2):,.1f} | {round(zoo['tokens_per_s'], 1):,.0f} |" in md
+    assert "| 0.812x | 0.500x |" in md and "[tiny-gpt2-b1-t16.json](../benchmarks/tiny-gpt2-b1-t16.json)" in md
+    assert md.index("| 1 | 16 |") < md.index("| 2 | 16 |")  # rows by (B, T, ...)
+
+    d = cards.card_data(cards.find_preset("tiny-gpt2"), cards.read_benchmarks(bench))
+    assert [b["file"] for b in d["benchmarks"]] == ["benchmarks/tiny-gpt2-b1-t16.json", "benchmarks/a-vs-torch.json"]
+    assert d["benchmarks"][0]["step_time_over_torch_fused"] is None
+    assert d["benchmarks"][1]["step_time_over_torch_fused"] == 0.812
+    other = cards.card_data(cards.find_preset("tiny-llama"), cards.read_benchmarks(bench))
+    assert [b["file"] for b in other["benchmarks"]] == ["benchmarks/other-preset.json"]
+
+    # The whole set: the index counts the runs; regenerating is byte-identical; --check sees new results.
+    out = tmp_path / "cards"
+    assert main(["cards", "--out", str(out), "--benchmarks", str(bench)]) == 0
+    assert "| 2 runs |" in (out / "README.md").read_text()
+    first = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 0
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == first
+    shutil.copy(run, bench / "z-again.json")
+    assert main(["cards", "--check", "--out", str(out), "--benchmarks", str(bench)]) == 1
+
+
+def test_broken_benchmark_file(tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main(["card", "gpt2", "--benchmarks", str(tmp_path)]) == 1
+    assert "bad.json: not readable JSON" in capsys.readouterr().err
