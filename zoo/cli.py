@@ -79,11 +79,27 @@ def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
     if "data" in flags:
         flags["data"] = [str(Path(p).absolute()) for p in flags["data"]]
     from_file = read_config_file(args.config) if args.config else {}
-    merged = {**defaults, **from_file, **flags}
-    if merged.get("resume"):
-        out = merged.get("out", TrainConfig.model_fields["out"].default)
-        merged = {**saved_config(out), **from_file, **flags}
-    return validate(merged, f"config file {args.config}" if args.config else "settings")
+    resume = {**defaults, **from_file, **flags}.get("resume")
+    if resume:
+        out = {**defaults, **from_file, **flags}.get("out", TrainConfig.model_fields["out"].default)
+        defaults = saved_config(out)
+    return validate(_layer(defaults, from_file, flags), f"config file {args.config}" if args.config else "settings")
+
+
+# Settings of which one is given: a layer that sets one replaces the whole group below it
+# (`--epochs 2` over the demo's steps, `--from DIR` over a file's preset).
+_EXCLUSIVE = (("steps", "epochs", "tokens"), ("from_dir", "preset", "model"))
+
+
+def _layer(*layers: dict) -> dict:
+    merged: dict = {}
+    for layer in layers:
+        for group in _EXCLUSIVE:
+            if any(k in layer for k in group):
+                for k in group:
+                    merged.pop(k, None)
+        merged.update(layer)
+    return merged
 
 
 def _run_training(cfg: TrainConfig) -> int:

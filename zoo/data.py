@@ -127,18 +127,21 @@ def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
 
     meta = _read_meta(meta_path)
     if meta is not None and meta.get("key") == key and tok_path.exists() \
-            and tok_path.stat().st_size == meta["n_tokens"] * dtype.itemsize:
+            and tok_path.stat().st_size == meta.get("n_tokens", -1) * dtype.itemsize:
         return TokenFile(_map(tok_path, dtype), tok_path, key, files, reused=True)
 
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise DataError(f"token cache folder {cache}: cannot create it ({e.strerror})") from None
+        raise DataError(f"token cache folder {cache}: cannot create it ({e.strerror or e})") from None
     n_tokens = _write_tokens(files, tokenizer, tok_path, dtype)
-    write_json(meta_path, {
-        "key": key, "format": CACHE_FORMAT, "n_tokens": n_tokens, "dtype": dtype.name,
-        "files": [str(f.resolve()) for f in files],
-    })
+    try:  # written after the tokens: a meta file always describes a complete token file
+        write_json(meta_path, {
+            "key": key, "format": CACHE_FORMAT, "n_tokens": n_tokens, "dtype": dtype.name,
+            "files": [str(f.resolve()) for f in files],
+        })
+    except OSError as e:
+        raise DataError(f"token cache file {meta_path}: cannot write it ({e.strerror or e})") from None
     return TokenFile(_map(tok_path, dtype), tok_path, key, files, reused=False)
 
 
@@ -180,9 +183,10 @@ def _write_tokens(files: list[Path], tokenizer, tok_path: Path, dtype: np.dtype)
 
 def _read_meta(path: Path) -> dict | None:
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:

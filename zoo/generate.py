@@ -8,7 +8,7 @@ probability reaches top-p, and sampled with a generator seeded by `seed`.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -36,8 +36,9 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: Optional[int], t
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-             eos_id: Optional[int] = None, on_token: Optional[Callable[[int], None]] = None) -> list[int]:
-    """The new token ids after `prompt_ids` (stopping after EOS or at the model's context).
+             stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+    """The new token ids after `prompt_ids`, stopping after any of `stop_ids` (the tokenizer's
+    EOS ids), after max_new_tokens, or at the model's context length.
 
     `on_token` is called with each new id as soon as it is chosen (for streaming).
     """
@@ -58,6 +59,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     if budget <= 0:
         return []
 
+    stop = set(stop_ids)
     rng = np.random.default_rng(seed)
     model.reset_cache(1, len(prompt_ids) + budget)
     logits = model.forward_cached(np.asarray([prompt_ids], dtype=np.int32), 0)[0]
@@ -68,7 +70,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
         out.append(tok)
         if on_token is not None:
             on_token(tok)
-        if tok == eos_id or len(out) == budget:
+        if tok in stop or len(out) == budget:
             return out
         logits = model.forward_cached(np.asarray([[tok]], dtype=np.int32), pos)[0]
         pos += 1
@@ -89,12 +91,13 @@ class TextStream:
 
     def __init__(self, tokenizer, prompt_ids: list[int], file=None):
         self.tokenizer = tokenizer
+        self.stop = set(getattr(tokenizer, "eos_ids", ())) | {tokenizer.eos_id}
         self.ids = list(prompt_ids)
         self.file = file if file is not None else sys.stdout
         self.shown = tokenizer.decode(self.ids)
 
     def __call__(self, tok: int) -> None:
-        if tok == self.tokenizer.eos_id:
+        if tok in self.stop:
             return
         self.ids.append(tok)
         text = self.tokenizer.decode(self.ids)
@@ -108,7 +111,7 @@ class TextStream:
         self.shown = text
 
     def finish(self) -> None:
-        text = self.tokenizer.decode([t for t in self.ids if t != self.tokenizer.eos_id])
+        text = self.tokenizer.decode(self.ids)
         if text.startswith(self.shown) and len(text) > len(self.shown):
             self.file.write(text[len(self.shown):])
         self.file.write("\n")

@@ -11,17 +11,29 @@ import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .config import ModelConfig
 
 DEFAULT_STEPS = 1000
 
+# The embedded default run (`zoo train` with no model or data, or `zoo demo`): a tiny Llama
+# from scratch on a text shipped with the package, byte-level tokenizer, a few minutes on 2 cores.
+DEMO_DATA = Path(__file__).parent / "assets" / "demo"  # one short story or poem per file
+DEMO = {
+    "preset": "tiny-llama", "data": [str(DEMO_DATA)], "out": "runs/demo", "overwrite": True,
+    "batch_size": 16, "seq_len": 128, "steps": 600, "lr": 3e-3, "warmup_steps": 30, "weight_decay": 0.01,
+    "eval_every": 100, "save_every": 200, "sample_prompt": "The ", "sample_tokens": 300,
+    # A 133K-parameter model gives each thread too little work per kernel: one thread is fastest.
+    "threads": 1,
+}
+
 # Fields that may change between an interrupted run and its --resume without changing the
 # trajectory (the losses). Any other field must be the same, or the resume is refused.
 RESUMABLE_CHANGES = {
-    "resume", "eval_every", "save_every", "keep_checkpoints", "log_every", "progress",
-    "sample_prompt", "sample_tokens", "cache_dir",
+    "resume", "out", "eval_every", "save_every", "keep_checkpoints", "log_every", "progress",
+    "sample_prompt", "sample_tokens", "cache_dir", "overwrite",
+    "threads",  # a different count may change the last bits of sums; the trainer warns
 }
 
 # Fields holding filesystem paths: relative ones in a config file are taken relative to it.
@@ -34,12 +46,12 @@ class TrainConfig(BaseModel):
     # --- what to train, on what -------------------------------------------------------
     from_dir: Optional[str] = Field(None, alias="from",
                                     description="checkpoint folder (Hugging Face layout) to finetune")
-    preset: Optional[str] = Field(None, description="train from scratch: a named preset (see `zoo presets`)")
+    preset: Optional[str] = Field(None, description="train from scratch: a named preset (default tiny-llama)")
     model: Optional[ModelConfig] = Field(None, description="train from scratch: a model config (config files only)")
     tokenizer: Optional[str] = Field(None, description="tokenizer folder (default: the checkpoint's; "
                                                        "byte-level when training from scratch)")
     data: list[str] = Field(default_factory=list, description="text files or folders of text files")
-    out: str = Field("runs/demo", description="run folder: checkpoints, metrics, plot, final model")
+    out: str = Field("runs/train", description="run folder: checkpoints, metrics, plot, final model")
     cache_dir: Optional[str] = Field(None, description="where tokenized data is cached "
                                                        "(default: $ZOO_CACHE or ~/.cache/zoo)")
 
@@ -80,6 +92,17 @@ class TrainConfig(BaseModel):
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
     sample_prompt: str = Field("", description="prompt for the sample printed at the end")
     sample_tokens: int = Field(200, ge=0, description="tokens to sample at the end (0: none)")
+    overwrite: bool = Field(False, description="replace a run already in --out instead of refusing")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: Optional[str]) -> Optional[str]:
+        from .presets import PRESETS
+
+        known = [p.name for p in PRESETS]
+        if name is not None and name not in known:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
+        return name
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -148,7 +171,9 @@ def read_config_file(path: str | Path) -> dict:
         raise ValueError(f"config file {path}: expected a mapping of field names to values")
     base = path.resolve().parent
     raw = dict(raw)
-    for key in PATH_FIELDS + ("from",):
+    if "from" in raw:  # the file may use the flag's name; one spelling from here on
+        raw["from_dir"] = raw.pop("from")
+    for key in PATH_FIELDS:
         if isinstance(raw.get(key), str):
             raw[key] = str(base / raw[key])
     if isinstance(raw.get("data"), list):
@@ -165,6 +190,7 @@ def validate(fields: dict, where: str) -> TrainConfig:
     except ValidationError as e:
         problems = []
         for err in e.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "config"
-            problems.append(f"{loc}: {err['msg']}")
+            loc = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{loc}: {msg}" if loc else msg)
         raise ValueError(f"{where}: " + "; ".join(problems)) from None

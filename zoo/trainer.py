@@ -1,0 +1,459 @@
+"""One trainer for every model zoo builds: finetuning a checkpoint or training from scratch.
+
+A step is `grad_accum` native forward+pullback calls (each adds its scaled gradients into the
+arena) and one native AdamW call (global-norm clipping, decay per tensor). Nothing else in
+Python touches parameters inside a step.
+
+A run folder (--out) holds:
+  checkpoints/step-NNNNNNNN/  model (Hugging Face layout) + optimizer.safetensors + trainer_state.json
+  metrics.jsonl               one JSON record per logged step and per evaluation
+  loss.png                    train and validation loss
+  config.json, model.safetensors, tokenizer files: the final model, when the run completes
+
+Checkpoints are written to a temporary folder and renamed into place, so a step-* folder is
+always complete; older ones are removed only after a newer one exists. Resuming is exact:
+the data order is a function of (seed, step), the schedule a function of step, and the
+optimizer moments are saved bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from .atomic import fsync_dir, write_json
+from .data import DataError, Windows, tokenize_files
+from .plot import METRICS_FILE, PLOT_FILE
+from .safetensors_io import SafetensorsFile, write_file
+from .train_config import TrainConfig
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+# Checkpoint files that are not part of the Hugging Face model (not published to --out).
+_TRAINER_FILES = {STATE_FILE, OPTIMIZER_FILE}
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or go on; the message says why and what was kept."""
+
+
+class TrainInterrupted(Exception):
+    """Ctrl-C: a checkpoint was saved (see .checkpoint) and the run stopped."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(f"interrupted at step {step}; checkpoint saved to {checkpoint}")
+
+
+# --- schedule -------------------------------------------------------------------------
+
+
+def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then the schedule
+    from lr down to the final lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - 1 - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    return cfg.final_lr + (cfg.lr - cfg.final_lr) * coeff
+
+
+# --- run folders ----------------------------------------------------------------------
+
+
+def checkpoint_dirs(out: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary folders are not listed)."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
+
+
+def latest_checkpoint(out: str | os.PathLike) -> Optional[Path]:
+    dirs = checkpoint_dirs(out)
+    return dirs[-1] if dirs else None
+
+
+def read_state(checkpoint: Path) -> dict:
+    path = checkpoint / STATE_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TrainError(f"{path}: missing; {checkpoint} is not a zoo training checkpoint") from None
+    except (OSError, ValueError) as e:
+        raise TrainError(f"{path}: cannot read it ({e})") from None
+
+
+def saved_config(out: str | os.PathLike) -> dict:
+    """The training config stored with a run's latest checkpoint (the base for --resume)."""
+    ckpt = latest_checkpoint(out)
+    if ckpt is None:
+        raise TrainError(f"--resume: no checkpoint in {Path(out) / CHECKPOINTS} to resume from")
+    return read_state(ckpt)["config"]
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TrainError(f"--out {folder}: cannot write there ({e.strerror or e})") from None
+
+
+def _log(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)
+
+
+# --- the trainer ----------------------------------------------------------------------
+
+
+class Trainer:
+    """Sets up a run (model, tokenizer, data, optimizer state) from a TrainConfig; `run()`
+    trains it to the end of its budget."""
+
+    def __init__(self, cfg: TrainConfig):
+        import zoo
+
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        if cfg.threads is not None:
+            zoo.set_threads(cfg.threads)
+        self.threads = zoo.get_threads()
+
+        _check_writable(self.out)
+        resume_from = self._check_run_folder()
+        self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
+        self._check_fit()
+        if cfg.checkpointing:
+            if not hasattr(self.model, "set_checkpointing"):
+                raise TrainError("checkpointing: activation checkpointing is not available in this build of zoo")
+            self.model.set_checkpointing(True)
+
+        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir)
+        self.windows = Windows(self.token_file.tokens, cfg.batch_size, cfg.seq_len, cfg.val_fraction,
+                               cfg.eval_batches, cfg.seed, source=f"data {', '.join(cfg.data)}")
+        self.total_steps = cfg.total_steps(self.windows.n_train)
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+
+        self.step = 0
+        self.last_checkpoint: Optional[Path] = None
+        self.last_val_loss: Optional[float] = None
+        if resume_from is not None:
+            self._restore(resume_from)
+        else:
+            self._clear_run()  # only now that everything above has been checked
+
+    def _clear_run(self) -> None:
+        """A fresh run: drop what an earlier run left (checkpoints only with --overwrite)."""
+        if latest_checkpoint(self.out) is not None:
+            _log(f"--overwrite: replacing the run in {self.out}")
+            shutil.rmtree(self.out / CHECKPOINTS)
+        for name in (METRICS_FILE, PLOT_FILE):
+            (self.out / name).unlink(missing_ok=True)
+
+    # --- setup ------------------------------------------------------------------------
+
+    def _check_run_folder(self) -> Optional[Path]:
+        """The checkpoint to resume from (None for a fresh run); refuses to mix runs."""
+        ckpt = latest_checkpoint(self.out)
+        if not self.cfg.resume:
+            if ckpt is not None and not self.cfg.overwrite:
+                raise TrainError(f"--out {self.out} already holds a run (checkpoint {ckpt.name}); "
+                                 "pass --resume to continue it, --overwrite to replace it, or another --out")
+            return None
+        if ckpt is None:
+            raise TrainError(f"--resume: no checkpoint in {self.out / CHECKPOINTS} to resume from")
+        saved = TrainConfig.model_validate(read_state(ckpt)["config"])
+        changed = self.cfg.trajectory_diff(saved)
+        if changed:
+            a, b = self.cfg.model_dump(), saved.model_dump()
+            detail = "; ".join(f"{k}: {b[k]!r} -> {a[k]!r}" for k in changed)
+            raise TrainError(f"--resume: these settings differ from the run in {self.out} and would change "
+                             f"its losses: {detail}")
+        return ckpt
+
+    def _load_model(self, resume_from: Optional[Path]):
+        """(model, tokenizer, tokenizer folder or None) for a resumed, finetuned or new run."""
+        import zoo
+        from .checkpoints import load_pretrained
+        from .tokenizers import Tokenizer
+
+        cfg = self.cfg
+        if resume_from is not None or cfg.from_dir is not None:
+            src = resume_from if resume_from is not None else Path(cfg.from_dir)
+            if not src.is_dir():
+                raise TrainError(f"--from {src}: no such checkpoint folder")
+            model = load_pretrained(src)
+            tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
+            return model, Tokenizer.from_pretrained(tok_dir), tok_dir
+        if cfg.model is not None:
+            model_cfg = cfg.model
+        else:
+            model_cfg = zoo.preset(cfg.preset or "tiny-llama")
+        model = zoo.Model(model_cfg, seed=cfg.seed)
+        if cfg.tokenizer:
+            return model, Tokenizer.from_pretrained(cfg.tokenizer), Path(cfg.tokenizer)
+        return model, Tokenizer.byte_level(), None
+
+    def _check_fit(self) -> None:
+        mc, cfg = self.model.config, self.cfg
+        where = cfg.from_dir or cfg.preset or "the model config"
+        if self.tokenizer.vocab_size > mc.vocab_size:
+            tok = cfg.tokenizer or self.tokenizer_dir or "the byte-level tokenizer"
+            raise TrainError(f"tokenizer {tok}: its vocabulary has {self.tokenizer.vocab_size} tokens but the model "
+                             f"({where}) has vocab_size {mc.vocab_size}; use the tokenizer the model was trained with")
+        if cfg.seq_len > mc.max_seq_len:
+            raise TrainError(f"seq_len: {cfg.seq_len} is beyond the model's max_seq_len {mc.max_seq_len} ({where})")
+
+    def _restore(self, ckpt: Path) -> None:
+        state = read_state(ckpt)
+        if state.get("data_key") != self.token_file.key:
+            raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
+                             "resume needs the same data (or start a new run)")
+        if state.get("threads") != self.threads:
+            _log(f"note: the run used {state.get('threads')} threads, this one {self.threads}: "
+                 "losses may differ from an uninterrupted run in the last bits")
+        opt = self.model.optimizer_state()
+        path = ckpt / OPTIMIZER_FILE
+        try:
+            with SafetensorsFile(path) as f:
+                f.copy_into("m", opt["m"])
+                f.copy_into("v", opt["v"])
+        except ValueError as e:
+            raise TrainError(f"--resume: {e}") from None
+        self.model.set_optimizer_step(state["optimizer_step"])
+        self.step = state["step"]
+        self.last_checkpoint = ckpt
+        self.last_val_loss = state.get("val_loss")
+        self._truncate_metrics(self.step)
+
+    # --- the loop ---------------------------------------------------------------------
+
+    def run(self, on_step: Optional[Callable[[int, float], None]] = None) -> dict:
+        """Train to the end of the budget. on_step(step, loss) runs after each step (tests, notebooks).
+        Raises TrainInterrupted after Ctrl-C (checkpoint saved) and TrainError on divergence."""
+        from tqdm import tqdm
+
+        cfg, model, windows = self.cfg, self.model, self.windows
+        self._print_header()
+        interrupted = threading.Event()
+        old_handler = self._catch_sigint(interrupted)
+        metrics = open(self.out / METRICS_FILE, "a", encoding="utf-8")
+        bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
+                   disable=not cfg.progress, file=sys.stderr)
+        start_time, start_step = time.perf_counter(), self.step
+        loss = None
+        try:
+            if self.step == 0:
+                self._evaluate(metrics)
+            scale = 1.0 / cfg.grad_accum
+            while self.step < self.total_steps:
+                step = self.step
+                lr = lr_at(cfg, step, self.total_steps)
+                model.zero_grads()
+                loss = 0.0
+                for micro in range(cfg.grad_accum):
+                    x, y = windows.train_batch(step, micro)
+                    loss += model.forward_backward(x, y, scale)
+                loss *= scale
+                if not math.isfinite(loss):
+                    raise self._diverged("loss", loss, step + 1)
+                grad_norm = model.adamw_step(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                                             cfg.max_grad_norm or None)
+                if not math.isfinite(grad_norm):
+                    raise self._diverged("gradient norm", grad_norm, step + 1)
+                self.step = done = step + 1
+
+                elapsed = time.perf_counter() - start_time
+                tok_s = (done - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
+                if done % cfg.log_every == 0 or done == self.total_steps:
+                    self._write(metrics, {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                          "tokens": done * self.tokens_per_step, "tokens_per_s": round(tok_s, 1)})
+                bar.set_postfix_str(f"loss {loss:.4f}  {tok_s:,.0f} tok/s"
+                                    + (f"  val {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""),
+                                    refresh=False)
+                bar.update(1)
+                if done == self.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                    self._evaluate(metrics)
+                if done == self.total_steps or (cfg.save_every and done % cfg.save_every == 0):
+                    self.save_checkpoint()
+                if on_step is not None:
+                    on_step(done, loss)
+                if interrupted.is_set():
+                    self.save_checkpoint()
+                    raise TrainInterrupted(done, self.last_checkpoint)
+        finally:
+            bar.close()
+            metrics.close()
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        self._publish(self.last_checkpoint)
+        plot = self._plot()
+        return {"step": self.step, "loss": loss,
+                "val_loss": self.last_val_loss, "checkpoint": self.last_checkpoint, "plot": plot}
+
+    def _catch_sigint(self, flag: threading.Event):
+        """First Ctrl-C: finish the step, save, stop. A second one stops at once."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            flag.set()
+            _log("Ctrl-C: saving a checkpoint after this step (press again to stop at once)")
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        return signal.signal(signal.SIGINT, handler)
+
+    def _diverged(self, what: str, value, step: int) -> TrainError:
+        where = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                 else "no checkpoint had been written")
+        return TrainError(f"{what} became {value} at step {step}; stopping ({where}). "
+                          "Try a lower --lr, more --warmup-steps or --max-grad-norm.")
+
+    def _evaluate(self, metrics) -> None:
+        losses = [self.model.loss(x, y) for x, y in self.windows.val_batches()]
+        if not losses:
+            return
+        self.last_val_loss = float(np.mean(losses))
+        self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss})
+        _log(f"step {self.step}: val loss {self.last_val_loss:.4f}")
+
+    @staticmethod
+    def _write(metrics, record: dict) -> None:
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+
+    def _print_header(self) -> None:
+        m, cfg = self.model, self.cfg
+        act = m.activation_bytes(cfg.batch_size, cfg.seq_len) / 2**20
+        tf = self.token_file
+        _log(f"model: {m.config.family}-style, {m.n_params:,} parameters, ~{act:,.0f} MiB activations "
+             f"at batch {cfg.batch_size} x {cfg.seq_len}; {self.threads} threads")
+        _log(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
+             f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
+        what = f"resuming at step {self.step}" if self.step else "starting"
+        _log(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens; run folder {self.out}")
+
+    # --- checkpoints ------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write checkpoints/step-N atomically (temp folder, fsync, rename); keep the newest few."""
+        from .checkpoints import save_pretrained
+
+        root = self.out / CHECKPOINTS
+        final = root / f"step-{self.step:08d}"
+        if self.last_checkpoint == final:
+            return final
+        if not all(np.isfinite(v).all() for v in self.model.parameters().values()):
+            raise self._diverged("a parameter", "non-finite", self.step)  # never save broken weights
+        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+            save_pretrained(self.model, tmp, tokenizer=self.tokenizer)
+            opt = self.model.optimizer_state()
+            write_file(tmp / OPTIMIZER_FILE, [("m", opt["m"]), ("v", opt["v"])])
+            write_json(tmp / STATE_FILE, {
+                "step": self.step, "optimizer_step": int(opt["step"]), "total_steps": self.total_steps,
+                "tokens": self.step * self.tokens_per_step, "val_loss": self.last_val_loss,
+                "data_key": self.token_file.key, "threads": self.threads,
+                # The data order is drawn from a generator seeded by (seed, step, micro-batch):
+                # seed and step are the whole random state of the run.
+                "rng": {"kind": "numpy-default_rng(seed, step, micro)", "seed": self.cfg.seed},
+                "config": json.loads(self.cfg.model_dump_json()),
+            })
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            fsync_dir(tmp)
+            os.rename(tmp, final)
+            fsync_dir(root)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            kept = (f"the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint
+                    else "no earlier checkpoint exists")
+            raise TrainError(f"cannot write checkpoint {final}: {e.strerror or e} ({kept})") from None
+        self.last_checkpoint = final
+        for old in checkpoint_dirs(self.out)[:-self.cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _publish(self, ckpt: Optional[Path]) -> None:
+        """Put the final model at the top of --out (each file replaced atomically), so the run
+        folder itself loads in transformers and in `zoo finetune --from`."""
+        if ckpt is None:
+            return
+        for f in sorted(ckpt.iterdir()):
+            if f.name in _TRAINER_FILES or not f.is_file():
+                continue
+            tmp = self.out / f".{f.name}.{os.getpid()}.tmp"
+            try:
+                os.link(f, tmp)  # same filesystem: no copy; checkpoint files are never modified in place
+            except OSError:
+                shutil.copyfile(f, tmp)
+                _fsync_file(tmp)
+            os.replace(tmp, self.out / f.name)
+        fsync_dir(self.out)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metric records past the checkpoint we resume from (an interrupted run wrote them)."""
+        from .atomic import write_bytes
+
+        path = self.out / METRICS_FILE
+        if not path.exists():
+            return
+        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        write_bytes(path, "".join(line + "\n" for line in kept).encode("utf-8"))
+
+    def _plot(self) -> Optional[Path]:
+        from .plot import plot_run
+
+        try:
+            return plot_run(self.out)
+        except (OSError, ValueError) as e:
+            _log(f"note: no loss plot ({e})")
+            return None
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, file=None) -> None:
+    """Stream a short sample (temperature 0.8, top-k 40) to `file` (stdout)."""
+    from .generate import TextStream, generate, prompt_tokens
+
+    ids = prompt_tokens(tokenizer, prompt)
+    stream = TextStream(tokenizer, ids, file=file)
+    (file or sys.stdout).write(prompt)
+    generate(model, ids, max_new_tokens, temperature=0.8, top_k=40, seed=seed,
+             stop_ids=tokenizer.eos_ids, on_token=stream)
+    stream.finish()
+
+
+__all__ = ["Trainer", "TrainError", "TrainInterrupted", "DataError", "lr_at", "latest_checkpoint",
+           "saved_config", "sample_text"]
