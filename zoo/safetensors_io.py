@@ -64,10 +64,12 @@ class SafetensorsFile:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size < 8:
-                    raise CheckpointError(self.path, f"file is {size} bytes, too short for a safetensors header (truncated?)")
+                    raise CheckpointError(self.path, f"file is {size} bytes, too short for a safetensors header "
+                                                     "(truncated?)")
                 n = int.from_bytes(f.read(8), "little")
                 if n > size - 8:
-                    raise CheckpointError(self.path, f"header length {n} runs past the end of the {size}-byte file (truncated?)")
+                    raise CheckpointError(self.path, f"header length {n} runs past the end of the {size}-byte file "
+                                                     "(truncated?)")
                 if n > _MAX_HEADER_BYTES:
                     raise CheckpointError(self.path, f"header length {n} exceeds the {_MAX_HEADER_BYTES}-byte limit")
                 header_bytes = f.read(n)
@@ -123,7 +125,9 @@ class SafetensorsFile:
         src = self._raw(info)
         if info.dtype == "BF16":
             # bfloat16 is the top half of a float32: widen, shift, reinterpret (one copy).
-            src = (src.astype(np.uint32) << 16).view(np.float32)
+            widened = src.astype(np.uint32)
+            widened <<= 16  # in place: this is the one copy
+            src = widened.view(np.float32)
         out[...] = src.T if transpose else src  # F16/F64 cast during assignment, no full copy
         del src
 
@@ -131,7 +135,7 @@ class SafetensorsFile:
 def _parse_header(path: Path, header_bytes: bytes, data_len: int) -> tuple[dict, dict[str, TensorInfo]]:
     try:
         header = json.loads(header_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(path, f"header is not valid JSON ({e}); not a safetensors file, or corrupt") from None
     if not isinstance(header, dict):
         raise CheckpointError(path, "header is not a JSON object")
@@ -246,7 +250,7 @@ class CheckpointReader:
 def _read_index(index_path: Path) -> dict[str, str]:
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(index_path, f"not valid JSON ({e})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
@@ -272,6 +276,9 @@ def _missing_weights_message(folder: Path) -> str:
 # --- writing -------------------------------------------------------------------------------
 
 
+_CHUNK = 1 << 20  # elements converted at a time when writing BF16
+
+
 def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
     """`arr` as contiguous little-endian bytes of `dtype` (at most one copy of the tensor)."""
     if dtype == "F32":
@@ -279,11 +286,16 @@ def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "F16":
         return np.ascontiguousarray(arr, dtype="<f2")
     if dtype == "BF16":
-        bits = np.ascontiguousarray(arr, dtype="<f4").view("<u4")
-        # Round to nearest, ties to even, as torch does; NaN must stay NaN (rounding could make it inf).
-        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
-        rounded[np.isnan(bits.view("<f4"))] = 0x7FC0
-        return rounded
+        flat = np.ascontiguousarray(arr, dtype="<f4").reshape(-1)
+        out = np.empty(flat.size, dtype="<u2")
+        for start in range(0, flat.size, _CHUNK):  # chunks keep the uint32 temporaries small
+            part = flat[start:start + _CHUNK]
+            bits = part.view("<u4")
+            # Round to nearest, ties to even, as torch does; NaN must stay NaN (rounding could make it inf).
+            rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+            rounded[np.isnan(part)] = 0x7FC0
+            out[start:start + _CHUNK] = rounded
+        return out.reshape(arr.shape)
     raise ValueError(f"cannot write dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
 
 

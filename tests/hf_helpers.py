@@ -1,0 +1,100 @@
+"""Tiny random transformers models for the checkpoint tests, and parity checks against them.
+Imported only by tests that have already skipped when torch/transformers are missing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 97
+
+
+def tiny_gpt2(*, n_inner=None, tie=True, vocab=VOCAB, seed=0) -> "transformers.GPT2LMHeadModel":
+    cfg = transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=n_inner,
+                                  tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1)
+    return _randomized(transformers.GPT2LMHeadModel, cfg, seed)
+
+
+def tiny_llama(*, n_kv_head=4, tie=False, head_dim=None, rope_parameters=None, attention_bias=False,
+               mlp_bias=False, seed=0) -> "transformers.LlamaForCausalLM":
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=n_kv_head, head_dim=head_dim,
+                                   max_position_embeddings=64, rope_parameters=rope_parameters,
+                                   attention_bias=attention_bias, mlp_bias=mlp_bias, tie_word_embeddings=tie,
+                                   rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1)
+    return _randomized(transformers.LlamaForCausalLM, cfg, seed)
+
+
+def _randomized(cls, cfg, seed):
+    """A model whose every parameter (norm weights and biases too) is random, so each
+    gradient path is exercised; eager attention so autograd runs through plain ops."""
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_hf_as(model, folder: Path, *, dtype=torch.float32, max_shard_size=None) -> None:
+    """model.save_pretrained with its tensors stored as `dtype` (the fp32 model is untouched)."""
+    kw = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    if dtype is torch.float32:
+        model.save_pretrained(folder, **kw)
+        return
+    casted = type(model)(model.config)
+    casted.load_state_dict(model.state_dict())
+    casted.to(dtype).save_pretrained(folder, **kw)
+
+
+def load_hf_fp32(folder: Path):
+    """The transformers model of `folder` in float32 (BF16 weights upcast exactly)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    return model.eval()
+
+
+def tokens(seed=0, batch=2, seq=12, vocab=VOCAB):
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, vocab, (batch, seq))
+    tgt = rng.integers(0, vocab, (batch, seq))
+    tgt[0, :2] = -100  # ignored positions count in neither loss nor gradients
+    return tok, tgt
+
+
+def hf_logits(model, tok: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tok)).logits.float().numpy()
+
+
+def hf_loss_and_grads(model, tok: np.ndarray, tgt: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean cross-entropy over non-ignored targets and torch autograd's gradients, by HF name."""
+    model.zero_grad(set_to_none=True)
+    logits = model(torch.from_numpy(tok)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             torch.from_numpy(tgt).reshape(-1), ignore_index=-100)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+
+
+def assert_parity(hf_model, zoo_model, seed=0) -> None:
+    """Logits within 1e-4, loss within 1e-5, every gradient within 1e-3 relative."""
+    from zoo.layout import parameter_layout
+
+    tok, tgt = tokens(seed)
+    diff = np.abs(zoo_model.logits(tok) - hf_logits(hf_model, tok)).max()
+    assert diff <= 1e-4, f"logits differ by {diff:.2e}"
+    loss, grads = zoo_model.loss_and_grads(tok, tgt)
+    ref_loss, ref_grads = hf_loss_and_grads(hf_model, tok, tgt)
+    assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
+    specs = {s.name: s for s in parameter_layout(zoo_model.config)}
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    for name, ref in ref_grads.items():
+        ours = grads[name].T if specs[name].hf_transposed else grads[name]
+        err = np.abs(ours - ref).max() / (np.abs(ref).max() + 1e-12)
+        assert err <= 1e-3, f"{name}: gradient relative error {err:.2e}"
+

@@ -1,0 +1,221 @@
+"""Hugging Face checkpoint folders in and out: config.json + safetensors weights (+ tokenizer).
+
+Names: zoo's parameter names are the Hugging Face ones (layout.py). A GPT-2 checkpoint may
+also drop the `transformer.` prefix (GPT2Model, OpenAI's upload), a Llama one the `model.`
+prefix (LlamaModel). GPT-2's Conv1D weights are stored transposed relative to zoo. The causal
+mask buffers GPT-2 checkpoints carry (attn.bias, attn.masked_bias) and Llama's rotary
+inv_freq are not parameters and are skipped; any other tensor zoo has no place for is an
+error, since ignoring it would silently change the model.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from .atomic import copy_file, write_json
+from .config import ModelConfig
+from .errors import CheckpointError
+from .hf_config import CONFIG_FILE, config_to_hf, config_to_zoo, hf_incompatibility, read_config, read_config_json
+from .layout import ParamSpec, parameter_layout
+from .memory import finetune_memory_bytes, human_bytes
+from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, CheckpointReader, write_checkpoint
+from .tokenizers import TOKENIZER_FILES, Tokenizer
+
+# Model-side files copied along with the tokenizer (they carry generation's bos/eos ids).
+_COPIED_FILES = TOKENIZER_FILES + ("generation_config.json",)
+_PREFIXES = {"gpt2": "transformer.", "llama": "model."}
+
+
+def _is_buffer(name: str) -> bool:
+    """Tensors some checkpoints store that are not parameters (recomputed by every runtime)."""
+    return name.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"))
+
+
+@dataclass(frozen=True)
+class TensorMatch:
+    spec: ParamSpec  # zoo's parameter
+    stored: str  # its name in the checkpoint
+
+
+def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatch]:
+    """Pair every zoo parameter with a checkpoint tensor of the right shape; errors name the file
+    and tensor for a missing tensor, a wrong shape or a tensor zoo has no place for."""
+    prefix = _PREFIXES[cfg.family]
+    matches = []
+    for spec in parameter_layout(cfg):
+        stored = spec.name
+        if stored not in reader and stored.startswith(prefix) and stored[len(prefix):] in reader:
+            stored = stored[len(prefix):]
+        if stored not in reader:
+            raise CheckpointError(reader.source, "tensor missing from the checkpoint", key=spec.name)
+        info = reader.info(stored)
+        expected = tuple(reversed(spec.shape)) if spec.hf_transposed else spec.shape
+        if info.shape != expected:
+            raise CheckpointError(reader.file_of(stored).path,
+                                  f"shape {list(info.shape)}, expected {list(expected)} from {CONFIG_FILE}", key=stored)
+        matches.append(TensorMatch(spec, stored))
+    used = {m.stored for m in matches}
+    for name in reader.names:
+        if name in used or _is_buffer(name) or (name == "lm_head.weight" and cfg.tied_embeddings):
+            continue  # a tied head stored anyway is the embedding again
+        raise CheckpointError(reader.file_of(name).path,
+                              f"tensor has no place in the model {CONFIG_FILE} describes", key=name)
+    return matches
+
+
+def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual"):
+    """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors).
+
+    max_seq_len: cap the context of a RoPE model (its positions are computed, so this changes
+    no weight; it keeps arenas small for models with 128K-token configs).
+    ad: the pullback backend, as zoo.Model takes it ("manual", "clad" or a per-block mapping).
+    """
+    from .model import Model
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(folder, "not a checkpoint folder (expected config.json and model.safetensors)")
+    cfg = read_config(folder)
+    if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
+        if cfg.positions != "rope":
+            raise ValueError(f"max_seq_len: {folder} has learned positions; its context is fixed at {cfg.max_seq_len}")
+        cfg = ModelConfig(**{**cfg.model_dump(), "max_seq_len": max_seq_len})
+    with CheckpointReader(folder) as reader:
+        matches = match_tensors(cfg, reader)  # all checks before the arena is allocated
+        model = Model(cfg, seed=None, ad=ad)
+        params = model.parameters()
+        for m in matches:
+            reader.copy_into(m.stored, params[m.spec.name], transpose=m.spec.hf_transposed)
+    model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
+    return model
+
+
+def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
+                    tokenizer_dir: Union[str, os.PathLike, None] = None, dtype: str = "float32",
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` as a Hugging Face checkpoint folder that transformers loads:
+    config.json, model.safetensors (or shards + index above max_shard_bytes), and the tokenizer.
+    A config transformers has no class for (e.g. RoPE with LayerNorm) gets zoo's own config.json,
+    with a warning: zoo loads it, transformers does not.
+
+    tokenizer: a Tokenizer (its files are written) or a folder whose tokenizer files are
+    copied; by default the folder the model was loaded from, if it had any. dtype: float32,
+    bfloat16 or float16 storage.
+    """
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        tokenizer = tokenizer_dir if tokenizer_dir is not None else getattr(model, "pretrained_path", None)
+    bos, eos = _special_ids(tokenizer)
+    cfg = model.config
+    problem = hf_incompatibility(cfg)
+    if problem is None:
+        hf = config_to_hf(cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
+    else:
+        warnings.warn(f"{folder / CONFIG_FILE}: {problem[1]}; writing zoo's own config (model_type 'zoo'), "
+                      "which zoo loads and transformers does not", stacklevel=2)
+        hf = config_to_zoo(cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
+    params = model.parameters()
+    tensors = [(spec.name, params[spec.name].T if spec.hf_transposed else params[spec.name])
+               for spec in parameter_layout(cfg)]
+    write_checkpoint(folder, tensors, DTYPE_NAMES[dtype], max_shard_bytes)
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer.save(folder)
+    elif tokenizer is not None:
+        _copy_tokenizer_files(Path(tokenizer), folder)
+    write_json(folder / CONFIG_FILE, hf)  # last: a folder with a config.json is complete
+    return folder
+
+
+def _special_ids(tokenizer) -> tuple[Optional[int], Union[int, list[int], None]]:
+    """bos/eos ids for config.json: from a Tokenizer, or from a source folder's own config files."""
+    if tokenizer is None:
+        return None, None
+    if isinstance(tokenizer, Tokenizer):
+        eos = list(tokenizer.eos_ids)
+        return tokenizer.bos_id, (eos[0] if len(eos) == 1 else eos or None)
+    folder = Path(tokenizer)
+    if (folder / CONFIG_FILE).is_file():  # the source checkpoint says it directly
+        hf = read_config_json(folder / CONFIG_FILE)
+        if hf.get("bos_token_id") is not None or hf.get("eos_token_id") is not None:
+            return hf.get("bos_token_id"), hf.get("eos_token_id")
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return _special_ids(Tokenizer.from_pretrained(folder))
+    return None, None
+
+
+def _copy_tokenizer_files(src: Path, dst: Path) -> None:
+    if not src.is_dir():
+        raise CheckpointError(src, "tokenizer folder not found")
+    if src.resolve() == dst.resolve():
+        return
+    for name in _COPIED_FILES:
+        if (src / name).is_file():
+            copy_file(src / name, dst / name)
+
+
+# --- zoo inspect -------------------------------------------------------------------------------
+
+
+def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optional[int] = None) -> dict:
+    """What `zoo inspect` prints, from config.json and the safetensors headers (no weights read)."""
+    folder = Path(path)
+    hf = read_config_json(folder)
+    cfg = read_config(folder)
+    seq_len = seq_len or min(cfg.max_seq_len, 1024)
+    with CheckpointReader(folder) as reader:
+        infos = [reader.info(n) for n in reader.names]
+        try:
+            match_tensors(cfg, reader)
+            loadable = "yes"
+        except CheckpointError as e:
+            loadable = f"no: {e}"
+        files = sorted({reader.file_of(n).path for n in reader.names})
+    dtypes = Counter()
+    for info in infos:
+        if not _is_buffer(info.name):
+            dtypes[info.dtype] += 1
+    memory = finetune_memory_bytes(cfg, batch, seq_len)
+    checkpointed = finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True)
+    tokenizer_files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return {
+        "path": str(folder), "architecture": (hf.get("architectures") or [f"zoo model, {cfg.family} names"])[0], "model_type": hf["model_type"],
+        "config": cfg, "parameters": cfg.num_parameters(), "tensors": len(infos), "dtypes": dict(dtypes),
+        "files": [str(f.name) for f in files], "file_bytes": sum(f.stat().st_size for f in files),
+        "tokenizer_files": tokenizer_files, "loadable": loadable, "batch": batch, "seq_len": seq_len,
+        "finetune_memory": memory, "finetune_memory_checkpointing": checkpointed,
+    }
+
+
+def format_inspection(r: dict) -> str:
+    cfg: ModelConfig = r["config"]
+    m, c = r["finetune_memory"], r["finetune_memory_checkpointing"]
+    kv = f", {cfg.n_kv_head} kv heads" if cfg.n_kv_head != cfg.n_head else ""
+    rope = ""
+    if cfg.positions == "rope":
+        rope = f", rope theta {cfg.rope_theta:g}" + (" with llama3 scaling" if cfg.rope_scaling else "")
+    lines = [
+        f"{r['path']}",
+        f"  architecture   {r['architecture']} (model_type {r['model_type']})",
+        f"  shape          {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads{kv}, head_dim "
+        f"{cfg.head_dim}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, context {cfg.max_seq_len}",
+        f"  blocks         {cfg.norm}, {cfg.mlp}, {cfg.positions} positions{rope}, "
+        f"{'tied' if cfg.tied_embeddings else 'untied'} embeddings",
+        f"  parameters     {r['parameters']:,}",
+        f"  weights        {r['tensors']} tensors in {len(r['files'])} file(s), {human_bytes(r['file_bytes'])}; "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(r["dtypes"].items())),
+        f"  tokenizer      {', '.join(r['tokenizer_files']) or 'none'}",
+        f"  zoo can load   {r['loadable']}",
+        f"  finetune memory (float32, AdamW, batch {r['batch']} x {r['seq_len']} tokens): {human_bytes(m.total)}",
+        f"    parameters {human_bytes(m.parameters)}, gradients {human_bytes(m.gradients)}, "
+        f"AdamW moments {human_bytes(m.optimizer)}, activations {human_bytes(m.activations)}",
+        f"    with activation checkpointing: {human_bytes(c.total)} (activations {human_bytes(c.activations)})",
+    ]
+    return "\n".join(lines)
