@@ -12,6 +12,9 @@ namespace py = pybind11;
 using zoo::Executor;
 
 void bind_blocks(py::module_& parent);  // block_bindings.cpp
+#ifdef ZOO_CLAD
+void bind_clad_blocks(py::module_ blocks);  // clad_block_bindings.cpp (Clad builds only)
+#endif
 
 namespace {
 
@@ -39,9 +42,9 @@ zoo::Dims dims_from(const py::dict& c) {
     d.d_ff = c["d_ff"].cast<int>();
     std::string norm = c["norm"].cast<std::string>(), mlp = c["mlp"].cast<std::string>();
     if (norm != "layernorm" && norm != "rmsnorm") throw std::invalid_argument("zoo: unknown norm " + norm);
-    if (mlp != "gelu" && mlp != "swiglu") throw std::invalid_argument("zoo: unknown mlp " + mlp);
+    if (mlp != "gelu" && mlp != "swiglu" && mlp != "relu2") throw std::invalid_argument("zoo: unknown mlp " + mlp);
     d.norm = norm == "layernorm" ? zoo::NormKind::layernorm : zoo::NormKind::rmsnorm;
-    d.mlp = mlp == "swiglu" ? zoo::MlpKind::swiglu : zoo::MlpKind::gelu;
+    d.mlp = mlp == "swiglu" ? zoo::MlpKind::swiglu : mlp == "relu2" ? zoo::MlpKind::relu2 : zoo::MlpKind::gelu;
     d.rope = c["positions"].cast<std::string>() == "rope";
     d.norm_eps = c["norm_eps"].cast<float>();
     d.attention_bias = c["attention_bias"].cast<bool>();
@@ -59,6 +62,9 @@ void check_tokens(const Tokens& t, const char* what) {
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zoo's native core: blocks, executor, optimizer";
     bind_blocks(m);
+#ifdef ZOO_CLAD
+    bind_clad_blocks(m.attr("blocks").cast<py::module_>());
+#endif
 
     m.def("set_threads", [](int n) {
         if (n < 1) throw std::invalid_argument("zoo: threads must be >= 1");
@@ -75,12 +81,28 @@ PYBIND11_MODULE(_native, m) {
 #endif
         info["openmp"] = _OPENMP;
         info["blas"] = ZOO_BLAS_NAME;
+        // The Clad backend: which blocks can take Clad's pullback (zoo.Model(ad=...)).
+        info["clad"] = zoo::clad_built;
+#ifdef ZOO_CLAD
+        info["clad_version"] = ZOO_CLAD_VERSION;
+#endif
+        std::vector<std::string> blocks, manual;
+        for (int k = 0; k < zoo::kAdBlocks; k++) {
+            if (zoo::clad_built) blocks.push_back(zoo::ad_block_name(k));
+            if (zoo::has_manual_pullback(k)) manual.push_back(zoo::ad_block_name(k));
+        }
+        info["clad_blocks"] = blocks;
+        info["manual_blocks"] = manual;
         return info;
     });
 
-    m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing) {
-        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T);
-    }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false);
+    m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
+        zoo::AdChoice ad;
+        for (int k = 0; k < zoo::kAdBlocks; k++)
+            for (const auto& name : clad_blocks) ad.clad[k] |= name == zoo::ad_block_name(k);
+        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T, ad);
+    }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
+       py::arg("clad_blocks") = std::vector<std::string>{});
 
     py::class_<Executor>(m, "Executor")
         .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t>> b,
@@ -141,6 +163,8 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
+        .def("set_clad_blocks", &Executor::set_clad_blocks)
+        .def("clad_blocks", &Executor::clad_blocks)
         .def("checkpointing", &Executor::checkpointing)
         .def("grad_norm", &Executor::grad_norm)
         .def("set_decay_ranges", &Executor::set_decay_ranges)

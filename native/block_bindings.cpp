@@ -18,6 +18,7 @@
 #include "blocks/gelu.hpp"
 #include "blocks/layernorm.hpp"
 #include "blocks/linear.hpp"
+#include "blocks/relu2.hpp"
 #include "blocks/residual.hpp"
 #include "blocks/rmsnorm.hpp"
 #include "blocks/rope.hpp"
@@ -88,6 +89,13 @@ void bind_blocks(py::module_& parent) {
         F dx(shape_of(x));
         zoo::GELU{C}.pullback(x.data(), dy.data(), dx.mutable_data(), N);
         return dx;
+    });
+    // relu2 has a forward only; its pullback is the Clad backend's (relu2_pullback_clad).
+    m.def("relu2_forward", [](F x) {
+        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "relu2 x");
+        F y(shape_of(x));
+        zoo::ReLU2{C}.forward(x.data(), y.mutable_data(), N);
+        return y;
     });
     m.def("swiglu_forward", [](F gate_up) {
         int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");

@@ -90,14 +90,37 @@ static int head_chunk_rows(int N, int V) {
     return (int)((N + chunks - 1) / chunks);
 }
 
-size_t activation_floats(const Dims& d, bool checkpointing, int B, int T) {
+size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad) {
     ArenaPlanner pl;
-    layout_activations(d, checkpointing, pl, nullptr, B, T);
+    layout_activations(d, checkpointing, pl, nullptr, B, T, ad);
     return pl.used;
 }
 
+// Scratch for the Clad pullbacks of the blocks this model has on Clad: the largest need, since
+// one pullback runs at a time.
+static size_t clad_scratch_floats(const Dims& d, const AdChoice& ad, int B, int T, int threads) {
+    size_t n = 0;
+    auto need = [&](int k, bool used, size_t floats) {
+        if (ad.clad[k] && used) n = std::max(n, floats);
+    };
+    need(kAdLayerNorm, d.norm == NormKind::layernorm, LayerNorm{d.d_model, d.norm_eps}.clad_scratch_floats(threads));
+    need(kAdRMSNorm, d.norm == NormKind::rmsnorm, RMSNorm{d.d_model, d.norm_eps}.clad_scratch_floats(threads));
+    need(kAdGELU, d.mlp == MlpKind::gelu, GELU{d.d_ff}.clad_scratch_floats(threads));
+    need(kAdSwiGLU, d.mlp == MlpKind::swiglu, SwiGLU{d.d_ff}.clad_scratch_floats(threads));
+    need(kAdReLU2, d.mlp == MlpKind::relu2, activation_clad_scratch_floats(d.d_ff, threads));
+    need(kAdRope, d.rope, RoPE{d.head_dim}.clad_scratch_floats(threads));
+    need(kAdAttention, true, Attention{d.n_head, d.n_kv_head, d.head_dim}.clad_scratch_floats(threads, T));
+    need(kAdCrossEntropy, true, CrossEntropy{d.vocab_size}.clad_scratch_floats(threads));
+    // Linear: the replayed bias add of the widest layer with a bias.
+    int widest = 0;
+    if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
+    if (d.mlp_bias) widest = std::max({widest, d.fc_dim(), d.d_model});
+    need(kAdLinear, widest > 0, Linear{0, widest}.clad_scratch_floats(B * T));
+    return n;
+}
+
 ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlanner& pl, float* base,
-                                  int B, int T) {
+                                  int B, int T, const AdChoice& ad) {
     const size_t N = (size_t)B * T, d = d_.d_model;
     auto take = [&](size_t n) { size_t at = pl.take(n); return base ? base + at : nullptr; };
     ActivationPlan p;
@@ -127,6 +150,8 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
     p.d_res = take(N * d); p.d_norm = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
     p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
     p.attn_scratch = take((size_t)omp_get_max_threads() * T);
+    const size_t clad = clad_scratch_floats(d_, ad, B, T, omp_get_max_threads());
+    if (clad) p.clad_scratch = take(clad);
     return p;
 }
 
@@ -137,6 +162,40 @@ void Executor::set_checkpointing(bool on) {
     }
 }
 
+void Executor::set_clad_blocks(const std::vector<std::string>& names) {
+    AdChoice ad;
+    for (const auto& name : names) {
+        int k = 0;
+        while (k < kAdBlocks && name != ad_block_name(k)) k++;
+        if (k == kAdBlocks) throw std::invalid_argument("zoo: no block named " + name);
+        ad.clad[k] = true;
+    }
+    if (!names.empty() && !clad_built)
+        throw std::runtime_error("zoo: the Clad backend was not built into this zoo; rebuild with "
+                                 "ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> (docs/clad.md)");
+    ad_ = ad;
+    cap_B_ = cap_T_ = 0;  // the Clad scratch changes: re-plan at the next step
+}
+
+std::vector<std::string> Executor::clad_blocks() const {
+    std::vector<std::string> out;
+    for (int k = 0; k < kAdBlocks; k++)
+        if (ad_.clad[k]) out.push_back(ad_block_name(k));
+    return out;
+}
+
+// A block without a hand-written pullback (relu2) trains only on the Clad backend.
+void Executor::check_trainable() const {
+    if (d_.mlp == MlpKind::relu2 && !ad_.clad[kAdReLU2])
+        throw std::runtime_error(
+            clad_built ? "zoo: block 'relu2' has no hand-written pullback; put it on the Clad backend "
+                         "(ad=\"clad\" or ad={\"relu2\": \"clad\"}) to train it"
+                       : "zoo: block 'relu2' has no hand-written pullback, and its generated one comes "
+                         "from the Clad backend, which this build does not have: the model runs forward "
+                         "(logits, generation) but cannot train. Rebuild zoo with ZOO_CLAD_DIR=<Clad prefix> "
+                         "CXX=<its clang++> (docs/clad.md)");
+}
+
 void Executor::plan(int B, int T) {
     if (B <= 0 || T <= 0) throw std::invalid_argument("zoo: batch and sequence length must be positive");
     if (T > d_.max_seq_len)
@@ -144,12 +203,14 @@ void Executor::plan(int B, int T) {
                                     " exceeds max_seq_len " + std::to_string(d_.max_seq_len));
     B_ = B;
     T_ = T;
-    if (B <= cap_B_ && T == cap_T_) return;  // attention probabilities are laid out T x T
+    // Attention probabilities are laid out T x T; per-thread scratch for the threads planned.
+    if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
     acts_.reset(activation_floats(B, T));
     ArenaPlanner pl;
-    a_ = layout_activations(d_, checkpointing_, pl, acts_.data, B, T);
+    a_ = layout_activations(d_, checkpointing_, pl, acts_.data, B, T, ad_);
     cap_B_ = B;
     cap_T_ = T;
+    cap_threads_ = omp_get_max_threads();
     tokens_.resize((size_t)B * T);
     targets_.resize((size_t)B * T);
 }
@@ -162,12 +223,32 @@ void Executor::norm_forward(const float* x, const float* w, const float* b, floa
         RMSNorm{d_.d_model, d_.norm_eps}.forward(x, w, y, rstd, N);
 }
 
-void Executor::norm_pullback(const float* x, const float* w, const float* mean, const float* rstd,
-                             const float* dy, float* dx, float* dw, float* db, int N) const {
-    if (d_.norm == NormKind::layernorm)
-        LayerNorm{d_.d_model, d_.norm_eps}.pullback(x, w, mean, rstd, dy, dx, dw, db, N);
-    else
-        RMSNorm{d_.d_model, d_.norm_eps}.pullback(x, w, rstd, dy, dx, dw, N);
+// The pullbacks with a choice of backend (set_clad_blocks); the Clad branches exist only in a
+// Clad build.
+void Executor::norm_pullback(const float* x, const float* w, const float* b, const float* mean,
+                             const float* rstd, const float* dy, float* dx, float* dw, float* db,
+                             int N) const {
+    if (d_.norm == NormKind::layernorm) {
+        const LayerNorm ln{d_.d_model, d_.norm_eps};
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdLayerNorm]) return ln.pullback_clad(x, w, b, dy, dx, dw, db, a_.clad_scratch, N);
+#endif
+        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, N);
+    } else {
+        const RMSNorm rms{d_.d_model, d_.norm_eps};
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdRMSNorm]) return rms.pullback_clad(x, w, dy, dx, dw, a_.clad_scratch, N);
+#endif
+        rms.pullback(x, w, rstd, dy, dx, dw, N);
+    }
+}
+
+void Executor::linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
+                               const float* dy, float* dx, float* dW, float* db, int N) const {
+#ifdef ZOO_CLAD
+    if (ad_.clad[kAdLinear]) return l.pullback_clad(x, W, b, dy, dx, dW, db, N, false, a_.clad_scratch);
+#endif
+    l.pullback(x, W, dy, dx, dW, db, N);
 }
 
 void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
@@ -204,6 +285,8 @@ void Executor::layer_forward(int i, int B, int T, bool full) {
     TIMED(forward, kLinear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
     if (d_.mlp == MlpKind::swiglu)
         TIMED(forward, kActivation, SwiGLU{d_.d_ff}.forward(a.fc, a.act, N));
+    else if (d_.mlp == MlpKind::relu2)
+        TIMED(forward, kActivation, ReLU2{d_.d_ff}.forward(a.fc, a.act, N));
     else
         TIMED(forward, kActivation, GELU{d_.d_ff}.forward(a.fc, a.act, N));
     if (!full) return;
@@ -222,23 +305,60 @@ void Executor::layer_pullback(int i, int B, int T) {
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
     const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
     const float* x = a_.residual + (size_t)i * N * d;
-    TIMED(pullback, kLinear, proj.pullback(a.act, w.proj_w, a_.d_res, a_.d_act, g.proj_w, g.proj_b, N));
-    if (d_.mlp == MlpKind::swiglu)
-        TIMED(pullback, kActivation, SwiGLU{d_.d_ff}.pullback(a.fc, a_.d_act, a_.d_fc, N));
+    [[maybe_unused]] float* cs = a_.clad_scratch;
+    TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
+                                             g.proj_b, N));
+    TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
+    TIMED(pullback, kLinear, linear_pullback(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
+    TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, a_.d_norm,
+                                         a_.d_res, g.ln2_w, g.ln2_b, N));
+    TIMED(pullback, kLinear, linear_pullback(attn_out, a.att, w.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
+                                             g.attn_out_w, g.attn_out_b, N));
+#ifdef ZOO_CLAD
+    if (ad_.clad[kAdAttention])
+        TIMED(pullback, kAttention, attn.pullback_clad(a.qkv, a_.d_att, a_.d_qkv, cs, B, T));
     else
-        TIMED(pullback, kActivation, GELU{d_.d_ff}.pullback(a.fc, a_.d_act, a_.d_fc, N));
-    TIMED(pullback, kLinear, fc.pullback(a.ln2, w.fc_w, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
-    TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, a.ln2_mean, a.ln2_rstd, a_.d_norm, a_.d_res,
-                                         g.ln2_w, g.ln2_b, N));
-    TIMED(pullback, kLinear, attn_out.pullback(a.att, w.attn_out_w, a_.d_res, a_.d_att, g.attn_out_w,
-                                               g.attn_out_b, N));
-    TIMED(pullback, kAttention, attn.pullback(a.qkv, a.probs, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
-    if (d_.rope)
-        TIMED(pullback, kRope, RoPE{d_.head_dim}.pullback(a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                                         rope_cos_.data(), rope_sin_.data(), B, T));
-    TIMED(pullback, kLinear, qkv.pullback(a.ln1, w.qkv_w, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N));
-    TIMED(pullback, kNorm, norm_pullback(x, w.ln1_w, a.ln1_mean, a.ln1_rstd, a_.d_norm, a_.d_res, g.ln1_w,
-                                         g.ln1_b, N));
+#endif
+        TIMED(pullback, kAttention, attn.pullback(a.qkv, a.probs, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
+    if (d_.rope) {
+        const RoPE rope{d_.head_dim};
+        const int heads = d_.n_head + d_.n_kv_head;
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdRope])
+            TIMED(pullback, kRope, rope.pullback_clad(a_.d_qkv, d_.qkv_dim(), heads, rope_cos_.data(),
+                                                      rope_sin_.data(), B, T, cs));
+        else
+#endif
+            TIMED(pullback, kRope, rope.pullback(a_.d_qkv, d_.qkv_dim(), heads, rope_cos_.data(),
+                                                 rope_sin_.data(), B, T));
+    }
+    TIMED(pullback, kLinear, linear_pullback(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w,
+                                             g.qkv_b, N));
+    TIMED(pullback, kNorm, norm_pullback(x, w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, a_.d_norm, a_.d_res,
+                                         g.ln1_w, g.ln1_b, N));
+}
+
+// dL/d(act) -> dL/d(fc) for the model's MLP activation.
+void Executor::activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const {
+    const int F = d_.d_ff;
+    [[maybe_unused]] float* cs = a_.clad_scratch;
+    if (d_.mlp == MlpKind::swiglu) {
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdSwiGLU]) return SwiGLU{F}.pullback_clad(fc, d_act, d_fc, cs, N);
+#endif
+        SwiGLU{F}.pullback(fc, d_act, d_fc, N);
+    } else if (d_.mlp == MlpKind::gelu) {
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdGELU]) return GELU{F}.pullback_clad(fc, d_act, d_fc, cs, N);
+#endif
+        GELU{F}.pullback(fc, d_act, d_fc, N);
+    } else {  // relu2: Clad's pullback only (check_trainable ran)
+#ifdef ZOO_CLAD
+        activation_pullback_clad<relu2_forward_row>(F, fc, d_act, d_fc, cs, N);
+#else
+        check_trainable();
+#endif
+    }
 }
 
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
@@ -269,8 +389,15 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
               chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
         total += chunk_mean * counted;
         if (!pullback) continue;
-        TIMED(pullback, kCrossEntropy, ce.pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid, grad_scale));
-        TIMED(pullback, kLinear, lm.pullback(x, head_weight(), a_.head_logits, a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
+#ifdef ZOO_CLAD
+        if (ad_.clad[kAdCrossEntropy])
+            TIMED(pullback, kCrossEntropy, ce.pullback_clad(a_.head_logits, targets + r0, rows, n_valid, grad_scale,
+                                                            a_.clad_scratch));
+        else
+#endif
+            TIMED(pullback, kCrossEntropy, ce.pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid, grad_scale));
+        TIMED(pullback, kLinear, linear_pullback(lm, x, head_weight(), nullptr, a_.head_logits,
+                                                 a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
     }
     return n_valid ? total / n_valid : 0.0;
 }
@@ -291,6 +418,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
 
 double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T,
                                   float grad_scale) {
+    check_trainable();
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
@@ -298,13 +426,20 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     trunk_forward(tokens, B, T);
     double loss = head(targets, N, true, grad_scale);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
-    TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, a_.lnf_mean,
-                                         a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
+    TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b,
+                                         a_.lnf_mean, a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
     for (int i = d_.n_layer - 1; i >= 0; i--) {
         if (checkpointing_) layer_forward(i, B, T, false);
         layer_pullback(i, B, T);
     }
-    TIMED(pullback, kEmbedding, Embedding{d}.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
+    const Embedding emb{d};
+#ifdef ZOO_CLAD
+    if (ad_.clad[kAdEmbedding])
+        TIMED(pullback, kEmbedding, emb.pullback_clad(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, a_.d_res, g_.wte,
+                                                      d_.rope ? nullptr : g_.wpe, B, T));
+    else
+#endif
+        TIMED(pullback, kEmbedding, emb.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
     return loss;
 }
 
@@ -420,6 +555,8 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
         fc.forward(c_norm_, w.fc_w, w.fc_b, c_fc_, N);
         if (d_.mlp == MlpKind::swiglu)
             SwiGLU{d_.d_ff}.forward(c_fc_, c_act_, N);
+        else if (d_.mlp == MlpKind::relu2)
+            ReLU2{d_.d_ff}.forward(c_fc_, c_act_, N);
         else
             GELU{d_.d_ff}.forward(c_fc_, c_act_, N);
         proj.forward(c_act_, w.proj_w, w.proj_b, c_x_, N, /*accumulate=*/true);

@@ -25,6 +25,11 @@ inline float fast_exp(float x) {
     return p * scale;
 }
 
+// The logistic function. Its own function so that Clad takes its derivative in the stable
+// form s (1 - s) (below) rather than by the quotient rule, whose (1 + e^-z)^2 overflows to
+// inf / inf = NaN in the saturated tail.
+inline float sigmoid(float z) { return 1.0f / (1.0f + fast_exp(-z)); }
+
 // Maximum of a row, in 16 independent lanes so it vectorizes (a plain running max does not:
 // NaN semantics forbid reordering it).
 inline float row_max(const float* x, int n) {
@@ -40,3 +45,26 @@ inline float row_max(const float* x, int n) {
 }
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+// Derivatives Clad takes instead of differentiating the bodies above: fast_exp bit-casts
+// through memcpy, which Clad cannot see through, and row_max's lanes would be taped element
+// by element. Both have a closed form.
+namespace clad::custom_derivatives::zoo {
+inline clad::ValueAndPushforward<float, float> fast_exp_pushforward(float x, float d_x) {
+    float e = ::zoo::fast_exp(x);
+    return {e, x < -87.0f || x > 88.0f ? 0.0f : e * d_x};  // flat where fast_exp clamps
+}
+inline clad::ValueAndPushforward<float, float> sigmoid_pushforward(float z, float d_z) {
+    float s = ::zoo::sigmoid(z);
+    return {s, s * (1.0f - s) * d_z};
+}
+// d max / dx is one at the first element that attains the max.
+inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* d_n) {
+    float m = ::zoo::row_max(x, n);
+    int i = 0;
+    while (i < n - 1 && !(x[i] == m)) i++;
+    if (n > 0) d_x[i] += d_y;
+}
+}  // namespace clad::custom_derivatives::zoo
+#endif

@@ -17,6 +17,7 @@
 #include "blocks/gelu.hpp"
 #include "blocks/layernorm.hpp"
 #include "blocks/linear.hpp"
+#include "blocks/relu2.hpp"
 #include "blocks/residual.hpp"
 #include "blocks/rmsnorm.hpp"
 #include "blocks/rope.hpp"
@@ -25,7 +26,7 @@
 namespace zoo {
 
 enum class NormKind { layernorm, rmsnorm };
-enum class MlpKind { gelu, swiglu };
+enum class MlpKind { gelu, swiglu, relu2 };
 
 struct Dims {
     int vocab_size, max_seq_len, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff;
@@ -71,6 +72,25 @@ struct Profile {
     double forward[kBlockKinds] = {}, pullback[kBlockKinds] = {};
 };
 
+// Which pullback each block uses: the hand-written one or the one Clad generated from the
+// block's forward (a Clad build only; zoo.Model(ad=...)). ReLU2 has only the latter.
+enum AdBlock { kAdEmbedding, kAdRope, kAdLayerNorm, kAdRMSNorm, kAdGELU, kAdSwiGLU, kAdReLU2, kAdLinear,
+               kAdAttention, kAdResidual, kAdCrossEntropy, kAdBlocks };
+inline const char* ad_block_name(int k) {
+    static const char* names[] = {"embedding", "rope",   "layernorm", "rmsnorm",  "gelu",         "swiglu",
+                                  "relu2",     "linear", "attention", "residual", "cross_entropy"};
+    return names[k];
+}
+inline bool has_manual_pullback(int k) { return k != kAdReLU2; }
+#ifdef ZOO_CLAD
+constexpr bool clad_built = true;
+#else
+constexpr bool clad_built = false;
+#endif
+struct AdChoice {
+    bool clad[kAdBlocks] = {};
+};
+
 // Where every activation buffer of a (B, T) step sits in the activation arena.
 struct ActivationPlan {
     float* residual = nullptr;  // (n_layer + 1) x (N, d): each layer's input, then the output
@@ -81,13 +101,16 @@ struct ActivationPlan {
     // Gradient scratch, shared by all layers.
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
           *d_act = nullptr, *attn_scratch = nullptr;
+    // Clad pullbacks' scratch (per-thread weight-gradient parts and replay rows), shared by
+    // all of them; empty when no block is on Clad.
+    float* clad_scratch = nullptr;
 };
 
 // Lays out every activation buffer of a (B, T) step from base (nullptr: only count floats
 // into pl). A free function so memory can be estimated without building a model.
 ActivationPlan layout_activations(const Dims& d, bool checkpointing, ArenaPlanner& pl, float* base,
-                                  int B, int T);
-size_t activation_floats(const Dims& d, bool checkpointing, int B, int T);
+                                  int B, int T, const AdChoice& ad = AdChoice{});
+size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad = AdChoice{});
 
 struct ParamBinding {
     std::string role;
@@ -109,10 +132,13 @@ public:
 
     // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
     void plan(int B, int T);
-    size_t activation_floats(int B, int T) const { return zoo::activation_floats(d_, checkpointing_, B, T); }
+    size_t activation_floats(int B, int T) const { return zoo::activation_floats(d_, checkpointing_, B, T, ad_); }
     // Keep only each layer's input; recompute its internals during the pullback.
     void set_checkpointing(bool on);
     bool checkpointing() const { return checkpointing_; }
+    // Blocks (ad_block_name) whose pullback is Clad's; the others use the hand-written one.
+    void set_clad_blocks(const std::vector<std::string>& names);
+    std::vector<std::string> clad_blocks() const;
 
     // Forward over tokens (B, T). With targets, returns the mean loss (the head runs chunk by
     // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
@@ -148,7 +174,8 @@ private:
     // Activation arena and the plan laid over it.
     Arena acts_;
     bool checkpointing_ = false;
-    int cap_B_ = 0, cap_T_ = 0, B_ = 0, T_ = 0;
+    AdChoice ad_;
+    int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0, B_ = 0, T_ = 0;
     ActivationPlan a_;
     std::vector<int32_t> tokens_, targets_;
     bool grads_zero_ = true;
@@ -169,8 +196,12 @@ private:
     double head(const int32_t* targets, int N, bool pullback, float grad_scale);
     void norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
                       float* rstd, int N) const;
-    void norm_pullback(const float* x, const float* w, const float* mean, const float* rstd,
-                       const float* dy, float* dx, float* dw, float* db, int N) const;
+    void norm_pullback(const float* x, const float* w, const float* b, const float* mean,
+                       const float* rstd, const float* dy, float* dx, float* dw, float* db, int N) const;
+    void linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
+                         const float* dy, float* dx, float* dW, float* db, int N) const;
+    void activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const;
+    void check_trainable() const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head; }
 };

@@ -96,6 +96,8 @@ class Reference:
             if c.mlp == "swiglu":
                 g, u = f.split(c.d_ff, dim=-1)
                 f = F.silu(g) * u
+            elif c.mlp == "relu2":
+                f = F.relu(f).square()
             else:
                 f = F.gelu(f, approximate="tanh")
             x = x + F.linear(f, self.t("proj_w", i), self.t("proj_b", i))

@@ -48,7 +48,7 @@ class ModelConfig(BaseModel):
     d_ff: Optional[int] = Field(default=None, gt=0)  # None: 4 * d_model
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     norm_eps: float = Field(default=1e-5, gt=0)
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: forward only without Clad (docs/clad.md)
     positions: Literal["learned", "rope"] = "learned"
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: Optional[RopeScaling] = None

@@ -141,6 +141,7 @@ class Trainer:
         _check_writable(self.out)
         resume_from = self._check_run_folder()
         self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
+        self.model.check_trainable()  # a forward-only block stops the run here, before any data work
         self._check_fit()
         if cfg.checkpointing:
             if not hasattr(self.model, "set_checkpointing"):
@@ -201,14 +202,14 @@ class Trainer:
             src = resume_from if resume_from is not None else Path(cfg.from_dir)
             if not src.is_dir():
                 raise TrainError(f"--from {src}: no such checkpoint folder")
-            model = load_pretrained(src)
+            model = load_pretrained(src, ad=cfg.ad)
             tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
             return model, Tokenizer.from_pretrained(tok_dir), tok_dir
         if cfg.model is not None:
             model_cfg = cfg.model
         else:
             model_cfg = zoo.preset(cfg.preset or "tiny-llama")
-        model = zoo.Model(model_cfg, seed=cfg.seed)
+        model = zoo.Model(model_cfg, seed=cfg.seed, ad=cfg.ad)
         if cfg.tokenizer:
             return model, Tokenizer.from_pretrained(cfg.tokenizer), Path(cfg.tokenizer)
         return model, Tokenizer.byte_level(), None

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
 namespace zoo {
@@ -62,6 +63,39 @@ struct CrossEntropy {
             l[targets[n]] -= k;
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of cross_entropy_forward_row, rows in
+    // parallel, logits -> dlogits in place like pullback (defined below, compiled only into a
+    // Clad build). It replays each row's logsumexp instead of reading row_loss. Per thread,
+    // scratch holds the row's adjoint (the replay reads the logits it overwrites).
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)V + 2 + 15) / 16 * 16); }
+    void pullback_clad(float* logits, const int32_t* targets, int N, int n_valid, float grad_scale,
+                       float* scratch) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+void zoo::CrossEntropy::pullback_clad(float* logits, const int32_t* targets, int N, int n_valid,
+                                      float grad_scale, float* scratch) const {
+    const float k = n_valid ? grad_scale / n_valid : 0.0f;
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(cross_entropy_forward_row, "logits, loss_out");
+        float* d = scratch + omp_get_thread_num() * clad_pad((size_t)V + 2);
+        float *loss = d + V, *seed = d + V + 1;
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float* l = logits + (size_t)n * V;
+            if (targets[n] == ignore_index) {
+                for (int v = 0; v < V; v++) l[v] = 0.0f;
+                continue;
+            }
+            for (int v = 0; v < V; v++) d[v] = 0.0f;
+            seed[0] = k;  // dL/d(row loss): the mean over counted rows, scaled
+            grad.execute(l, targets[n], loss, V, d, seed);
+            for (int v = 0; v < V; v++) l[v] = d[v];
+        }
+    }
+}
+#endif

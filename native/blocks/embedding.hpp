@@ -3,10 +3,17 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../clad_backend.hpp"
+
 namespace zoo {
 
 inline void embedding_forward_row(const float* wte_row, const float* wpe_row, float* x, int C) {
     for (int i = 0; i < C; i++) x[i] = wte_row[i] + wpe_row[i];
+}
+
+// Token embedding alone (RoPE models).
+inline void token_embedding_forward_row(const float* wte_row, float* x, int C) {
+    for (int i = 0; i < C; i++) x[i] = wte_row[i];
 }
 
 struct Embedding {
@@ -23,7 +30,7 @@ struct Embedding {
             if (wpe) {
                 embedding_forward_row(te, wpe + (size_t)(pos0 + n % T) * C, xr, C);
             } else {
-                for (int i = 0; i < C; i++) xr[i] = te[i];
+                token_embedding_forward_row(te, xr, C);
             }
         }
     }
@@ -47,6 +54,37 @@ struct Embedding {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of the row kernels, applied to column
+    // blocks of each row (the kernels are elementwise), blocks in parallel as above (defined
+    // below, compiled only into a Clad build). The replayed forward reads wte and wpe.
+    void pullback_clad(const int32_t* tokens, const float* wte, const float* wpe, const float* dx,
+                       float* dwte, float* dwpe, int B, int T) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, const float* wpe,
+                                   const float* dx, float* dwte, float* dwpe, int B, int T) const {
+    const int block = 64;
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(embedding_forward_row, "wte_row, wpe_row, x");
+        auto grad_te = clad::gradient(token_embedding_forward_row, "wte_row, x");
+        float x[block], seed[block];
+#pragma omp for schedule(static)
+        for (int c0 = 0; c0 < C; c0 += block) {
+            const int len = c0 + block < C ? block : C - c0;
+            for (int n = 0; n < B * T; n++) {
+                const size_t te = (size_t)tokens[n] * C + c0, pe = (size_t)(n % T) * C + c0;
+                for (int i = 0; i < len; i++) seed[i] = dx[(size_t)n * C + c0 + i];  // consumed
+                if (wpe)
+                    grad.execute(wte + te, wpe + pe, x, len, dwte + te, dwpe + pe, seed);
+                else
+                    grad_te.execute(wte + te, x, len, dwte + te, seed);
+            }
+        }
+    }
+}
+#endif

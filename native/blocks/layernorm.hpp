@@ -1,6 +1,9 @@
 // LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * w + b.
 #pragma once
 #include <cmath>
+#include <cstddef>
+
+#include "../clad_backend.hpp"
 
 namespace zoo {
 
@@ -69,6 +72,42 @@ struct LayerNorm {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of layernorm_forward_row, rows in parallel
+    // (defined below, compiled only into a Clad build). Same contract as pullback; it replays
+    // the row instead of reading mean and rstd, so it takes b. scratch: clad_scratch_floats().
+    size_t clad_row_floats() const { return ((size_t)4 * C + 4 + 15) / 16 * 16; }
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
+    void pullback_clad(const float* x, const float* w, const float* b, const float* dy, float* dx,
+                       float* dw, float* db, float* scratch, int N) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+// Per thread: [dw part (C) | db part (C) | y (C) | seed (C) | mean, rstd, their adjoints].
+void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* b, const float* dy,
+                                   float* dx, float* dw, float* db, float* scratch, int N) const {
+    const size_t S = clad_row_floats();
+    int threads = 1;
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(layernorm_forward_row, "x, w, b, y, mean_out, rstd_out");
+#pragma omp single
+        threads = omp_get_num_threads();
+        float* s = scratch + omp_get_thread_num() * S;
+        float *dw_t = s, *db_t = s + C, *y = s + 2 * C, *seed = s + 3 * C, *st = s + 4 * C;
+        for (int i = 0; i < 2 * C; i++) s[i] = 0.0f;
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const float* dyr = dy + (size_t)n * C;
+            for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
+            st[2] = st[3] = 0.0f;                            // mean, rstd: nothing reads them
+            grad.execute(x + (size_t)n * C, w, b, y, st, st + 1, C, eps, dx + (size_t)n * C, dw_t,
+                         db_t, seed, st + 2, st + 3);
+        }
+        add_thread_parts(dw, scratch, S, threads, C);
+        add_thread_parts(db, scratch + C, S, threads, C);
+    }
+}
+#endif

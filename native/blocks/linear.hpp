@@ -3,9 +3,36 @@
 #include <cstddef>
 #include <cstring>
 
+#include "../clad_backend.hpp"
 #include "../blas.hpp"
 
 namespace zoo {
+
+// y += x W^T, x (N, in), W (out, in), y (N, out): the layer's GEMM as a function of its own,
+// so Clad can be handed its derivative (the hand-written one, below).
+inline void linear_gemm(const float* x, const float* W, float* y, int N, int in, int out) {
+    blas::gemm(false, true, N, out, in, 1.0f, x, in, W, in, 1.0f, y, out);
+}
+
+// y[n] += b, row n of y. The row index is an argument, not an offset of y: Clad (master
+// 4b2c0eef) drops the reverse loop's n-- when n appears only in a pointer offset.
+inline void linear_bias_row(const float* b, float* y, int n, int out) {
+    for (int o = 0; o < out; o++) y[(size_t)n * out + o] += b[o];
+}
+
+// The layer as Clad differentiates it: y += b on every row, then y += x W^T. The same
+// arithmetic as Linear::forward with accumulate=true, which runs the bias rows in parallel.
+// Bias first: after the GEMM, Clad would tape y for the GEMM's derivative.
+inline void linear_forward_rows(const float* x, const float* W, const float* b, float* y, int N,
+                                int in, int out) {
+    for (int n = 0; n < N; n++) linear_bias_row(b, y, n, out);
+    linear_gemm(x, W, y, N, in, out);
+}
+
+inline void linear_forward_rows_nobias(const float* x, const float* W, float* y, int N, int in,
+                                       int out) {
+    linear_gemm(x, W, y, N, in, out);
+}
 
 struct Linear {
     int in, out;
@@ -48,6 +75,45 @@ struct Linear {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of linear_forward_rows, which composes the
+    // GEMM's hand-written derivative with the bias part Clad writes (defined below, compiled
+    // only into a Clad build). Same contract as pullback, plus b (null: no bias) and
+    // y_scratch, clad_scratch_floats(N) floats where the replayed forward adds the bias.
+    size_t clad_scratch_floats(int N) const { return (size_t)N * out; }
+    void pullback_clad(const float* x, const float* W, const float* b, const float* dy, float* dx,
+                       float* dW, float* db, int N, bool accumulate_dx, float* y_scratch) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+namespace clad::custom_derivatives::zoo {
+// Clad's pullback first replays the forward. A reverse_forw that carries a pullback_state
+// replaces the GEMM in that replay; this one does nothing: the GEMM's output is already in
+// the activation arena and no adjoint reads it, so the replay costs no GEMM.
+inline void linear_gemm_reverse_forw(const float*, const float*, float*, int, int, int,
+                                     const float*, const float*, float*, int, int, int,
+                                     clad::pullback_state<>&) {}
+// The GEMM's derivative: the hand-written pullback without its bias part.
+inline void linear_gemm_pullback(const float* x, const float* W, float* y, int N, int in, int out,
+                                 float* d_x, float* d_W, float* d_y, int*, int*, int*,
+                                 clad::pullback_state<>) {
+    ::zoo::Linear{in, out}.pullback(x, W, d_y, d_x, d_W, nullptr, N, /*accumulate_dx=*/true);
+}
+}  // namespace clad::custom_derivatives::zoo
+
+void zoo::Linear::pullback_clad(const float* x, const float* W, const float* b, const float* dy,
+                                float* dx, float* dW, float* db, int N, bool accumulate_dx,
+                                float* y_scratch) const {
+    if (dx && !accumulate_dx) std::memset(dx, 0, sizeof(float) * N * in);  // the gradient adds
+    // y += ... passes its adjoint through unchanged, so the gradient reads dy and leaves it.
+    float* d_y = const_cast<float*>(dy);
+    if (b)
+        clad::gradient(linear_forward_rows, "x, W, b, y")
+            .execute(x, W, b, y_scratch, N, in, out, dx, dW, db, d_y);
+    else
+        clad::gradient(linear_forward_rows_nobias, "x, W, y")
+            .execute(x, W, y_scratch, N, in, out, dx, dW, d_y);
+}
+#endif

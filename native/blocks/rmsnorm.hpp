@@ -1,6 +1,9 @@
 // RMSNorm over the last dimension: y = x / sqrt(mean(x^2) + eps) * w.
 #pragma once
 #include <cmath>
+#include <cstddef>
+
+#include "../clad_backend.hpp"
 
 namespace zoo {
 
@@ -49,6 +52,40 @@ struct RMSNorm {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of rmsnorm_forward_row, rows in parallel
+    // (defined below, compiled only into a Clad build). Same contract as pullback; it replays
+    // the row instead of reading rstd. scratch: clad_scratch_floats().
+    size_t clad_row_floats() const { return ((size_t)3 * C + 2 + 15) / 16 * 16; }
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
+    void pullback_clad(const float* x, const float* w, const float* dy, float* dx, float* dw,
+                       float* scratch, int N) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+// Per thread: [dw part (C) | y (C) | seed (C) | rstd, its adjoint].
+void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy, float* dx,
+                                 float* dw, float* scratch, int N) const {
+    const size_t S = clad_row_floats();
+    int threads = 1;
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(rmsnorm_forward_row, "x, w, y, rstd_out");
+#pragma omp single
+        threads = omp_get_num_threads();
+        float* s = scratch + omp_get_thread_num() * S;
+        float *dw_t = s, *y = s + C, *seed = s + 2 * C, *st = s + 3 * C;
+        for (int i = 0; i < C; i++) dw_t[i] = 0.0f;
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const float* dyr = dy + (size_t)n * C;
+            for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
+            st[1] = 0.0f;
+            grad.execute(x + (size_t)n * C, w, y, st, C, eps, dx + (size_t)n * C, dw_t, seed, st + 1);
+        }
+        add_thread_parts(dw, scratch, S, threads, C);
+    }
+}
+#endif

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../clad_backend.hpp"
+
 namespace zoo {
 
 inline void rope_forward_row(float* x, const float* cos_row, const float* sin_row, int half) {
@@ -60,6 +62,33 @@ struct RoPE {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of rope_forward_row, in place on the
+    // adjoint like pullback (defined below, compiled only into a Clad build). The rotation is
+    // linear, so the replayed forward's input does not matter: it rotates a zero row in
+    // scratch (clad_scratch_floats()) instead of the saved q and k.
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)head_dim + 15) / 16 * 16); }
+    void pullback_clad(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
+                       int B, int T, float* scratch) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* cos_t,
+                              const float* sin_t, int B, int T, float* scratch) const {
+    const int half = head_dim / 2;
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(rope_forward_row, "x");
+        float* x = scratch + omp_get_thread_num() * clad_pad(head_dim);
+        for (int i = 0; i < head_dim; i++) x[i] = 0.0f;
+#pragma omp for schedule(static)
+        for (int n = 0; n < B * T; n++) {
+            const size_t p = (size_t)(n % T) * half;
+            for (int h = 0; h < n_heads; h++)
+                grad.execute(x, cos_t + p, sin_t + p, half, dx + (size_t)n * stride + h * head_dim);
+        }
+    }
+}
+#endif

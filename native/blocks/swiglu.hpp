@@ -1,16 +1,18 @@
 // SwiGLU: input rows are [gate (F) | up (F)] from one fused GEMM; y = silu(gate) * up.
 #pragma once
 #include <cmath>
+#include <cstddef>
 
+#include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
 namespace zoo {
 
+// The element as a scalar function, so Clad needs no tape (see gelu.hpp).
+inline float swiglu(float gate, float up) { return gate * sigmoid(gate) * up; }
+
 inline void swiglu_forward_row(const float* gate_up, float* y, int F) {
-    for (int i = 0; i < F; i++) {
-        float g = gate_up[i];
-        y[i] = g / (1.0f + fast_exp(-g)) * gate_up[F + i];
-    }
+    for (int i = 0; i < F; i++) y[i] = swiglu(gate_up[i], gate_up[F + i]);
 }
 
 struct SwiGLU {
@@ -38,6 +40,32 @@ struct SwiGLU {
             }
         }
     }
+
+    // The Clad backend's pullback: Clad's gradient of swiglu_forward_row, rows in parallel
+    // (defined below, compiled only into a Clad build). Same contract as pullback.
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * ((2 * (size_t)F + 15) / 16 * 16); }
+    void pullback_clad(const float* gate_up, const float* dy, float* d_gate_up, float* scratch, int N) const;
 };
 
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+// Per thread: [y (F) | seed (F)].
+void zoo::SwiGLU::pullback_clad(const float* gate_up, const float* dy, float* d_gate_up, float* scratch,
+                                int N) const {
+#pragma omp parallel
+    {
+        auto grad = clad::gradient(swiglu_forward_row, "gate_up, y");
+        float* y = scratch + omp_get_thread_num() * clad_pad(2 * (size_t)F);
+        float* seed = y + F;
+#pragma omp for schedule(static)
+        for (int n = 0; n < N; n++) {
+            const float* dyr = dy + (size_t)n * F;
+            float* d = d_gate_up + (size_t)n * 2 * F;
+            for (int i = 0; i < F; i++) seed[i] = dyr[i];  // the gradient consumes its seed
+            for (int i = 0; i < 2 * F; i++) d[i] = 0.0f;   // and adds; this pullback writes
+            grad.execute(gate_up + (size_t)n * 2 * F, y, F, d, seed);
+        }
+    }
+}
+#endif

@@ -1,0 +1,150 @@
+// The Clad backend's pullback of each block on NumPy arrays (a Clad build only), next to the
+// hand-written ones of block_bindings.cpp: zoo._native.blocks.<block>_pullback_clad. Inputs
+// and outputs follow the hand-written bindings; the Clad pullbacks replay the forward, so they
+// take its inputs (b, wte, a...) instead of saved statistics. Scratch is allocated per call
+// here (a test and benchmark API); the executor plans it once.
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "blocks/attention.hpp"
+#include "blocks/cross_entropy.hpp"
+#include "blocks/embedding.hpp"
+#include "blocks/gelu.hpp"
+#include "blocks/layernorm.hpp"
+#include "blocks/linear.hpp"
+#include "blocks/relu2.hpp"
+#include "blocks/residual.hpp"
+#include "blocks/rmsnorm.hpp"
+#include "blocks/rope.hpp"
+#include "blocks/swiglu.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using F = py::array_t<float, py::array::c_style | py::array::forcecast>;
+using I = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+F zeros(std::vector<py::ssize_t> shape) {
+    F a(shape);
+    std::fill(a.mutable_data(), a.mutable_data() + a.size(), 0.0f);
+    return a;
+}
+
+std::vector<py::ssize_t> shape_of(const F& x) { return {x.shape(), x.shape() + x.ndim()}; }
+
+int rows(const F& x, int C, const char* what) {
+    if (x.ndim() < 1 || x.shape(x.ndim() - 1) != C || x.size() % C)
+        throw std::invalid_argument(std::string("zoo: ") + what + ": last dimension must be " +
+                                    std::to_string(C));
+    return (int)(x.size() / C);
+}
+
+int threads() { return omp_get_max_threads(); }
+
+}  // namespace
+
+void bind_clad_blocks(py::module_ m) {
+    m.def("layernorm_pullback_clad", [](F x, F w, F b, F dy, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "layernorm x");
+        zoo::LayerNorm ln{C, eps};
+        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
+        std::vector<float> scratch(ln.clad_scratch_floats(threads()));
+        ln.pullback_clad(x.data(), w.data(), b.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
+                         db.mutable_data(), scratch.data(), N);
+        return py::make_tuple(dx, dw, db);
+    });
+    m.def("rmsnorm_pullback_clad", [](F x, F w, F dy, float eps) {
+        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
+        zoo::RMSNorm rms{C, eps};
+        F dx = zeros(shape_of(x)), dw = zeros({C});
+        std::vector<float> scratch(rms.clad_scratch_floats(threads()));
+        rms.pullback_clad(x.data(), w.data(), dy.data(), dx.mutable_data(), dw.mutable_data(), scratch.data(), N);
+        return py::make_tuple(dx, dw);
+    });
+    m.def("gelu_pullback_clad", [](F x, F dy) {
+        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
+        zoo::GELU g{C};
+        F dx(shape_of(x));
+        std::vector<float> scratch(g.clad_scratch_floats(threads()));
+        g.pullback_clad(x.data(), dy.data(), dx.mutable_data(), scratch.data(), N);
+        return dx;
+    });
+    m.def("relu2_pullback_clad", [](F x, F dy) {
+        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "relu2 x");
+        F dx(shape_of(x));
+        std::vector<float> scratch(zoo::activation_clad_scratch_floats(C, threads()));
+        zoo::activation_pullback_clad<zoo::relu2_forward_row>(C, x.data(), dy.data(), dx.mutable_data(),
+                                                              scratch.data(), N);
+        return dx;
+    });
+    m.def("swiglu_pullback_clad", [](F gate_up, F dy) {
+        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
+        zoo::SwiGLU s{F2 / 2};
+        F d(shape_of(gate_up));
+        std::vector<float> scratch(s.clad_scratch_floats(threads()));
+        s.pullback_clad(gate_up.data(), dy.data(), d.mutable_data(), scratch.data(), N);
+        return d;
+    });
+    m.def("linear_pullback_clad", [](F x, F W, std::optional<F> b, F dy) {
+        int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
+        zoo::Linear l{in, out};
+        F dx({(py::ssize_t)N, (py::ssize_t)in}), dW = zeros({out, in}), db = zeros({out});
+        std::vector<float> y(b ? l.clad_scratch_floats(N) : 0);
+        l.pullback_clad(x.data(), W.data(), b ? b->data() : nullptr, dy.data(), dx.mutable_data(),
+                        dW.mutable_data(), b ? db.mutable_data() : nullptr, N, false, y.data());
+        return py::make_tuple(dx, dW, b ? py::object(db) : py::object(py::none()));
+    });
+    m.def("embedding_pullback_clad", [](I tokens, F wte, std::optional<F> wpe, F dx) {
+        int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)wte.shape(1);
+        F dwte = zeros({wte.shape(0), (py::ssize_t)C});
+        F dwpe = zeros({wpe ? wpe->shape(0) : 1, (py::ssize_t)C});
+        zoo::Embedding{C}.pullback_clad(tokens.data(), wte.data(), wpe ? wpe->data() : nullptr, dx.data(),
+                                        dwte.mutable_data(), wpe ? dwpe.mutable_data() : nullptr, B, T);
+        return py::make_tuple(dwte, wpe ? py::object(dwpe) : py::object(py::none()));
+    });
+    // dy: (B, T, n_heads * head_dim); the adjoint is rotated back in a copy.
+    m.def("rope_pullback_clad", [](F dy, F inv_freq, int head_dim) {
+        int B = (int)dy.shape(0), T = (int)dy.shape(1), H = (int)(dy.shape(2) / head_dim);
+        zoo::RoPE rope{head_dim};
+        std::vector<float> c((size_t)T * head_dim / 2), s(c.size()), scratch(rope.clad_scratch_floats(threads()));
+        rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
+        F dx(shape_of(dy));
+        std::memcpy(dx.mutable_data(), dy.data(), sizeof(float) * dy.size());
+        rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, scratch.data());
+        return dx;
+    });
+    m.def("attention_pullback_clad", [](F qkv, F dout, int n_head, int n_kv_head, int head_dim) {
+        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        zoo::Attention a{n_head, n_kv_head, head_dim};
+        if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
+            throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
+        F dqkv(shape_of(qkv));
+        std::vector<float> scratch(a.clad_scratch_floats(threads(), T));
+        a.pullback_clad(qkv.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        return dqkv;
+    });
+    m.def("cross_entropy_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale) {
+        int V = (int)logits.shape(1), N = (int)logits.shape(0);
+        zoo::CrossEntropy ce{V};
+        F d(shape_of(logits));
+        std::memcpy(d.mutable_data(), logits.data(), sizeof(float) * logits.size());
+        std::vector<float> scratch(ce.clad_scratch_floats(threads()));
+        ce.pullback_clad(d.mutable_data(), targets.data(), N, n_valid, grad_scale, scratch.data());
+        return d;
+    });
+    m.def("residual_pullback_clad", [](F a, F b, F dy) {
+        F da = zeros(shape_of(dy)), db = zeros(shape_of(dy));
+        zoo::Residual{}.pullback_clad(a.data(), b.data(), dy.data(), da.mutable_data(), db.mutable_data(),
+                                      dy.size());
+        return py::make_tuple(da, db);
+    });
+}

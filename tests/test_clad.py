@@ -1,0 +1,312 @@
+"""The Clad backend (docs/clad.md): pullbacks Clad generates at build time from each block's
+forward, chosen per model with zoo.Model(ad=...).
+
+Where zoo was built with Clad: every block's Clad pullback equals the hand-written one, whole
+models train to the same gradients on either backend or a mix, and relu2 (a block written as
+its forward only) trains. Where it was not: asking for Clad says how to build it, and relu2
+runs forward but refuses to train, naming the block. Each group skips in the other build."""
+
+import numpy as np
+import pytest
+
+import zoo
+from zoo import ModelConfig, RopeScaling
+from zoo._native import blocks as B
+from zoo.model import AD_BLOCKS, ADError, resolve_ad
+
+CLAD = bool(zoo.build_info().get("clad"))
+needs_clad = pytest.mark.skipif(
+    not CLAD, reason="this zoo was built without the Clad backend (zoo.build_info()['clad'] is False); "
+                     "build with ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> pip install . to run it")
+without_clad = pytest.mark.skipif(
+    CLAD, reason="this zoo has the Clad backend; what a build without it does is tested in a default build")
+
+GPT2_TINY = ModelConfig(vocab_size=97, max_seq_len=32, d_model=48, n_layer=2, n_head=4, d_ff=96)
+LLAMA_TINY = ModelConfig(
+    vocab_size=101, max_seq_len=80, d_model=48, n_layer=2, n_head=6, n_kv_head=2, head_dim=12, d_ff=80,
+    norm="rmsnorm", mlp="swiglu", positions="rope", rope_theta=500000.0, attention_bias=False,
+    mlp_bias=False, tied_embeddings=False,
+    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=16),
+)
+RELU2_TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=4, d_ff=72, mlp="relu2")
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def randomize(model: zoo.Model, seed: int) -> None:
+    """Non-trivial norms and biases so every gradient path is exercised."""
+    rng = np.random.default_rng(seed)
+    for name, v in model.parameters().items():
+        if v.ndim == 1:
+            v[...] = (1.0 if "norm" in name or "ln" in name else 0.0) + 0.1 * rng.standard_normal(v.shape)
+
+
+def batch(cfg, B=3, T=20, seed=3):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    targets = rng.integers(0, cfg.vocab_size, (B, T))
+    targets[0, :3] = -100
+    return tokens, targets
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    n = zoo.get_threads()
+    zoo.set_threads(request.param)
+    yield request.param
+    zoo.set_threads(n)
+
+
+# --- both builds ------------------------------------------------------------------------
+
+
+def test_build_info_says_whether_clad_is_built():
+    info = zoo.build_info()
+    assert isinstance(info["clad"], bool)
+    assert set(info["manual_blocks"]) == set(AD_BLOCKS) - {"relu2"}
+    assert set(info["clad_blocks"]) == (set(AD_BLOCKS) if info["clad"] else set())
+
+
+def test_ad_choices_are_validated():
+    with pytest.raises(ADError, match="choose 'manual', 'clad'"):
+        resolve_ad("enzyme", GPT2_TINY)
+    with pytest.raises(ADError, match="no block named 'softmax'"):
+        resolve_ad({"softmax": "clad"}, GPT2_TINY)
+    with pytest.raises(ADError, match="'manual' or 'clad'"):
+        resolve_ad({"attention": "jax"}, GPT2_TINY)
+    assert resolve_ad("manual", GPT2_TINY) == {b: "manual" for b in
+                                               ("embedding", "layernorm", "linear", "attention", "gelu",
+                                                "cross_entropy")}
+
+
+def test_relu2_forward_runs_in_any_build():
+    pytest.importorskip("torch")
+    from torch_reference import Reference
+
+    x = np.random.default_rng(0).standard_normal((5, 33)).astype(np.float32)
+    np.testing.assert_array_equal(B.relu2_forward(x), np.square(np.maximum(x, 0)))
+    model = zoo.Model(RELU2_TINY, seed=1)
+    randomize(model, 2)
+    tokens, targets = batch(RELU2_TINY)
+    ref = Reference(RELU2_TINY, model.parameters())
+    assert np.abs(model.logits(tokens) - ref.logits(tokens).detach().numpy()).max() <= 1e-4
+    assert abs(model.loss(tokens, targets) - float(ref.loss(tokens, targets).detach())) <= 1e-5
+    model.reset_cache(3, 24)  # generation: the KV-cache path runs relu2 too
+    last = model.forward_cached(tokens, 0)
+    np.testing.assert_allclose(last, model.logits(tokens)[:, -1], atol=1e-4)
+
+
+# --- without Clad -----------------------------------------------------------------------
+
+
+@without_clad
+@pytest.mark.parametrize("ad", ["clad", {"attention": "clad"}])
+def test_asking_for_clad_says_it_was_not_built(ad):
+    with pytest.raises(ADError, match=r"built without the Clad backend .*ZOO_CLAD_DIR=.*docs/clad.md"):
+        zoo.Model(GPT2_TINY, seed=0, ad=ad)
+
+
+@without_clad
+def test_relu2_does_not_train_without_clad_and_names_the_block(tmp_path):
+    from zoo.train_config import TrainConfig
+    from zoo.trainer import Trainer
+
+    model = zoo.Model(RELU2_TINY, seed=0)
+    assert model.ad["relu2"] is None
+    tokens, targets = batch(RELU2_TINY)
+    with pytest.raises(ADError, match=r"block 'relu2' .*no hand-written pullback.*Clad backend"):
+        model.loss_and_grads(tokens, targets)
+    with pytest.raises(RuntimeError, match="relu2"):  # the native core refuses too
+        model._exec.forward_backward(tokens.astype(np.int32), targets.astype(np.int32), 1.0)
+    # The trainer stops at once: before tokenizing data (here a folder that does not exist).
+    cfg = TrainConfig(model=RELU2_TINY, data=[str(tmp_path / "no-such-data")], out=str(tmp_path / "run"),
+                      steps=2, progress=False, sample_tokens=0)
+    with pytest.raises(ADError, match="relu2"):
+        Trainer(cfg)
+
+
+# --- with Clad: every block, against the hand-written pullback ---------------------------
+
+RNG = np.random.default_rng(0)
+
+
+def rnd(*shape, scale=1.0):
+    return (scale * RNG.standard_normal(shape)).astype(np.float32)
+
+
+@needs_clad
+@pytest.mark.parametrize("C", [96, 101])
+def test_layernorm(threads, C):
+    x, w, b, dy = rnd(37, C), 1 + rnd(C, scale=0.1), rnd(C, scale=0.1), rnd(37, C)
+    _, mean, rstd = B.layernorm_forward(x, w, b, 1e-5)
+    manual = B.layernorm_pullback(x, w, mean, rstd, dy, 1e-5)
+    dy0 = dy.copy()
+    for got, want in zip(B.layernorm_pullback_clad(x, w, b, dy, 1e-5), manual):
+        assert rel_err(got, want) <= 1e-5
+    np.testing.assert_array_equal(dy, dy0)
+
+
+@needs_clad
+def test_rmsnorm(threads):
+    x, w, dy = rnd(37, 101), 1 + rnd(101, scale=0.1), rnd(37, 101)
+    _, rstd = B.rmsnorm_forward(x, w, 1e-6)
+    for got, want in zip(B.rmsnorm_pullback_clad(x, w, dy, 1e-6), B.rmsnorm_pullback(x, w, rstd, dy, 1e-6)):
+        assert rel_err(got, want) <= 1e-5
+
+
+@needs_clad
+def test_gelu(threads):
+    x, dy = rnd(9, 300, scale=3.0), rnd(9, 300)
+    x[0, :6] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]  # saturated tails: no inf/inf
+    assert rel_err(B.gelu_pullback_clad(x, dy), B.gelu_pullback(x, dy)) <= 1e-5
+
+
+@needs_clad
+def test_swiglu(threads):
+    gu, dy = rnd(9, 2 * 150, scale=3.0), rnd(9, 150)
+    gu[0, :6] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]
+    assert rel_err(B.swiglu_pullback_clad(gu, dy), B.swiglu_pullback(gu, dy)) <= 1e-5
+
+
+@needs_clad
+def test_relu2_has_only_the_generated_pullback(threads):
+    x, dy = rnd(9, 300), rnd(9, 300)
+    x[0, :4] = 0.0  # the kink: relu2's derivative there is 0 from either side
+    assert rel_err(B.relu2_pullback_clad(x, dy), 2 * np.maximum(x, 0) * dy) <= 1e-6
+    assert not hasattr(B, "relu2_pullback")
+
+
+@needs_clad
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(threads, bias):
+    x, W, b, dy = rnd(37, 64), rnd(96, 64), rnd(96), rnd(37, 96)
+    manual = B.linear_pullback(x, W, dy, bias)
+    dy0 = dy.copy()
+    got = B.linear_pullback_clad(x, W, b if bias else None, dy)
+    np.testing.assert_array_equal(dy, dy0)  # the generated pullback reads dy and leaves it
+    for g, m in zip(got, manual):
+        if m is None:
+            assert g is None
+        else:
+            assert rel_err(g, m) <= 1e-5
+
+
+@needs_clad
+@pytest.mark.parametrize("learned_positions", [True, False])
+def test_embedding(threads, learned_positions):
+    tokens = RNG.integers(0, 20, (3, 50)).astype(np.int32)  # repeated tokens: their rows add up
+    wte, wpe, dx = rnd(20, 70), rnd(50, 70), rnd(150, 70)
+    manual = B.embedding_pullback(tokens, dx, 20, 50 if learned_positions else 0)
+    got = B.embedding_pullback_clad(tokens, wte, wpe if learned_positions else None, dx)
+    assert rel_err(got[0], manual[0]) <= 1e-5
+    if learned_positions:
+        assert rel_err(got[1], manual[1]) <= 1e-5
+    else:
+        assert got[1] is None
+
+
+@needs_clad
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_rope(threads, head_dim):
+    inv = (1.0 / 10000 ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    dy = rnd(2, 9, 3 * head_dim)
+    assert rel_err(B.rope_pullback_clad(dy, inv, head_dim), B.rope_pullback(dy, inv, head_dim)) <= 1e-5
+
+
+@needs_clad
+@pytest.mark.parametrize("n_head,n_kv_head,head_dim,T", [(4, 4, 16, 9), (4, 2, 12, 9), (6, 1, 8, 70)],
+                         ids=["mha", "gqa", "mqa-long"])
+def test_attention(threads, n_head, n_kv_head, head_dim, T):
+    qkv, dout = rnd(2, T, (n_head + 2 * n_kv_head) * head_dim), rnd(2, T, n_head * head_dim)
+    _, probs = B.attention_forward(qkv, n_head, n_kv_head, head_dim)
+    manual = B.attention_pullback(qkv, probs, dout, n_head, n_kv_head, head_dim)
+    assert rel_err(B.attention_pullback_clad(qkv, dout, n_head, n_kv_head, head_dim), manual) <= 1e-5
+
+
+@needs_clad
+def test_cross_entropy(threads):
+    logits, targets = rnd(37, 301, scale=3.0), RNG.integers(0, 301, 37).astype(np.int32)
+    targets[:3] = -100
+    got = B.cross_entropy_pullback_clad(logits, targets, 34, 0.5)
+    assert rel_err(got, B.cross_entropy_pullback(logits, targets, 34, 0.5)) <= 1e-5
+    assert not got[:3].any()
+
+
+@needs_clad
+def test_residual(threads):
+    a, b, dy = rnd(10_001), rnd(10_001), rnd(10_001)
+    for got, want in zip(B.residual_pullback_clad(a, b, dy), B.residual_pullback(dy)):
+        assert rel_err(got, want) <= 1e-5
+
+
+# --- with Clad: whole models -----------------------------------------------------------
+
+
+def grads_on(cfg, ad, checkpointing=False, seed=1):
+    model = zoo.Model(cfg, seed=seed, ad=ad, checkpointing=checkpointing)
+    randomize(model, 2)
+    loss, grads = model.loss_and_grads(*batch(cfg))
+    return model, loss, grads
+
+
+def assert_same_grads(a, b, tol=1e-4):
+    assert set(a) == set(b)
+    for k in a:
+        assert rel_err(a[k], b[k]) <= tol, f"{k}: relative error {rel_err(a[k], b[k]):.2e}"
+
+
+@needs_clad
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+def test_whole_model_gradients_match_the_manual_backend(threads, cfg, checkpointing):
+    _, loss_m, manual = grads_on(cfg, "manual", checkpointing)
+    model, loss_c, clad = grads_on(cfg, "clad", checkpointing)
+    assert set(model.ad.values()) == {"clad"}
+    assert sorted(model._exec.clad_blocks()) == sorted(model.ad)
+    assert abs(loss_c - loss_m) <= 1e-6
+    assert_same_grads(clad, manual)
+
+
+@needs_clad
+def test_chunked_lm_head_on_clad():
+    big_vocab = ModelConfig(vocab_size=300_007, max_seq_len=32, d_model=16, n_layer=1, n_head=2, d_ff=32)
+    assert_same_grads(grads_on(big_vocab, "clad")[2], grads_on(big_vocab, "manual")[2])
+
+
+@needs_clad
+@pytest.mark.parametrize("ad", [{"attention": "clad"}, {"rmsnorm": "clad", "swiglu": "clad", "rope": "clad"},
+                                {"linear": "clad", "cross_entropy": "clad", "embedding": "clad"}])
+def test_mixed_mode(ad):
+    _, _, manual = grads_on(LLAMA_TINY, "manual")
+    model, _, mixed = grads_on(LLAMA_TINY, ad)
+    assert {b for b, v in model.ad.items() if v == "clad"} == set(ad)
+    assert_same_grads(mixed, manual)
+
+
+@needs_clad
+def test_relu2_trains_with_clad():
+    pytest.importorskip("torch")
+    from torch_reference import Reference
+
+    for ad in ("manual", "clad"):  # relu2's only pullback is Clad's, whatever the rest uses
+        model = zoo.Model(RELU2_TINY, seed=1, ad=ad)
+        assert model.ad["relu2"] == "clad"
+    with pytest.raises(ADError, match="'relu2' has no hand-written pullback"):
+        zoo.Model(RELU2_TINY, seed=1, ad={"relu2": "manual"})
+    randomize(model, 2)
+    tokens, targets = batch(RELU2_TINY)
+    loss, grads = model.loss_and_grads(tokens, targets)
+    ref_loss, ref_grads = Reference(RELU2_TINY, model.parameters()).loss_and_grads(tokens, targets)
+    assert abs(loss - ref_loss) <= 1e-5
+    for k in grads:
+        assert rel_err(grads[k], ref_grads[k]) <= 1e-3, k
+    first = loss
+    for _ in range(30):
+        model.zero_grads()
+        loss = model.forward_backward(tokens, targets)
+        model.adamw_step(3e-3)
+    assert loss < 0.5 * first
