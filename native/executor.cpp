@@ -83,9 +83,10 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
 
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
 // logits of the whole batch, so the head costs O(chunk * vocab) memory in training. Chunks
-// of about 8M floats, evened out so the last one is not a sliver (GEMM efficiency).
-static int head_chunk_rows(int N, int V) {
-    long max_rows = std::max<long>(16, (8L << 20) / V);
+// of about 8M floats (4M with activation checkpointing, where the chunk is most of what is
+// left), evened out so the last one is not a sliver (GEMM efficiency).
+static int head_chunk_rows(int N, int V, bool checkpointing) {
+    long max_rows = std::max<long>(16, ((checkpointing ? 4L : 8L) << 20) / V);
     long chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);
 }
@@ -125,15 +126,19 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
     auto take = [&](size_t n) { size_t at = pl.take(n); return base ? base + at : nullptr; };
     ActivationPlan p;
     p.residual = take((d_.n_layer + 1) * N * d);
+    // Norm outputs and the activation's output feed one GEMM each and are cheap to
+    // recompute: every layer shares one buffer for them, and the pullback recomputes them.
+    float* norm_out = take(N * d);
+    float* act_out = take(N * d_.d_ff);
     auto layer = [&](LayerActs& l) {
-        l.ln1 = take(N * d); l.ln1_mean = take(N); l.ln1_rstd = take(N);
+        l.ln1 = norm_out; l.ln1_mean = take(N); l.ln1_rstd = take(N);
         l.qkv = take(N * d_.qkv_dim());
         l.probs = take((size_t)B * d_.n_head * T * T);
         l.att = take(N * d_.attn_dim());
         l.res_mid = take(N * d);
-        l.ln2 = take(N * d); l.ln2_mean = take(N); l.ln2_rstd = take(N);
+        l.ln2 = norm_out; l.ln2_mean = take(N); l.ln2_rstd = take(N);
         l.fc = take(N * d_.fc_dim());
-        l.act = take(N * d_.d_ff);
+        l.act = act_out;
     };
     p.layers.resize(d_.n_layer);
     if (checkpointing) {  // one set of internals, recomputed per layer in the pullback
@@ -144,7 +149,7 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
         for (auto& l : p.layers) layer(l);
     }
     p.lnf = take(N * d); p.lnf_mean = take(N); p.lnf_rstd = take(N);
-    p.head_rows = head_chunk_rows((int)N, d_.vocab_size);
+    p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing);
     p.head_logits = take((size_t)p.head_rows * d_.vocab_size);
     p.row_loss = take(N);
     p.d_res = take(N * d); p.d_norm = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
@@ -283,12 +288,7 @@ void Executor::layer_forward(int i, int B, int T, bool full) {
     TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, true));
     TIMED(forward, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
     TIMED(forward, kLinear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
-    if (d_.mlp == MlpKind::swiglu)
-        TIMED(forward, kActivation, SwiGLU{d_.d_ff}.forward(a.fc, a.act, N));
-    else if (d_.mlp == MlpKind::relu2)
-        TIMED(forward, kActivation, ReLU2{d_.d_ff}.forward(a.fc, a.act, N));
-    else
-        TIMED(forward, kActivation, GELU{d_.d_ff}.forward(a.fc, a.act, N));
+    TIMED(forward, kActivation, activation_forward(a.fc, a.act, N));
     if (!full) return;
     float* x_out = a_.residual + (size_t)(i + 1) * N * d;
     TIMED(forward, kResidual, std::memcpy(x_out, a.res_mid, sizeof(float) * N * d));
@@ -306,9 +306,13 @@ void Executor::layer_pullback(int i, int B, int T) {
     const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
     const float* x = a_.residual + (size_t)i * N * d;
     [[maybe_unused]] float* cs = a_.clad_scratch;
+    // The norm outputs and the activation output live in buffers every layer shares
+    // (layout_activations): recompute this layer's before the GEMM pullbacks read them.
+    TIMED(pullback, kActivation, activation_forward(a.fc, a.act, N));
     TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
                                              g.proj_b, N));
     TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
+    TIMED(pullback, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
     TIMED(pullback, kLinear, linear_pullback(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
     TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, a_.d_norm,
                                          a_.d_res, g.ln2_w, g.ln2_b, N));
@@ -332,10 +336,21 @@ void Executor::layer_pullback(int i, int B, int T) {
             TIMED(pullback, kRope, rope.pullback(a_.d_qkv, d_.qkv_dim(), heads, rope_cos_.data(),
                                                  rope_sin_.data(), B, T));
     }
+    TIMED(pullback, kNorm, norm_forward(x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_mean, a.ln1_rstd, N));
     TIMED(pullback, kLinear, linear_pullback(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w,
                                              g.qkv_b, N));
     TIMED(pullback, kNorm, norm_pullback(x, w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, a_.d_norm, a_.d_res,
                                          g.ln1_w, g.ln1_b, N));
+}
+
+// fc -> act for the model's MLP activation.
+void Executor::activation_forward(const float* fc, float* act, int N) const {
+    if (d_.mlp == MlpKind::swiglu)
+        SwiGLU{d_.d_ff}.forward(fc, act, N);
+    else if (d_.mlp == MlpKind::relu2)
+        ReLU2{d_.d_ff}.forward(fc, act, N);
+    else
+        GELU{d_.d_ff}.forward(fc, act, N);
 }
 
 // dL/d(act) -> dL/d(fc) for the model's MLP activation.
@@ -553,12 +568,7 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
         attn_out.forward(c_att_, w.attn_out_w, w.attn_out_b, c_x_, N, /*accumulate=*/true);
         norm_forward(c_x_, w.ln2_w, w.ln2_b, c_norm_, mean, rstd, N);
         fc.forward(c_norm_, w.fc_w, w.fc_b, c_fc_, N);
-        if (d_.mlp == MlpKind::swiglu)
-            SwiGLU{d_.d_ff}.forward(c_fc_, c_act_, N);
-        else if (d_.mlp == MlpKind::relu2)
-            ReLU2{d_.d_ff}.forward(c_fc_, c_act_, N);
-        else
-            GELU{d_.d_ff}.forward(c_fc_, c_act_, N);
+        activation_forward(c_fc_, c_act_, N);
         proj.forward(c_act_, w.proj_w, w.proj_b, c_x_, N, /*accumulate=*/true);
     }
     // Only the last position of each sequence needs logits.

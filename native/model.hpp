@@ -54,6 +54,7 @@ struct Weights {
 };
 
 // One layer's saved activations for the pullback.
+// ln1, ln2 and act point at buffers shared by all layers (recomputed in the pullback).
 struct LayerActs {
     float *ln1, *ln1_mean, *ln1_rstd, *qkv, *probs, *att, *res_mid;
     float *ln2, *ln2_mean, *ln2_rstd, *fc, *act;
@@ -200,6 +201,7 @@ private:
                        const float* rstd, const float* dy, float* dx, float* dw, float* db, int N) const;
     void linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
                          const float* dy, float* dx, float* dW, float* db, int N) const;
+    void activation_forward(const float* fc, float* act, int N) const;
     void activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const;
     void check_trainable() const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }

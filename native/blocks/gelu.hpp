@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstddef>
 
+#include <omp.h>
+
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -24,9 +26,16 @@ inline void gelu_forward_row(const float* x, float* y, int C) {
 struct GELU {
     int C;
 
+    // Elementwise, so each thread takes one contiguous chunk: g++ vectorizes the row kernel
+    // called this way about 10x better than called row by row inside the parallel loop.
     void forward(const float* x, float* y, int N) const {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) gelu_forward_row(x + (size_t)n * C, y + (size_t)n * C, C);
+        const long total = (long)N * C;
+#pragma omp parallel
+        {
+            const long t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const long begin = total * t / nt, end = total * (t + 1) / nt;
+            gelu_forward_row(x + begin, y + begin, (int)(end - begin));
+        }
     }
 
     // Writes dx (the activation is the only consumer of its input).
