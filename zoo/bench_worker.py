@@ -12,7 +12,6 @@ bench_torch.py) and writes its result as JSON to --out.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import resource
@@ -33,31 +32,12 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
-def model_options(ad: str, checkpointing: bool) -> dict:
-    """zoo.Model keyword arguments for --ad and --checkpointing; a clear error where this
-    build of zoo does not have them yet."""
-    import zoo
-
-    accepted = inspect.signature(zoo.Model).parameters
-    kw = {}
-    if ad != "manual":
-        if "ad" not in accepted:
-            raise ValueError(f"--ad {ad}: this zoo has only the hand-written pullbacks (--ad manual); "
-                             "zoo.Model takes no ad= option yet")
-        kw["ad"] = ad
-    if checkpointing:
-        if "checkpointing" not in accepted:
-            raise ValueError("--checkpointing: zoo.Model takes no checkpointing= option yet")
-        kw["checkpointing"] = True
-    return kw
-
-
 def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool):
     import zoo
     from zoo.config import ModelConfig
 
     cfg = ModelConfig(**manifest["config"])
-    model = zoo.Model(cfg, seed=None, **model_options(ad, checkpointing))
+    model = zoo.Model(cfg, seed=None, ad=ad, checkpointing=checkpointing)
     params = model.parameters()
     with open(os.path.join(workdir, "weights.bin"), "rb", buffering=0) as f:
         for p in manifest["params"]:  # straight into the arena, no intermediate copies

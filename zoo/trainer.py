@@ -33,6 +33,7 @@ import numpy as np
 
 from .atomic import fsync_dir, write_json
 from .data import DataError, Windows, tokenize_files
+from .memory import finetune_memory_bytes, human_bytes
 from .plot import METRICS_FILE, PLOT_FILE
 from .safetensors_io import SafetensorsFile, write_file
 from .train_config import TrainConfig
@@ -144,8 +145,6 @@ class Trainer:
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
         self._check_fit()
         if cfg.checkpointing:
-            if not hasattr(self.model, "set_checkpointing"):
-                raise TrainError("checkpointing: activation checkpointing is not available in this build of zoo")
             self.model.set_checkpointing(True)
 
         self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir)
@@ -344,10 +343,14 @@ class Trainer:
 
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
-        act = m.activation_bytes(cfg.batch_size, cfg.seq_len) / 2**20
+        # The same estimator as zoo inspect and the model cards.
+        mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing)
         tf = self.token_file
-        _log(f"model: {m.config.family}-style, {m.n_params:,} parameters, ~{act:,.0f} MiB activations "
-             f"at batch {cfg.batch_size} x {cfg.seq_len}; {self.threads} threads")
+        _log(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads")
+        _log(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
+             f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
+             f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
+             f"{' with activation checkpointing' if m.checkpointing else ''}")
         _log(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
              f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
