@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "numpy_arrays.hpp"
 #include "blocks/adamw.hpp"
 #include "blocks/attention.hpp"
 #include "blocks/cross_entropy.hpp"
@@ -28,23 +29,7 @@ namespace py = pybind11;
 
 namespace {
 
-using F = py::array_t<float, py::array::c_style | py::array::forcecast>;
-using I = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
-
-F zeros(std::vector<py::ssize_t> shape) {
-    F a(shape);
-    std::fill(a.mutable_data(), a.mutable_data() + a.size(), 0.0f);
-    return a;
-}
-
-int rows(const F& x, int C, const char* what) {
-    if (x.ndim() < 1 || x.shape(x.ndim() - 1) != C || x.size() % C)
-        throw std::invalid_argument(std::string("zoo: ") + what + ": last dimension must be " +
-                                    std::to_string(C));
-    return (int)(x.size() / C);
-}
-
-std::vector<py::ssize_t> shape_of(const F& x) { return {x.shape(), x.shape() + x.ndim()}; }
+using namespace zoo::py_arrays;
 
 }  // namespace
 

@@ -14,22 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 
-
-def _rss_now_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    return float("nan")
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
+# The PyTorch worker runs bench_torch.py by path (it never imports zoo); zoo's worker shares
+# its memory probes.
+from .bench_torch import _peak_rss_mib, _rss_now_mib
 
 
 def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool):
