@@ -77,9 +77,12 @@ def test_card_json_facts():
 def test_card_contents():
     gpt2 = (CARDS / "gpt2.md").read_text()
     for text in ("124,439,808", "openai-community/gpt2", "MHA", "LayerNorm", "GELU", "learned absolute",
-                 "`transformer.h.{i}.attn.c_attn.weight` | 2304 x 768 *", "Not measured yet",
-                 "zoo bench --preset gpt2 --batch-size 4 --seq-len 256", "MIT (OpenAI"):
-        assert text in gpt2, text
+                 "`transformer.h.{i}.attn.c_attn.weight` | 2304 x 768 *", "## Measured speed",
+                 "[gpt2-b4-t64.json](../benchmarks/gpt2-b4-t64.json)",
+                 "zoo bench --preset gpt2 --batch-size 4 --seq-len 64 --steps 10", "MIT (OpenAI"):
+        assert text in gpt2, text  # measured: benchmarks/gpt2-*.json are committed
+    xl = (CARDS / "gpt2-xl.md").read_text()
+    assert "Not measured yet" in xl and "zoo bench --preset gpt2-xl --batch-size 4 --seq-len 256" in xl
     llama = (CARDS / "llama-3.2-1b.md").read_text()
     for text in ("GQA", "32 query heads, 8 key/value heads", "head_dim 64", "theta 500000", "llama3: factor 32",
                  "meta-llama/Llama-3.2-1B-Instruct", "Llama 3.x Community License", "| 8 | 1024 |"):
