@@ -197,7 +197,7 @@ void bind_blocks(py::module_& parent) {
                              py::array_t<float, py::array::c_style> mo,
                              py::array_t<float, py::array::c_style> v, float lr, float b1, float b2,
                              float eps, float wd, int step, bool decay, float grad_scale) {
-        zoo::AdamW{lr, b1, b2, eps, wd}.update(p.mutable_data(), g.mutable_data(), mo.mutable_data(),
+        zoo::AdamW{lr, b1, b2, eps, wd}.update(p.mutable_data(), g.data(), mo.mutable_data(),
                                                v.mutable_data(), p.size(), step, decay, grad_scale);
     });
 }

@@ -236,24 +236,41 @@ void Executor::norm_pullback(const float* x, const float* w, const float* b, con
     if (d_.norm == NormKind::layernorm) {
         const LayerNorm ln{d_.d_model, d_.norm_eps};
 #ifdef ZOO_CLAD
-        if (ad_.clad[kAdLayerNorm]) return ln.pullback_clad(x, w, b, dy, dx, dw, db, a_.clad_scratch, N);
+        if (ad_.clad[kAdLayerNorm]) {
+            clear_if_writing(dw, d_.d_model);
+            clear_if_writing(db, d_.d_model);
+            return ln.pullback_clad(x, w, b, dy, dx, dw, db, a_.clad_scratch, N);
+        }
 #endif
-        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, N);
+        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, N, accumulate_params_);
     } else {
         const RMSNorm rms{d_.d_model, d_.norm_eps};
 #ifdef ZOO_CLAD
-        if (ad_.clad[kAdRMSNorm]) return rms.pullback_clad(x, w, dy, dx, dw, a_.clad_scratch, N);
+        if (ad_.clad[kAdRMSNorm]) {
+            clear_if_writing(dw, d_.d_model);
+            return rms.pullback_clad(x, w, dy, dx, dw, a_.clad_scratch, N);
+        }
 #endif
-        rms.pullback(x, w, rstd, dy, dx, dw, N);
+        rms.pullback(x, w, rstd, dy, dx, dw, N, accumulate_params_);
     }
 }
 
 void Executor::linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
                                const float* dy, float* dx, float* dW, float* db, int N) const {
 #ifdef ZOO_CLAD
-    if (ad_.clad[kAdLinear]) return l.pullback_clad(x, W, b, dy, dx, dW, db, N, false, a_.clad_scratch);
+    if (ad_.clad[kAdLinear]) {
+        clear_if_writing(dW, (size_t)l.out * l.in);
+        clear_if_writing(db, l.out);
+        return l.pullback_clad(x, W, b, dy, dx, dW, db, N, false, a_.clad_scratch);
+    }
 #endif
-    l.pullback(x, W, dy, dx, dW, db, N);
+    l.pullback(x, W, dy, dx, dW, db, N, /*accumulate_dx=*/false, accumulate_params_);
+}
+
+// The Clad pullbacks always add into parameter gradients: on a step that writes them, they
+// start from zero.
+void Executor::clear_if_writing(float* grad, size_t n) const {
+    if (grad && !accumulate_params_) std::memset(grad, 0, sizeof(float) * n);
 }
 
 void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
@@ -413,6 +430,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
             TIMED(pullback, kCrossEntropy, ce.pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid, grad_scale));
         TIMED(pullback, kLinear, linear_pullback(lm, x, head_weight(), nullptr, a_.head_logits,
                                                  a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
+        accumulate_params_ = true;  // later chunks add to what the first wrote
     }
     return n_valid ? total / n_valid : 0.0;
 }
@@ -437,15 +455,26 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
-    grads_zero_ = false;
+    // After zero_grads or an optimizer step the pullbacks write the gradients instead of
+    // adding into zeroed ones: no clearing pass over them, and no GEMM reads the old ones.
+    const bool writing = grads_consumed_;
+    grads_consumed_ = false;
     trunk_forward(tokens, B, T);
+    accumulate_params_ = !writing;
     double loss = head(targets, N, true, grad_scale);
+    accumulate_params_ = !writing;
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
     TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b,
                                          a_.lnf_mean, a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
     for (int i = d_.n_layer - 1; i >= 0; i--) {
         if (checkpointing_) layer_forward(i, B, T, false);
         layer_pullback(i, B, T);
+    }
+    // The embedding pullback adds rows into dwte (and dwpe): when writing, they start from
+    // zero, except a tied dwte, which the LM head's pullback has just written in full.
+    if (writing) {
+        if (!d_.tied_embeddings) std::memset(g_.wte, 0, sizeof(float) * (size_t)d_.vocab_size * d);
+        if (!d_.rope) std::memset(g_.wpe, 0, sizeof(float) * (size_t)d_.max_seq_len * d);
     }
     const Embedding emb{d};
 #ifdef ZOO_CLAD
@@ -458,10 +487,7 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     return loss;
 }
 
-void Executor::zero_grads() {
-    if (!grads_zero_) std::memset(grads(), 0, sizeof(float) * n_params_);
-    grads_zero_ = true;
-}
+void Executor::zero_grads() { grads_consumed_ = true; }
 
 double Executor::grad_norm() const {
     const float* g = store_.data + n_params_;
@@ -493,7 +519,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     auto run = [&](size_t begin, size_t end, bool decay) {
         if (end > begin)
             opt.update(params() + begin, grads() + begin, adam_m() + begin, adam_v() + begin,
-                       end - begin, step_count, decay, scale, /*zero_grad=*/true);
+                       end - begin, step_count, decay, scale);
     };
     for (const auto& r : decay_ranges_) {
         run(at, r.first, false);
@@ -501,7 +527,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
         at = r.second;
     }
     run(at, n_params_, false);
-    grads_zero_ = true;  // the update consumed and cleared them
+    grads_consumed_ = true;  // the next pullbacks write fresh gradients
     if (profile.on) profile.forward[kAdamW] += omp_get_wtime() - t0;
     return norm;
 }

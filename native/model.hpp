@@ -179,7 +179,10 @@ private:
     int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0, B_ = 0, T_ = 0;
     ActivationPlan a_;
     std::vector<int32_t> tokens_, targets_;
-    bool grads_zero_ = true;
+    // True after zero_grads or an optimizer step: the next forward_backward writes the
+    // gradients rather than adding into them (accumulate_params_ during that step).
+    bool grads_consumed_ = true;
+    bool accumulate_params_ = true;
     Arena logits_arena_;  // full logits, for inference calls only
 
     // KV cache arena for generation.
@@ -202,6 +205,7 @@ private:
     void linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
                          const float* dy, float* dx, float* dW, float* db, int N) const;
     void activation_forward(const float* fc, float* act, int N) const;
+    void clear_if_writing(float* grad, size_t n) const;
     void activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const;
     void check_trainable() const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }

@@ -272,6 +272,20 @@ def test_whole_model_gradients_match_the_manual_backend(threads, cfg, checkpoint
 
 
 @needs_clad
+@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+def test_clad_gradients_after_an_optimizer_step_are_fresh(cfg):
+    # The Clad pullbacks add into parameter gradients; after a step they must start from zero.
+    tok = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 12))
+    stepped = zoo.Model(cfg, seed=1, ad="clad")
+    stepped.forward_backward(tok, tok)
+    stepped.adamw_step(1e-2, weight_decay=0.1)
+    fresh = zoo.Model(cfg, seed=None, ad="clad")
+    for k, v in stepped.parameters().items():
+        fresh.parameters()[k][...] = v
+    assert_same_grads(stepped.loss_and_grads(tok, tok)[1], fresh.loss_and_grads(tok, tok)[1], tol=0.0)
+
+
+@needs_clad
 def test_chunked_lm_head_on_clad():
     big_vocab = ModelConfig(vocab_size=300_007, max_seq_len=32, d_model=16, n_layer=1, n_head=2, d_ff=32)
     assert_same_grads(grads_on(big_vocab, "clad")[2], grads_on(big_vocab, "manual")[2])

@@ -160,7 +160,9 @@ class Model:
         return dict(self._params)
 
     def gradients(self) -> dict[str, np.ndarray]:
-        """Views of the gradient arena (what the last pullbacks accumulated)."""
+        """Views of the gradient arena: what the pullbacks since the last zero_grads (or
+        optimizer step) accumulated. After zero_grads or adamw_step they still show the
+        consumed gradients until the next forward_backward writes new ones."""
         return dict(self._grads)
 
     def init_weights(self, seed: int) -> None:
@@ -211,6 +213,8 @@ class Model:
         return loss, {k: v.copy() for k, v in self._grads.items()}
 
     def zero_grads(self) -> None:
+        """Start a new accumulation: the next forward_backward writes the gradients instead of
+        adding to them (adamw_step does the same), so no pass clears them."""
         self._exec.zero_grads()
 
     def check_trainable(self) -> None:

@@ -10,9 +10,8 @@ struct AdamW {
     float lr, beta1, beta2, eps, weight_decay;
 
     // step counts from 1. grad_scale multiplies the gradient (global-norm clipping).
-    // zero_grad clears g in the same pass, cheaper than a separate memset before the next step.
-    void update(float* p, float* g, float* m, float* v, size_t n, int step, bool decay,
-                float grad_scale, bool zero_grad = false) const {
+    void update(float* p, const float* g, float* m, float* v, size_t n, int step, bool decay,
+                float grad_scale) const {
         const float c1 = 1.0f / (1.0f - std::pow(beta1, (float)step));
         const float c2 = 1.0f / (1.0f - std::pow(beta2, (float)step));
         const float wd = decay ? lr * weight_decay : 0.0f;
@@ -22,7 +21,6 @@ struct AdamW {
             m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
             v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
             p[i] -= lr * (m[i] * c1) / (std::sqrt(v[i] * c2) + eps) + wd * p[i];
-            if (zero_grad) g[i] = 0.0f;
         }
     }
 };

@@ -35,10 +35,12 @@ struct LayerNorm {
                                   C, eps);
     }
 
-    // Adds into dx, dw, db. Rows in parallel for dx; column blocks in parallel for dw, db so
-    // no two threads write the same weight gradient.
+    // Adds into dx; adds into dw, db (writes them with accumulate_params=false). Rows in
+    // parallel for dx; column blocks in parallel for dw, db so no two threads write the same
+    // weight gradient.
     void pullback(const float* x, const float* w, const float* mean, const float* rstd,
-                  const float* dy, float* dx, float* dw, float* db, int N) const {
+                  const float* dy, float* dx, float* dw, float* db, int N,
+                  bool accumulate_params = true) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             const float* xr = x + (size_t)n * C;
@@ -61,6 +63,8 @@ struct LayerNorm {
 #pragma omp parallel for schedule(static)
         for (int c0 = 0; c0 < C; c0 += block) {
             int c1 = c0 + block < C ? c0 + block : C;
+            if (!accumulate_params)
+                for (int i = c0; i < c1; i++) dw[i] = db[i] = 0.0f;
             for (int n = 0; n < N; n++) {
                 const float* xr = x + (size_t)n * C;
                 const float* dyr = dy + (size_t)n * C;

@@ -57,17 +57,21 @@ struct Linear {
     }
 
     // dx = dy W (added into dx when accumulate_dx, else written; dx may be null),
-    // dW += dy^T x, db += column sums of dy (db may be null).
+    // dW += dy^T x, db += column sums of dy (db may be null). With accumulate_params=false
+    // dW and db are written instead: the first micro-batch after an optimizer step then
+    // needs no zeroed gradients, and the GEMM does not read the old dW.
     void pullback(const float* x, const float* W, const float* dy, float* dx, float* dW,
-                  float* db, int N, bool accumulate_dx = false) const {
+                  float* db, int N, bool accumulate_dx = false, bool accumulate_params = true) const {
         if (dx) blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in,
                            accumulate_dx ? 1.0f : 0.0f, dx, in);
-        blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, 1.0f, dW, in);
+        blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, accumulate_params ? 1.0f : 0.0f, dW, in);
         if (db) {
             const int block = 64;
 #pragma omp parallel for schedule(static)
             for (int o0 = 0; o0 < out; o0 += block) {
                 int o1 = o0 + block < out ? o0 + block : out;
+                if (!accumulate_params)
+                    for (int o = o0; o < o1; o++) db[o] = 0.0f;
                 for (int n = 0; n < N; n++) {
                     const float* dyr = dy + (size_t)n * out;
                     for (int o = o0; o < o1; o++) db[o] += dyr[o];

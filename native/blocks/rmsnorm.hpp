@@ -26,9 +26,10 @@ struct RMSNorm {
             rmsnorm_forward_row(x + (size_t)n * C, w, y + (size_t)n * C, rstd + n, C, eps);
     }
 
-    // Adds into dx and dw.
+    // Adds into dx; adds into dw (writes it with accumulate_params=false).
     void pullback(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
-                  float* dw, int N) const {
+                  float* dw, int N,
+                  bool accumulate_params = true) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             const float* xr = x + (size_t)n * C;
@@ -44,6 +45,8 @@ struct RMSNorm {
 #pragma omp parallel for schedule(static)
         for (int c0 = 0; c0 < C; c0 += block) {
             int c1 = c0 + block < C ? c0 + block : C;
+            if (!accumulate_params)
+                for (int i = c0; i < c1; i++) dw[i] = 0.0f;
             for (int n = 0; n < N; n++) {
                 const float* xr = x + (size_t)n * C;
                 const float* dyr = dy + (size_t)n * C;
