@@ -206,8 +206,6 @@ void Executor::plan(int B, int T) {
     if (T > d_.max_seq_len)
         throw std::invalid_argument("zoo: sequence length " + std::to_string(T) +
                                     " exceeds max_seq_len " + std::to_string(d_.max_seq_len));
-    B_ = B;
-    T_ = T;
     // Attention probabilities are laid out T x T; per-thread scratch for the threads planned.
     if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
     acts_.reset(activation_floats(B, T));
@@ -216,8 +214,6 @@ void Executor::plan(int B, int T) {
     cap_B_ = B;
     cap_T_ = T;
     cap_threads_ = omp_get_max_threads();
-    tokens_.resize((size_t)B * T);
-    targets_.resize((size_t)B * T);
 }
 
 void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
@@ -552,7 +548,6 @@ void Executor::reset_cache(int B, int max_len) {
     c_last_ = a + o_last; c_logits_ = a + o_lg;
     cache_B_ = B;
     cache_len_ = max_len;
-    cache_T_cap_ = max_len;
 }
 
 const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int pos0) {

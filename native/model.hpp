@@ -176,9 +176,8 @@ private:
     Arena acts_;
     bool checkpointing_ = false;
     AdChoice ad_;
-    int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0, B_ = 0, T_ = 0;
+    int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0;
     ActivationPlan a_;
-    std::vector<int32_t> tokens_, targets_;
     // True after zero_grads or an optimizer step: the next forward_backward writes the
     // gradients rather than adding into them (accumulate_params_ during that step).
     bool grads_consumed_ = true;
@@ -187,7 +186,7 @@ private:
 
     // KV cache arena for generation.
     Arena cache_;
-    int cache_B_ = 0, cache_len_ = 0, cache_T_cap_ = 0;
+    int cache_B_ = 0, cache_len_ = 0;
     float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_x_ = nullptr, *c_norm_ = nullptr,
           *c_stat_ = nullptr, *c_qkv_ = nullptr, *c_probs_ = nullptr, *c_att_ = nullptr,
           *c_fc_ = nullptr, *c_act_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
