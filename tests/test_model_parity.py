@@ -67,6 +67,25 @@ def test_logits_loss_and_grads_match_reference(name, checkpointing):
         assert err <= 1e-3, f"{k}: relative error {err:.2e}"
 
 
+def test_bad_token_ids_are_clear_errors():
+    model = zoo.Model(GPT2_TINY, seed=0)
+    ok = np.zeros((2, 8), dtype=np.int64)
+    for tokens, targets, message in [
+        (ok + 97, ok, "tokens hold id 97 outside the vocabulary"),
+        (ok - 1, ok, "tokens hold id -1"),
+        (ok + 2**32 + 3, ok, "tokens hold id 4294967299"),  # would wrap to 3 as int32
+        (ok, ok - 5, "targets hold id -5"),  # only -100 is the ignore index
+        (ok, ok + 97, "targets hold id 97"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            model.loss(tokens, targets)
+    with pytest.raises(ValueError, match="2-D"):
+        model.logits(np.zeros(8, dtype=np.int64))
+    with pytest.raises(TypeError, match="integers"):
+        model.logits(np.zeros((2, 8), dtype=np.float32))
+    assert np.isfinite(model.loss(ok, ok - 100 * (ok == 0)))  # all ignored: a defined loss
+
+
 def test_checkpointing_shrinks_activation_memory():
     from zoo.model import activation_bytes
 

@@ -109,9 +109,13 @@ def _as_tokens(a, what: str, vocab_size: int, allow_ignore: bool = False) -> np.
         raise ValueError(f"{what} must be a 2-D integer array (B, T), got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} must hold integers, got dtype {arr.dtype}")
-    if arr.size and (arr.max() >= vocab_size or arr.min() < (-100 if allow_ignore else 0)):
-        bad = arr[(arr >= vocab_size) | (arr < 0) & ~((arr == -100) & allow_ignore)]
-        raise ValueError(f"{what} hold id {int(bad.flat[0])} outside the vocabulary [0, {vocab_size})")
+    # Checked here, before the int32 cast could wrap a large id into the vocabulary (the
+    # native side checks again for callers of the bindings).
+    bad = (arr >= vocab_size) | (arr < 0)
+    if allow_ignore:
+        bad &= arr != -100
+    if bad.any():
+        raise ValueError(f"{what} hold id {int(arr[bad].flat[0])} outside the vocabulary [0, {vocab_size})")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 

@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstring>
 
+#include <omp.h>
+
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -139,8 +141,6 @@ void zoo::Attention::pullback_clad(const float* qkv, const float* d_out, float* 
     }
 }
 #endif
-
-#include <omp.h>
 
 inline void zoo::Attention::pullback(const float* qkv, float* probs, const float* d_out,
                                      float* d_qkv, float* scratch, int B, int T) const {
