@@ -32,6 +32,10 @@ struct Arena {
             throw std::runtime_error("zoo: cannot allocate " + std::to_string((n_floats * 4) >> 20) +
                                      " MiB for the arena");
         }
+        // Transparent huge pages where the kernel offers them on request (the common
+        // "madvise" setting): a step streams over gigabytes of weights, gradients and moments,
+        // and 4 KiB pages make that TLB-bound (AdamW over GPT-2: 73 -> 62 ms). Advice only.
+        madvise(p, bytes_, MADV_HUGEPAGE);
         data = static_cast<float*>(p);
         size = n_floats;
     }

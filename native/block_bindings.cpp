@@ -146,25 +146,44 @@ void bind_blocks(py::module_& parent) {
     });
     // qkv: (B, T, (n_head + 2 n_kv_head) head_dim).
     m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
-        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
         zoo::Attention a{n_head, n_kv_head, head_dim};
         if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
             throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
-        F out({B, T, n_head * head_dim}), probs = zeros({B, n_head, T, T});
-        a.forward(qkv.data(), probs.mutable_data(), out.mutable_data(), B, T);
-        return py::make_tuple(out, probs);
-    });
-    m.def("attention_pullback", [](F qkv, F probs, F dout, int n_head, int n_kv_head, int head_dim) {
         int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        F out({B, T, n_head * head_dim}), lse({B, n_head, T});
+        std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
+        a.forward(qkv.data(), lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
+        return py::make_tuple(out, lse);
+    });
+    // lse: the forward's (B, n_head, T) log-sum-exp of each row's scaled scores.
+    m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim) {
         zoo::Attention a{n_head, n_kv_head, head_dim};
-        F p(shape_of(probs));
-        std::copy(probs.data(), probs.data() + probs.size(), p.mutable_data());
+        if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
+            throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
+        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        if (lse.ndim() != 3 || lse.shape(0) != B || lse.shape(1) != n_head || lse.shape(2) != T)
+            throw std::invalid_argument("zoo: attention lse must be (B, n_head, T)");
+        if (dout.ndim() != 3 || dout.shape(0) != B || dout.shape(1) != T || dout.shape(2) != n_head * head_dim)
+            throw std::invalid_argument("zoo: attention dout must be (B, T, n_head * head_dim)");
         F dqkv(shape_of(qkv));
-        std::vector<float> scratch((size_t)omp_get_max_threads() * T);
-        a.pullback(qkv.data(), p.mutable_data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
+        a.pullback(qkv.data(), lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
     });
-    m.def("cross_entropy_forward", [](F logits, I targets) {
+    // logits (N, V); targets (N,), each in [0, V) or ignore_index.
+    auto check_cross_entropy = [](const F& logits, const I& targets) {
+        if (logits.ndim() != 2 || targets.ndim() != 1 || targets.shape(0) != logits.shape(0))
+            throw std::invalid_argument("zoo: cross-entropy takes logits (N, V) and targets (N,)");
+        const int V = (int)logits.shape(1);
+        for (py::ssize_t n = 0; n < targets.shape(0); n++) {
+            const int32_t t = targets.data()[n];
+            if (t != zoo::CrossEntropy::ignore_index && (t < 0 || t >= V))
+                throw std::invalid_argument("zoo: target id " + std::to_string(t) + " outside the vocabulary [0, " +
+                                            std::to_string(V) + ")");
+        }
+    };
+    m.def("cross_entropy_forward", [check_cross_entropy](F logits, I targets) {
+        check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F row_loss({N});
         int n_valid = 0;
@@ -172,7 +191,19 @@ void bind_blocks(py::module_& parent) {
                                                    row_loss.mutable_data(), N, &n_valid);
         return py::make_tuple(loss, n_valid);
     });
-    m.def("cross_entropy_pullback", [](F logits, I targets, int n_valid, float grad_scale) {
+    // The executor's fused training kernel: (mean loss, counted rows, dlogits).
+    m.def("cross_entropy_forward_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
+        check_cross_entropy(logits, targets);
+        int V = (int)logits.shape(1), N = (int)logits.shape(0);
+        F d(shape_of(logits)), row_loss({N});
+        std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());
+        int counted = 0;
+        double loss = zoo::CrossEntropy{V}.forward_pullback(d.mutable_data(), targets.data(), row_loss.mutable_data(),
+                                                            N, n_valid, grad_scale, &counted);
+        return py::make_tuple(loss, counted, d);
+    });
+    m.def("cross_entropy_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
+        check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F d(shape_of(logits)), row_loss({N});
         int counted = 0;

@@ -22,6 +22,7 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     g_.layers.resize(d_.n_layer);
     bind(w_, params(), bindings);
     bind(g_, grads(), bindings);
+    plan_grad_ranges(bindings);
     if (d_.rope) {
         if ((int)inv_freq.size() != d_.head_dim / 2)
             throw std::invalid_argument("zoo: inv_freq must have head_dim/2 entries");
@@ -32,6 +33,71 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
                                        d_.max_seq_len);
     }
     decay_ranges_.clear();
+}
+
+// Floats of the tensor a role binds (fused q|k|v and gate|up included).
+size_t Executor::role_floats(const std::string& role) const {
+    const size_t d = d_.d_model, V = d_.vocab_size;
+    if (role == "wte" || role == "lm_head_w") return V * d;
+    if (role == "wpe") return (size_t)d_.max_seq_len * d;
+    if (role == "qkv_w") return (size_t)d_.qkv_dim() * d;
+    if (role == "qkv_b") return d_.qkv_dim();
+    if (role == "attn_out_w") return d * d_.attn_dim();
+    if (role == "fc_w") return (size_t)d_.fc_dim() * d;
+    if (role == "fc_b") return d_.fc_dim();
+    if (role == "proj_w") return d * d_.d_ff;
+    return d;  // norm weights and biases, attn_out_b, proj_b
+}
+
+// Each layer's gradient ranges and the others', adjacent ones merged. The bindings must
+// cover the parameters exactly: a gap would be a gradient no pullback writes.
+void Executor::plan_grad_ranges(const std::vector<ParamBinding>& bindings) {
+    std::vector<std::vector<Range>> by_layer(d_.n_layer + 1);  // the last: outside the layers
+    size_t covered = 0;
+    for (const auto& b : bindings) {
+        const size_t n = role_floats(b.role);
+        if (b.offset + n > n_params_)
+            throw std::invalid_argument("zoo: parameter " + b.role + " runs past the parameter arena");
+        by_layer[b.layer < 0 ? d_.n_layer : b.layer].push_back({b.offset, n});
+        covered += n;
+    }
+    if (covered != n_params_)
+        throw std::invalid_argument("zoo: the parameter bindings cover " + std::to_string(covered) + " of " +
+                                    std::to_string(n_params_) + " floats");
+    for (auto& ranges : by_layer) {
+        std::sort(ranges.begin(), ranges.end());
+        std::vector<Range> merged;
+        for (const auto& r : ranges) {
+            if (!merged.empty() && merged.back().first + merged.back().second == r.first)
+                merged.back().second += r.second;
+            else
+                merged.push_back(r);
+        }
+        ranges = merged;
+    }
+    other_grad_ranges_ = by_layer.back();
+    by_layer.pop_back();
+    layer_grad_ranges_ = by_layer;
+}
+
+// Sum of squares of the gradients in ranges: float blocks of 1024 (vectorized), their sums
+// in double. One parallel region; each thread takes its static share of every range.
+double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
+    const float* g = store_.data + n_params_;
+    double total = 0.0;
+#pragma omp parallel reduction(+ : total)
+    for (const auto& r : ranges) {
+        const long n = (long)r.second, block = 1024;
+        const float* x = g + r.first;
+#pragma omp for schedule(static) nowait
+        for (long b0 = 0; b0 < n; b0 += block) {
+            const long end = std::min(n, b0 + block);
+            float s = 0.0f;
+            for (long i = b0; i < end; i++) s += x[i] * x[i];
+            total += s;
+        }
+    }
+    return total;
 }
 
 void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bindings) {
@@ -83,10 +149,12 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
 
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
 // logits of the whole batch, so the head costs O(chunk * vocab) memory in training. Chunks
-// of about 8M floats (4M with activation checkpointing, where the chunk is most of what is
-// left), evened out so the last one is not a sliver (GEMM efficiency).
+// of at least 256 rows, more where 8M floats allow: below 256 rows the head's GEMMs, a third
+// of a GPT-2 step, run 15-20% slower (147 rows: 277 GFLOP/s, 256: 335, docs/benchmarks.md).
+// With activation checkpointing, where the chunk is most of what is left, about 4M floats.
+// Evened out so the last chunk is not a sliver.
 static int head_chunk_rows(int N, int V, bool checkpointing) {
-    long max_rows = std::max<long>(16, ((checkpointing ? 4L : 8L) << 20) / V);
+    long max_rows = checkpointing ? std::max<long>(16, (4L << 20) / V) : std::max<long>(256, (8L << 20) / V);
     long chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);
 }
@@ -125,36 +193,50 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
     const size_t N = (size_t)B * T, d = d_.d_model;
     auto take = [&](size_t n) { size_t at = pl.take(n); return base ? base + at : nullptr; };
     ActivationPlan p;
+    // Live from the forward to the end of the pullback: the residual stream, each layer's
+    // saved internals, the final norm, the losses, and dL/d(final norm) the head writes.
     p.residual = take((d_.n_layer + 1) * N * d);
-    // Norm outputs and the activation's output feed one GEMM each and are cheap to
-    // recompute: every layer shares one buffer for them, and the pullback recomputes them.
-    float* norm_out = take(N * d);
-    float* act_out = take(N * d_.d_ff);
     auto layer = [&](LayerActs& l) {
-        l.ln1 = norm_out; l.ln1_mean = take(N); l.ln1_rstd = take(N);
+        l.ln1_mean = take(N); l.ln1_rstd = take(N);
         l.qkv = take(N * d_.qkv_dim());
-        l.probs = take((size_t)B * d_.n_head * T * T);
+        l.lse = take((size_t)B * d_.n_head * T);
         l.att = take(N * d_.attn_dim());
         l.res_mid = take(N * d);
-        l.ln2 = norm_out; l.ln2_mean = take(N); l.ln2_rstd = take(N);
+        l.ln2_mean = take(N); l.ln2_rstd = take(N);
         l.fc = take(N * d_.fc_dim());
-        l.act = act_out;
     };
     p.layers.resize(d_.n_layer);
-    if (checkpointing) {  // one set of internals, recomputed per layer in the pullback
+    if (!checkpointing)
+        for (auto& l : p.layers) layer(l);
+    p.lnf = take(N * d); p.lnf_mean = take(N); p.lnf_rstd = take(N);
+    p.row_loss = take(N);
+    p.d_norm = take(N * d);
+    // Dead while the LM head runs (after the last layer's forward, before its pullback): the
+    // head's logits chunk overlaps them. Norm outputs and the activation's output feed one
+    // GEMM each and are cheap to recompute: every layer shares one buffer for them, and the
+    // pullback recomputes them. With checkpointing, one set of internals serves every layer,
+    // recomputed per layer in the pullback.
+    const size_t head_start = pl.used;
+    float* norm_out = take(N * d);
+    float* act_out = take(N * d_.d_ff);
+    if (checkpointing) {
         LayerActs shared;
         layer(shared);
         for (auto& l : p.layers) l = shared;
-    } else {
-        for (auto& l : p.layers) layer(l);
     }
-    p.lnf = take(N * d); p.lnf_mean = take(N); p.lnf_rstd = take(N);
+    for (auto& l : p.layers) {
+        l.ln1 = l.ln2 = norm_out;
+        l.act = act_out;
+    }
+    p.d_res = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
+    p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
+    p.attn_scratch = take(Attention{d_.n_head, d_.n_kv_head, d_.head_dim}.scratch_floats(omp_get_max_threads(), T));
+    const size_t dead_end = pl.used;
+    pl.used = head_start;
     p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing);
     p.head_logits = take((size_t)p.head_rows * d_.vocab_size);
-    p.row_loss = take(N);
-    p.d_res = take(N * d); p.d_norm = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
-    p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
-    p.attn_scratch = take((size_t)omp_get_max_threads() * T);
+    pl.used = std::max(pl.used, dead_end);
+    // The Clad cross-entropy pullback uses its scratch while the head runs: after both.
     const size_t clad = clad_scratch_floats(d_, ad, B, T, omp_get_max_threads());
     if (clad) p.clad_scratch = take(clad);
     return p;
@@ -295,7 +377,7 @@ void Executor::layer_forward(int i, int B, int T, bool full) {
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, kRope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                                        rope_cos_.data(), rope_sin_.data(), B, T));
-    TIMED(forward, kAttention, attn.forward(a.qkv, a.probs, a.att, B, T));
+    TIMED(forward, kAttention, attn.forward(a.qkv, a.lse, a.att, a_.attn_scratch, B, T));
     // The residual add is fused into the projection: res_mid starts as x, the GEMM adds.
     TIMED(forward, kResidual, std::memcpy(a.res_mid, x, sizeof(float) * N * d));
     TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, true));
@@ -336,7 +418,7 @@ void Executor::layer_pullback(int i, int B, int T) {
         TIMED(pullback, kAttention, attn.pullback_clad(a.qkv, a_.d_att, a_.d_qkv, cs, B, T));
     else
 #endif
-        TIMED(pullback, kAttention, attn.pullback(a.qkv, a.probs, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
+        TIMED(pullback, kAttention, attn.pullback(a.qkv, a.lse, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
     if (d_.rope) {
         const RoPE rope{d_.head_dim};
         const int heads = d_.n_head + d_.n_kv_head;
@@ -413,17 +495,23 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         int counted = 0;
         double chunk_mean = 0.0;
         TIMED(forward, kLinear, lm.forward(x, head_weight(), nullptr, a_.head_logits, rows));
-        TIMED(forward, kCrossEntropy,
-              chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
-        total += chunk_mean * counted;
-        if (!pullback) continue;
 #ifdef ZOO_CLAD
-        if (ad_.clad[kAdCrossEntropy])
+        if (pullback && ad_.clad[kAdCrossEntropy]) {
+            TIMED(forward, kCrossEntropy,
+                  chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
             TIMED(pullback, kCrossEntropy, ce.pullback_clad(a_.head_logits, targets + r0, rows, n_valid, grad_scale,
                                                             a_.clad_scratch));
-        else
+        } else
 #endif
-            TIMED(pullback, kCrossEntropy, ce.pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid, grad_scale));
+        if (pullback)  // fused: the profile counts it all as forward
+            TIMED(forward, kCrossEntropy,
+                  chunk_mean = ce.forward_pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows,
+                                                   n_valid, grad_scale, &counted));
+        else
+            TIMED(forward, kCrossEntropy,
+                  chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
+        total += chunk_mean * counted;
+        if (!pullback) continue;
         TIMED(pullback, kLinear, linear_pullback(lm, x, head_weight(), nullptr, a_.head_logits,
                                                  a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
         accumulate_params_ = true;  // later chunks add to what the first wrote
@@ -462,9 +550,15 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
     TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b,
                                          a_.lnf_mean, a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
+    // On a step that writes the gradients, each layer's squared norm is taken as soon as its
+    // pullback has written them, while they are still in cache: adamw_step's clipping then
+    // needs no pass of its own over every gradient.
+    grad_sumsq_valid_ = false;
+    double sumsq = 0.0;
     for (int i = d_.n_layer - 1; i >= 0; i--) {
         if (checkpointing_) layer_forward(i, B, T, false);
         layer_pullback(i, B, T);
+        if (writing) TIMED(forward, kAdamW, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
     }
     // The embedding pullback adds rows into dwte (and dwpe): when writing, they start from
     // zero, except a tied dwte, which the LM head's pullback has just written in full.
@@ -480,18 +574,22 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     else
 #endif
         TIMED(pullback, kEmbedding, emb.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
+    if (writing) {
+        TIMED(forward, kAdamW, sumsq += grad_sum_squares(other_grad_ranges_));
+        grad_sumsq_ = sumsq;
+        grad_sumsq_valid_ = true;
+    }
     return loss;
 }
 
-void Executor::zero_grads() { grads_consumed_ = true; }
+void Executor::zero_grads() {
+    grads_consumed_ = true;
+    grad_sumsq_valid_ = false;
+}
 
 double Executor::grad_norm() const {
-    const float* g = store_.data + n_params_;
-    const long n = (long)n_params_;
-    double total = 0.0;
-#pragma omp parallel for reduction(+ : total) schedule(static)
-    for (long i = 0; i < n; i++) total += (double)g[i] * g[i];
-    return std::sqrt(total);
+    if (grad_sumsq_valid_) return std::sqrt(grad_sumsq_);
+    return std::sqrt(grad_sum_squares({{0, n_params_}}));
 }
 
 void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed) {
@@ -524,6 +622,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     }
     run(at, n_params_, false);
     grads_consumed_ = true;  // the next pullbacks write fresh gradients
+    grad_sumsq_valid_ = false;
     if (profile.on) profile.forward[kAdamW] += omp_get_wtime() - t0;
     return norm;
 }

@@ -56,7 +56,7 @@ struct Weights {
 // One layer's saved activations for the pullback.
 // ln1, ln2 and act point at buffers shared by all layers (recomputed in the pullback).
 struct LayerActs {
-    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *probs, *att, *res_mid;
+    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *lse, *att, *res_mid;
     float *ln2, *ln2_mean, *ln2_rstd, *fc, *act;
 };
 
@@ -97,7 +97,9 @@ struct ActivationPlan {
     float* residual = nullptr;  // (n_layer + 1) x (N, d): each layer's input, then the output
     std::vector<LayerActs> layers;  // with checkpointing, all alias one shared set
     float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
-    float *head_logits = nullptr, *row_loss = nullptr;  // one chunk of head rows at a time
+    // One chunk of head rows at a time; it overlaps the buffers below (and, with
+    // checkpointing, the shared layer internals), all dead while the head runs.
+    float *head_logits = nullptr, *row_loss = nullptr;
     int head_rows = 0;
     // Gradient scratch, shared by all layers.
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
@@ -151,7 +153,9 @@ public:
                             float grad_scale);
     void zero_grads();
 
-    // Global gradient norm over all parameters (double accumulation, fixed order).
+    // Global gradient norm over all parameters. After a forward_backward that wrote the
+    // gradients (the first since zero_grads or an optimizer step) it is the norm that
+    // pullback took layer by layer; otherwise one pass over the gradients.
     double grad_norm() const;
     // Clips to max_norm (<= 0: no clipping), then AdamW over every tensor range; decay per range.
     double adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
@@ -192,6 +196,16 @@ private:
           *c_fc_ = nullptr, *c_act_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
 
     void bind(Weights& w, float* base, const std::vector<ParamBinding>& bindings);
+    // Gradient ranges (offset, floats) per layer and outside the layers, and the squared
+    // norm the last writing forward_backward summed over them.
+    using Range = std::pair<size_t, size_t>;
+    std::vector<std::vector<Range>> layer_grad_ranges_;
+    std::vector<Range> other_grad_ranges_;
+    double grad_sumsq_ = 0.0;
+    bool grad_sumsq_valid_ = false;
+    size_t role_floats(const std::string& role) const;
+    void plan_grad_ranges(const std::vector<ParamBinding>& bindings);
+    double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
     void trunk_forward(const int32_t* tokens, int B, int T);
     void layer_forward(int i, int B, int T, bool full);

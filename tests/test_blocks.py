@@ -217,16 +217,17 @@ def attention_reference(qkv, nh, nkv, hd):
     v = v.repeat_interleave(nh // nkv, dim=1)
     scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
-    return (p @ v).transpose(1, 2).reshape(B, T, nh * hd), p
+    masked = scores.masked_fill(~causal, float("-inf"))
+    p = torch.softmax(masked, dim=-1)
+    return (p @ v).transpose(1, 2).reshape(B, T, nh * hd), torch.logsumexp(masked, dim=-1)
 
 
 def attention_case(rng, nh, nkv, hd, B=2, T=9):
     qkv = f32(rng, (B, T, (nh + 2 * nkv) * hd), 1.3)
 
     def pull(i, dy):
-        _, probs = nb.attention_forward(i["qkv"], nh, nkv, hd)
-        return {"qkv": nb.attention_pullback(i["qkv"], probs, dy, nh, nkv, hd)}
+        _, lse = nb.attention_forward(i["qkv"], nh, nkv, hd)
+        return {"qkv": nb.attention_pullback(i["qkv"], lse, dy, nh, nkv, hd)}
 
     return Case({"qkv": qkv}, lambda i: nb.attention_forward(i["qkv"], nh, nkv, hd)[0], pull,
                 lambda t: attention_reference(t["qkv"], nh, nkv, hd)[0],
@@ -286,6 +287,10 @@ CASES: dict[str, Callable] = {
     "attn-mqa-nh4-nkv1-hd12": lambda r: attention_case(r, 4, 1, 12),
     "attn-mha-nh3-hd20": lambda r: attention_case(r, 3, 3, 20),
     "attn-gqa-nh6-nkv2-hd20": lambda r: attention_case(r, 6, 2, 20),
+    # the tiled kernels: blocks of 8 query rows plus single-row tails, 16-wide key tiles past
+    # the last key, head dims a multiple of 16 and not
+    "attn-tiles-gqa-nh4-nkv2-hd64-T37": lambda r: attention_case(r, 4, 2, 64, B=1, T=37),
+    "attn-tiles-mha-nh2-hd24-T20": lambda r: attention_case(r, 2, 2, 24, B=2, T=20),
     "cross-entropy": lambda r: cross_entropy_case(r, n_ignored=0),
     "cross-entropy-ignored": lambda r: cross_entropy_case(r, n_ignored=4),
     "residual": residual_case,
@@ -391,13 +396,24 @@ def test_pullback_matches_float64_finite_differences(case_id):
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(4, 4, 12), (4, 2, 12), (4, 1, 20)])
-def test_attention_saved_probs_are_causal_softmax(nh, nkv, hd, needs_torch):
+def test_attention_saves_the_causal_log_sum_exp(nh, nkv, hd, needs_torch):
+    # all the pullback keeps of the softmax: logsumexp over keys 0..t of the scaled scores
     rng = np.random.default_rng(5)
-    qkv = f32(rng, (2, 7, (nh + 2 * nkv) * hd), 1.3)
-    _, probs = nb.attention_forward(qkv, nh, nkv, hd)
-    _, p_ref = attention_reference(torch.from_numpy(qkv.astype(np.float64)), nh, nkv, hd)
-    assert probs.shape == (2, nh, 7, 7)
-    assert rel_err(np.tril(probs), p_ref.numpy()) <= FWD_TOL
+    qkv = f32(rng, (2, 19, (nh + 2 * nkv) * hd), 1.3)
+    _, lse = nb.attention_forward(qkv, nh, nkv, hd)
+    _, lse_ref = attention_reference(torch.from_numpy(qkv.astype(np.float64)), nh, nkv, hd)
+    assert lse.shape == (2, nh, 19)
+    assert rel_err(lse, lse_ref.numpy()) <= FWD_TOL
+
+
+def test_attention_pullback_names_a_wrong_lse_shape():
+    nh, nkv, hd = 2, 1, 8
+    qkv = np.zeros((1, 5, (nh + 2 * nkv) * hd), np.float32)
+    dout = np.zeros((1, 5, nh * hd), np.float32)
+    with pytest.raises(ValueError, match="lse must be"):
+        nb.attention_pullback(qkv, np.zeros((1, nh, 5, 5), np.float32), dout, nh, nkv, hd)
+    with pytest.raises(ValueError, match="dout must be"):
+        nb.attention_pullback(qkv, np.zeros((1, nh, 5), np.float32), dout[:, :4], nh, nkv, hd)
 
 
 def test_attention_first_token_attends_to_itself_only():
@@ -431,6 +447,27 @@ def test_cross_entropy_ignored_rows_get_zero_gradient():
     assert np.all(d[targets == -100] == 0.0)
     # each counted row's adjoint (softmax - onehot) / n_valid sums to zero
     np.testing.assert_allclose(d[targets != -100].sum(-1), 0.0, atol=1e-7)
+
+
+def test_fused_cross_entropy_equals_forward_then_pullback():
+    # the executor trains with the fused kernel; the generic checks cover the separate pair
+    rng = np.random.default_rng(9)
+    logits = f32(rng, (7, 301), 3.0)
+    targets = np.array([1, -100, 300, 0, 17, -100, 299], dtype=np.int32)
+    loss, n_valid = nb.cross_entropy_forward(logits, targets)
+    fused_loss, counted, d = nb.cross_entropy_forward_pullback(logits, targets, n_valid, 0.5)
+    assert counted == n_valid == 5
+    assert abs(fused_loss - loss) <= 1e-6 * abs(loss)
+    assert rel_err(d, nb.cross_entropy_pullback(logits, targets, n_valid, 0.5)) <= 1e-6
+
+
+def test_cross_entropy_names_a_target_outside_the_vocabulary():
+    logits = np.zeros((2, 5), np.float32)
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=f"target id {bad} outside the vocabulary"):
+            nb.cross_entropy_forward_pullback(logits, np.array([0, bad], np.int32), 2, 1.0)
+    with pytest.raises(ValueError, match="targets"):
+        nb.cross_entropy_forward(logits, np.zeros(3, np.int32))
 
 
 def test_llama3_inv_freq_matches_definition():

@@ -222,8 +222,8 @@ def test_rope(threads, head_dim):
                          ids=["mha", "gqa", "mqa-long"])
 def test_attention(threads, n_head, n_kv_head, head_dim, T):
     qkv, dout = rnd(2, T, (n_head + 2 * n_kv_head) * head_dim), rnd(2, T, n_head * head_dim)
-    _, probs = B.attention_forward(qkv, n_head, n_kv_head, head_dim)
-    manual = B.attention_pullback(qkv, probs, dout, n_head, n_kv_head, head_dim)
+    _, lse = B.attention_forward(qkv, n_head, n_kv_head, head_dim)
+    manual = B.attention_pullback(qkv, lse, dout, n_head, n_kv_head, head_dim)
     assert rel_err(B.attention_pullback_clad(qkv, dout, n_head, n_kv_head, head_dim), manual) <= 1e-5
 
 

@@ -1,5 +1,7 @@
 """Whole-model parity against the independent PyTorch reference in tests/torch_reference.py."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,35 @@ def test_cached_generation_matches_full_forward():
         for t in range(7, 12):
             step = model.forward_cached(tokens[:, t:t + 1], t)
             np.testing.assert_allclose(step, full[:, t], atol=1e-4)
+
+
+def _numpy_norm(model):
+    return math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in model.gradients().values()))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama_gqa_llama3rope", "learned_rmsnorm_swiglu"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_clipping_norm_is_the_norm_of_every_gradient(name, checkpointing):
+    # The first forward_backward of a step sums the squared gradients layer by layer as the
+    # pullbacks write them; accumulation afterwards falls back to a full pass. Both must be
+    # the norm of the whole gradient arena, and adamw_step must clip with it.
+    cfg = CONFIGS[name]
+    rng = np.random.default_rng(8)
+    tok = rng.integers(0, cfg.vocab_size, (2, 11))
+    model = zoo.Model(cfg, seed=3, checkpointing=checkpointing)
+    model.zero_grads()
+    model.forward_backward(tok, tok)
+    assert model.grad_norm() == pytest.approx(_numpy_norm(model), rel=1e-5)
+    model.forward_backward(tok[:, ::-1], tok)
+    accumulated = _numpy_norm(model)
+    assert model.grad_norm() == pytest.approx(accumulated, rel=1e-5)
+    assert model.adamw_step(1e-3, max_grad_norm=0.5) == pytest.approx(accumulated, rel=1e-5)
+    model.forward_backward(tok, tok[:, ::-1])  # a fresh step after the optimizer's
+    assert model.adamw_step(1e-3, max_grad_norm=0.5) == pytest.approx(_numpy_norm(model), rel=1e-5)
+
+
+def test_gradient_views_are_read_only():
+    model = zoo.Model(CONFIGS["gpt2"], seed=0)
+    grad = next(iter(model.gradients().values()))
+    with pytest.raises(ValueError, match="read-only"):
+        grad[...] = 0.0

@@ -146,6 +146,8 @@ class Model:
         self._offsets = offsets
         self._params = self._views(self._exec.params())
         self._grads = self._views(self._exec.grads())
+        for g in self._grads.values():  # written by the pullbacks only (the clipping norm relies on it)
+            g.flags.writeable = False
         self.set_decay_mask({p.name: p.decay for p in self.layout})
         self._exec.set_checkpointing(bool(checkpointing))
         self.ad = resolve_ad(ad, config)
@@ -164,9 +166,11 @@ class Model:
         return dict(self._params)
 
     def gradients(self) -> dict[str, np.ndarray]:
-        """Views of the gradient arena: what the pullbacks since the last zero_grads (or
-        optimizer step) accumulated. After zero_grads or adamw_step they still show the
-        consumed gradients until the next forward_backward writes new ones."""
+        """Read-only views of the gradient arena: what the pullbacks since the last zero_grads
+        (or optimizer step) accumulated. After zero_grads or adamw_step they still show the
+        consumed gradients until the next forward_backward writes new ones. Read-only because
+        the pullbacks alone write them: the first forward_backward of a step also takes their
+        norm for clipping as it goes (scale them with forward_backward's grad_scale)."""
         return dict(self._grads)
 
     def init_weights(self, seed: int) -> None:

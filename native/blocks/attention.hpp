@@ -41,30 +41,192 @@ inline void attention_forward_row(const float* q, const float* k, const float* v
     for (int j = 0; j < n_keys; j++) vec_axpy(p[j], v + (size_t)j * kv_stride, o, hd);
 }
 
+// The training kernels below work on blocks of query rows with register tiles of 16 floats:
+// a GCC/Clang vector type, one AVX-512 register (two AVX2, four SSE ones). Each key or value
+// row loaded feeds one fused multiply-add per query row of the block, where the row kernel
+// above does one horizontal reduction per key: 3-5x faster (docs/benchmarks.md).
+typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
+inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
+inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+
+// The kernels take two 16-float tiles per pass where they can: each broadcast row element
+// then feeds two multiply-adds, which halves the loads per multiply-add (loads, not
+// arithmetic, bound these small products).
+
+// s[r][0..n16) = a[r] . bt[:, j]: R rows of a (lda apart, kdim long) against the columns of
+// bt, kdim rows of ldb floats (keys transposed, so 16 keys load as one vector). n16 % 16 == 0.
+template <int R>
+inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int ldb, int kdim, int n16,
+                               float* s, int lds) {
+    int j = 0;
+    for (; j + 32 <= n16; j += 32) {
+        f32x16 acc0[R] = {}, acc1[R] = {};
+        for (int k = 0; k < kdim; k++) {
+            const f32x16 b0 = load16(bt + (size_t)k * ldb + j), b1 = load16(bt + (size_t)k * ldb + j + 16);
+            for (int r = 0; r < R; r++) {
+                const float ar = a[r * lda + k];
+                acc0[r] += b0 * ar;
+                acc1[r] += b1 * ar;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            store16(s + (size_t)r * lds + j, acc0[r]);
+            store16(s + (size_t)r * lds + j + 16, acc1[r]);
+        }
+    }
+    for (; j < n16; j += 16) {
+        f32x16 acc[R] = {};
+        for (int k = 0; k < kdim; k++) {
+            const f32x16 b = load16(bt + (size_t)k * ldb + j);
+            for (int r = 0; r < R; r++) acc[r] += b * a[r * lda + k];
+        }
+        for (int r = 0; r < R; r++) store16(s + (size_t)r * lds + j, acc[r]);
+    }
+}
+
+// c[r][0..hd) = sum over j < n of p[r][j] m[j]: R rows of weights times rows of m (ldm apart).
+template <int R>
+inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t ldm, int n, int hd,
+                               float* c, size_t ldc) {
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) {
+        f32x16 acc0[R] = {}, acc1[R] = {};
+        for (int j = 0; j < n; j++) {
+            const f32x16 m0 = load16(m + j * ldm + d0), m1 = load16(m + j * ldm + d0 + 16);
+            for (int r = 0; r < R; r++) {
+                const float pr = p[r * ldp + j];
+                acc0[r] += m0 * pr;
+                acc1[r] += m1 * pr;
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            store16(c + r * ldc + d0, acc0[r]);
+            store16(c + r * ldc + d0 + 16, acc1[r]);
+        }
+    }
+    for (; d0 + 16 <= hd; d0 += 16) {
+        f32x16 acc[R] = {};
+        for (int j = 0; j < n; j++) {
+            const f32x16 mj = load16(m + j * ldm + d0);
+            for (int r = 0; r < R; r++) acc[r] += mj * p[r * ldp + j];
+        }
+        for (int r = 0; r < R; r++) store16(c + r * ldc + d0, acc[r]);
+    }
+    for (; d0 < hd; d0++)  // head_dim not a multiple of 16
+        for (int r = 0; r < R; r++) {
+            float s = 0.0f;
+            for (int j = 0; j < n; j++) s += p[r * ldp + j] * m[j * ldm + d0];
+            c[r * ldc + d0] = s;
+        }
+}
+
+// m[j][0..hd) += sum over r of p[r][j] x[r], j < n: the transpose of tile_weighted_rows,
+// accumulating (x rows ldx apart, m rows ldm apart).
+template <int R>
+inline void tile_add_weighted_cols(const float* p, int ldp, const float* x, size_t ldx, int n, int hd,
+                                   float* m, size_t ldm) {
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) {
+        f32x16 x0[R], x1[R];
+        for (int r = 0; r < R; r++) {
+            x0[r] = load16(x + r * ldx + d0);
+            x1[r] = load16(x + r * ldx + d0 + 16);
+        }
+        for (int j = 0; j < n; j++) {
+            f32x16 acc0 = load16(m + j * ldm + d0), acc1 = load16(m + j * ldm + d0 + 16);
+            for (int r = 0; r < R; r++) {
+                const float pr = p[r * ldp + j];
+                acc0 += x0[r] * pr;
+                acc1 += x1[r] * pr;
+            }
+            store16(m + j * ldm + d0, acc0);
+            store16(m + j * ldm + d0 + 16, acc1);
+        }
+    }
+    for (; d0 + 16 <= hd; d0 += 16) {
+        f32x16 xr[R];
+        for (int r = 0; r < R; r++) xr[r] = load16(x + r * ldx + d0);
+        for (int j = 0; j < n; j++) {
+            f32x16 acc = load16(m + j * ldm + d0);
+            for (int r = 0; r < R; r++) acc += xr[r] * p[r * ldp + j];
+            store16(m + j * ldm + d0, acc);
+        }
+    }
+    for (; d0 < hd; d0++)
+        for (int j = 0; j < n; j++) {
+            float s = m[j * ldm + d0];
+            for (int r = 0; r < R; r++) s += p[r * ldp + j] * x[r * ldx + d0];
+            m[j * ldm + d0] = s;
+        }
+}
+
+// rows (ld apart) of hd floats -> hd rows of ldt floats; columns n..ldt-1 zeroed.
+inline void transpose_rows(const float* x, size_t ld, int n, int hd, float* xt, int ldt) {
+    for (int d = 0; d < hd; d++) {
+        float* row = xt + (size_t)d * ldt;
+        for (int j = 0; j < n; j++) row[j] = x[j * ld + d];
+        for (int j = n; j < ldt; j++) row[j] = 0.0f;
+    }
+}
+
 struct Attention {
     int n_head, n_kv_head, head_dim;
+    static constexpr int kBlockRows = 8;  // query rows per tile
 
     int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
+    static int padded(int T) { return (T + 15) / 16 * 16; }
+    // Per thread: keys and values transposed (hd x padded T each), and two blocks of rows.
+    size_t thread_scratch_floats(int T) const { return (2 * (size_t)head_dim + 2 * kBlockRows) * padded(T); }
+    size_t scratch_floats(int threads, int T) const { return (size_t)threads * thread_scratch_floats(T); }
 
     // Training/prefill over whole sequences. qkv: (B*T, qkv_dim) with RoPE already applied;
-    // probs: (B, n_head, T, T) saved for the pullback (only the causal part is written);
-    // out: (B*T, n_head*hd).
-    void forward(const float* qkv, float* probs, float* out, int B, int T) const {
-        const int stride = qkv_dim(), group = n_head / n_kv_head;
-        const float scale = 1.0f / std::sqrt((float)head_dim);
-#pragma omp parallel for collapse(3) schedule(static)
+    // out: (B*T, n_head*hd). lse: (B, n_head, T), each row's log-sum-exp of its scaled
+    // scores, all the pullback needs to rebuild the probabilities: O(T) memory per head where
+    // the probabilities would take O(T^2). scratch: scratch_floats(threads, T).
+    void forward(const float* qkv, float* lse, float* out, float* scratch, int B, int T) const {
+        const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
+        const float scale = 1.0f / std::sqrt((float)hd);
+#pragma omp parallel for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
-            for (int h = 0; h < n_head; h++)
-                for (int t = 0; t < T; t++) {
-                    const int g = h / group;
-                    const float* base = qkv + (size_t)b * T * stride;
-                    attention_forward_row(
-                        base + (size_t)t * stride + h * head_dim,
-                        base + (n_head + g) * head_dim, base + (n_head + n_kv_head + g) * head_dim,
-                        probs + (((size_t)b * n_head + h) * T + t) * T,
-                        out + ((size_t)b * T + t) * n_head * head_dim + h * head_dim, stride,
-                        t + 1, head_dim, scale);
-                }
+            for (int h = 0; h < n_head; h++) {
+                float* kt = scratch + (size_t)omp_get_thread_num() * thread_scratch_floats(T);
+                float* block = kt + 2 * (size_t)hd * Tp;
+                const float* base = qkv + (size_t)b * T * stride;
+                const int g = h / group;
+                transpose_rows(base + (n_head + g) * hd, stride, T, hd, kt, Tp);
+                const float* v = base + (n_head + n_kv_head + g) * hd;
+                float* l = lse + ((size_t)b * n_head + h) * T;
+                float* o = out + (size_t)b * T * n_head * hd + h * hd;
+                int t0 = 0;
+                for (; t0 + kBlockRows <= T; t0 += kBlockRows)
+                    forward_rows<kBlockRows>(base + h * hd, stride, kt, v, l, o, block, t0, T, scale);
+                for (; t0 < T; t0++) forward_rows<1>(base + h * hd, stride, kt, v, l, o, block, t0, T, scale);
+            }
+    }
+
+    // Query rows t0..t0+R-1 of one head: scores against keys 0..t0+R-1, causal softmax into
+    // block (R x padded T, zero past each row's last key), the rows' log-sum-exp into lse,
+    // output rows into o.
+    template <int R>
+    void forward_rows(const float* q, int stride, const float* kt, const float* v, float* lse, float* o,
+                      float* block, int t0, int T, float scale) const {
+        const int hd = head_dim, Tp = padded(T), n = t0 + R;
+        tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
+        for (int r = 0; r < R; r++) {
+            float* s = block + (size_t)r * Tp;
+            const int keys = t0 + r + 1;
+            const float mx = row_max(s, keys);
+            float sum = 0.0f;
+            for (int j = 0; j < keys; j++) {
+                s[j] = fast_exp(scale * (s[j] - mx));
+                sum += s[j];
+            }
+            const float inv = 1.0f / sum;
+            lse[t0 + r] = scale * mx + std::log(sum);
+            for (int j = 0; j < keys; j++) s[j] *= inv;
+            for (int j = keys; j < n; j++) s[j] = 0.0f;
+        }
+        tile_weighted_rows<R>(block, Tp, v, stride, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
     // Queries at positions pos0..pos0+Tq-1 against a KV cache laid out (B, n_kv_head, max_len,
@@ -86,15 +248,19 @@ struct Attention {
                 }
     }
 
-    // Writes d_qkv (all three parts). probs is overwritten with the softmax adjoint.
-    // One task per (batch, kv head): it owns that head's dk, dv, so no two threads write
-    // the same element. scratch: one row of T floats per thread.
-    void pullback(const float* qkv, float* probs, const float* d_out, float* d_qkv,
+    // Writes d_qkv (all three parts), the probabilities rebuilt from the scores and the saved
+    // lse. One task per (batch, kv head): it owns that head's dk, dv, so no two threads write
+    // the same element. scratch: scratch_floats(threads, T).
+    void pullback(const float* qkv, const float* lse, const float* d_out, float* d_qkv,
                   float* scratch, int B, int T) const;
+    template <int R>
+    void pullback_rows(const float* q, const float* k, const float* kt, const float* vt, const float* lse,
+                       const float* dout, float* dq, float* dk, float* dv, float* block, int t0, int T,
+                       float scale) const;
 
     // The Clad backend's pullback: Clad's gradient of attention_forward_row, one task per
     // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
-    // replays each row's softmax instead of reading probs. scratch: clad_scratch_floats().
+    // replays each row's softmax instead of reading lse. scratch: clad_scratch_floats().
     size_t clad_row_floats(int T) const { return ((size_t)2 * T + 2 * head_dim + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_row_floats(T); }
     void pullback_clad(const float* qkv, const float* d_out, float* d_qkv, float* scratch, int B,
@@ -142,52 +308,69 @@ void zoo::Attention::pullback_clad(const float* qkv, const float* d_out, float* 
 }
 #endif
 
-inline void zoo::Attention::pullback(const float* qkv, float* probs, const float* d_out,
+inline void zoo::Attention::pullback(const float* qkv, const float* lse, const float* d_out,
                                      float* d_qkv, float* scratch, int B, int T) const {
-    const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
+    const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int g = 0; g < n_kv_head; g++) {
-            float* dp = scratch + (size_t)omp_get_thread_num() * T;
+            float* kt = scratch + (size_t)omp_get_thread_num() * thread_scratch_floats(T);
+            float* vt = kt + (size_t)hd * Tp;
+            float* block = vt + (size_t)hd * Tp;
             const float* base = qkv + (size_t)b * T * stride;
             float* dbase = d_qkv + (size_t)b * T * stride;
             const float* k = base + (n_head + g) * hd;
-            const float* v = base + (n_head + n_kv_head + g) * hd;
             float* dk = dbase + (n_head + g) * hd;
             float* dv = dbase + (n_head + n_kv_head + g) * hd;
+            transpose_rows(k, stride, T, hd, kt, Tp);
+            transpose_rows(base + (n_head + n_kv_head + g) * hd, stride, T, hd, vt, Tp);
             for (int t = 0; t < T; t++) {
                 std::memset(dk + (size_t)t * stride, 0, sizeof(float) * hd);
                 std::memset(dv + (size_t)t * stride, 0, sizeof(float) * hd);
             }
-            for (int h = g * group; h < (g + 1) * group; h++)
-                for (int t = 0; t < T; t++) {
-                    const float* q = base + (size_t)t * stride + h * hd;
-                    float* dq = dbase + (size_t)t * stride + h * hd;
-                    const float* dout = d_out + ((size_t)b * T + t) * n_head * hd + h * hd;
-                    float* p = probs + (((size_t)b * n_head + h) * T + t) * T;
-                    float dot = 0.0f;
-                    for (int j = 0; j <= t; j++) {
-                        const float* vj = v + (size_t)j * stride;
-                        float* dvj = dv + (size_t)j * stride;
-                        float s = 0.0f;
-                        for (int d = 0; d < hd; d++) {
-                            s += dout[d] * vj[d];
-                            dvj[d] += p[j] * dout[d];
-                        }
-                        dp[j] = s;
-                        dot += p[j] * s;
-                    }
-                    for (int j = 0; j <= t; j++) p[j] = p[j] * (dp[j] - dot) * scale;
-                    for (int d = 0; d < hd; d++) dq[d] = 0.0f;
-                    for (int j = 0; j <= t; j++) {
-                        const float* kj = k + (size_t)j * stride;
-                        float* dkj = dk + (size_t)j * stride;
-                        for (int d = 0; d < hd; d++) {
-                            dq[d] += p[j] * kj[d];
-                            dkj[d] += p[j] * q[d];
-                        }
-                    }
-                }
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                const float* q = base + h * hd;
+                float* dq = dbase + h * hd;
+                const float* l = lse + ((size_t)b * n_head + h) * T;
+                const float* dout = d_out + (size_t)b * T * n_head * hd + h * hd;
+                int t0 = 0;
+                for (; t0 + kBlockRows <= T; t0 += kBlockRows)
+                    pullback_rows<kBlockRows>(q, k, kt, vt, l, dout, dq, dk, dv, block, t0, T, scale);
+                for (; t0 < T; t0++) pullback_rows<1>(q, k, kt, vt, l, dout, dq, dk, dv, block, t0, T, scale);
+            }
         }
+}
+
+// Query rows t0..t0+R-1 of one head (q, dq rows qkv_dim apart; dout rows n_head*hd apart):
+// writes their dq, adds into dk and dv of keys 0..t0+R-1. block: two R x padded(T) blocks,
+// the probabilities (zero past each row's last key) and the score adjoints.
+template <int R>
+inline void zoo::Attention::pullback_rows(const float* q, const float* k, const float* kt, const float* vt,
+                                          const float* lse, const float* dout, float* dq, float* dk, float* dv,
+                                          float* block, int t0, int T, float scale) const {
+    const int stride = qkv_dim(), hd = head_dim, Tp = padded(T), n = t0 + R;
+    const size_t ldo = (size_t)n_head * hd;
+    float* pb = block;
+    float* ds = block + (size_t)R * Tp;
+    const float* q0 = q + (size_t)t0 * stride;
+    const float* dout0 = dout + (size_t)t0 * ldo;
+    tile_rows_dot_cols<R>(q0, stride, kt, Tp, hd, padded(n), pb, Tp);      // S = Q K^T
+    tile_rows_dot_cols<R>(dout0, ldo, vt, Tp, hd, padded(n), ds, Tp);     // dP = dO V^T
+    for (int r = 0; r < R; r++) {
+        const int keys = t0 + r + 1;
+        const float l = lse[t0 + r];
+        float* pr = pb + (size_t)r * Tp;
+        float* dsr = ds + (size_t)r * Tp;
+        float dot = 0.0f;
+        for (int j = 0; j < keys; j++) {
+            pr[j] = fast_exp(scale * pr[j] - l);
+            dot += pr[j] * dsr[j];
+        }
+        for (int j = 0; j < keys; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        for (int j = keys; j < n; j++) pr[j] = dsr[j] = 0.0f;
+    }
+    tile_add_weighted_cols<R>(pb, Tp, dout0, ldo, n, hd, dv, stride);     // dV += P^T dO
+    tile_weighted_rows<R>(ds, Tp, k, stride, n, hd, dq + (size_t)t0 * stride, stride);  // dQ = dS K
+    tile_add_weighted_cols<R>(ds, Tp, q0, stride, n, hd, dk, stride);     // dK += dS^T Q
 }

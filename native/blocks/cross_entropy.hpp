@@ -64,6 +64,44 @@ struct CrossEntropy {
         }
     }
 
+    // Training's forward and pullback fused, logits -> dlogits in place with the per-row
+    // losses: the exponentials summed for the loss are kept and scaled into the
+    // probabilities, so each logit is exponentiated once instead of twice. Same results as
+    // forward then pullback; returns the mean over the counted rows (*n_counted of them).
+    double forward_pullback(float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
+                            float grad_scale, int* n_counted) const {
+        const float k = n_valid ? grad_scale / n_valid : 0.0f;
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < N; n++) {
+            float* l = logits + (size_t)n * V;
+            const int32_t t = targets[n];
+            if (t == ignore_index) {
+                row_loss[n] = 0.0f;
+                for (int v = 0; v < V; v++) l[v] = 0.0f;
+                continue;
+            }
+            const float target_logit = l[t], mx = row_max(l, V);
+            float sum = 0.0f;
+            for (int v = 0; v < V; v++) {
+                l[v] = fast_exp(l[v] - mx);
+                sum += l[v];
+            }
+            row_loss[n] = std::log(sum) + mx - target_logit;
+            const float c = k / sum;
+            for (int v = 0; v < V; v++) l[v] *= c;
+            l[t] -= k;
+        }
+        double total = 0.0;
+        int count = 0;
+        for (int n = 0; n < N; n++)
+            if (targets[n] != ignore_index) {
+                total += row_loss[n];
+                count++;
+            }
+        *n_counted = count;
+        return count ? total / count : 0.0;
+    }
+
     // The Clad backend's pullback: Clad's gradient of cross_entropy_forward_row, rows in
     // parallel, logits -> dlogits in place like pullback (defined below, compiled only into a
     // Clad build). It replays each row's logsumexp instead of reading row_loss. Per thread,
