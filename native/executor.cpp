@@ -403,10 +403,19 @@ void Executor::layer_pullback(int i, int B, int T) {
     [[maybe_unused]] float* cs = a_.clad_scratch;
     // The norm outputs and the activation output live in buffers every layer shares
     // (layout_activations): recompute this layer's before the GEMM pullbacks read them.
-    TIMED(pullback, kActivation, activation_forward(a.fc, a.act, N));
+    // The hand-written GELU and SwiGLU pullbacks take their derivative from this recompute
+    // (into d_fc, free until their pullback writes it) and multiply it in after.
+    const bool derivative_saved = activation_derivative_saved();
+    if (derivative_saved)
+        TIMED(pullback, kActivation, activation_forward_with_derivative(a.fc, a.act, a_.d_fc, N));
+    else
+        TIMED(pullback, kActivation, activation_forward(a.fc, a.act, N));
     TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
                                              g.proj_b, N));
-    TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
+    if (derivative_saved)
+        TIMED(pullback, kActivation, activation_apply_derivative(a_.d_act, a_.d_fc, N));
+    else
+        TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
     TIMED(pullback, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
     TIMED(pullback, kLinear, linear_pullback(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
     TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, a_.d_norm,
@@ -446,6 +455,28 @@ void Executor::activation_forward(const float* fc, float* act, int N) const {
         ReLU2{d_.d_ff}.forward(fc, act, N);
     else
         GELU{d_.d_ff}.forward(fc, act, N);
+}
+
+// True where the activation's pullback is hand-written GELU or SwiGLU: those take their
+// derivative from the pullback's recompute (activation_forward_with_derivative).
+bool Executor::activation_derivative_saved() const {
+    if (d_.mlp == MlpKind::gelu) return !ad_.clad[kAdGELU];
+    if (d_.mlp == MlpKind::swiglu) return !ad_.clad[kAdSwiGLU];
+    return false;
+}
+
+void Executor::activation_forward_with_derivative(const float* fc, float* act, float* deriv, int N) const {
+    if (d_.mlp == MlpKind::swiglu)
+        SwiGLU{d_.d_ff}.forward_with_derivative(fc, act, deriv, N);
+    else
+        GELU{d_.d_ff}.forward_with_derivative(fc, act, deriv, N);
+}
+
+void Executor::activation_apply_derivative(const float* d_act, float* deriv_to_d_fc, int N) const {
+    if (d_.mlp == MlpKind::swiglu)
+        SwiGLU{d_.d_ff}.apply_derivative(d_act, deriv_to_d_fc, N);
+    else
+        GELU{d_.d_ff}.apply_derivative(d_act, deriv_to_d_fc, N);
 }
 
 // dL/d(act) -> dL/d(fc) for the model's MLP activation.

@@ -220,6 +220,9 @@ private:
     void activation_forward(const float* fc, float* act, int N) const;
     void clear_if_writing(float* grad, size_t n) const;
     void activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const;
+    bool activation_derivative_saved() const;
+    void activation_forward_with_derivative(const float* fc, float* act, float* deriv, int N) const;
+    void activation_apply_derivative(const float* d_act, float* deriv_to_d_fc, int N) const;
     void check_trainable() const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head; }

@@ -449,6 +449,23 @@ def test_cross_entropy_ignored_rows_get_zero_gradient():
     np.testing.assert_allclose(d[targets != -100].sum(-1), 0.0, atol=1e-7)
 
 
+def test_activation_pullback_from_the_recompute_equals_the_pullback():
+    # the executor's GELU and SwiGLU pullbacks: the recompute's output is the forward's (to
+    # rounding: the loops vectorize differently), and its saved derivative times dy is the
+    # direct pullback
+    rng = np.random.default_rng(10)
+    x, dy = f32(rng, (5, 67), 3.0), f32(rng, (5, 67))
+    y, dx = nb.gelu_pullback_from_recompute(x, dy)
+    assert rel_err(y, nb.gelu_forward(x)) <= 1e-6
+    assert rel_err(dx, nb.gelu_pullback(x, dy)) <= 1e-6
+    gate_up, dy2 = f32(rng, (5, 2 * 67), 3.0), f32(rng, (5, 67))
+    y2, d2 = nb.swiglu_pullback_from_recompute(gate_up, dy2)
+    assert rel_err(y2, nb.swiglu_forward(gate_up)) <= 1e-6
+    assert rel_err(d2, nb.swiglu_pullback(gate_up, dy2)) <= 1e-6
+    with pytest.raises(ValueError, match="gelu dy"):
+        nb.gelu_pullback_from_recompute(x, dy[:, :5])
+
+
 def test_fused_cross_entropy_equals_forward_then_pullback():
     # the executor trains with the fused kernel; the generic checks cover the separate pair
     rng = np.random.default_rng(9)
