@@ -6,6 +6,8 @@ models train to the same gradients on either backend or a mix, and relu2 (a bloc
 its forward only) trains. Where it was not: asking for Clad says how to build it, and relu2
 runs forward but refuses to train, naming the block. Each group skips in the other build."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -324,3 +326,18 @@ def test_relu2_trains_with_clad():
         loss = model.forward_backward(tokens, targets)
         model.adamw_step(3e-3)
     assert loss < 0.5 * first
+
+
+@needs_clad
+def test_bench_ad_compares_every_block_and_the_step(tmp_path, capsys):
+    from zoo import bench_ad
+
+    out = tmp_path / "ad.json"
+    assert bench_ad.main(["--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "16", "--threads", "1",
+                          "--rounds", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert set(r["blocks"]) == {"embedding", "layernorm", "linear", "attention", "gelu",
+                                "cross_entropy (loss and adjoint)"}
+    assert all(b["manual_ms"] > 0 and b["clad_ms"] > 0 for b in r["blocks"].values())
+    assert r["step"]["ratio"] > 0
+    assert "**full training step**" in capsys.readouterr().out

@@ -377,7 +377,7 @@ def card_markdown(d: dict) -> str:
             def ratio(x):
                 return "-" if x is None else f"{x:.3f}x"
 
-            rss = "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:,.0f}"
+            rss = "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:,.1f}"
             L.append(f"| {r['batch']} | {r['seq_len']} | {r['threads']} | {_yes(r['checkpointing'])} "
                      f"| {r['step_ms_median']:,.1f} | {r['tokens_per_s']:,.0f} | {rss} "
                      f"| {ratio(r['step_time_over_torch_fused'])} | {ratio(r['step_time_over_torch_default'])} "
