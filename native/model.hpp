@@ -97,8 +97,8 @@ struct ActivationPlan {
     float* residual = nullptr;  // (n_layer + 1) x (N, d): each layer's input, then the output
     std::vector<LayerActs> layers;  // with checkpointing, all alias one shared set
     float *lnf = nullptr, *lnf_mean = nullptr, *lnf_rstd = nullptr;
-    // One chunk of head rows at a time; it overlaps the buffers below (and, with
-    // checkpointing, the shared layer internals), all dead while the head runs.
+    // One chunk of head rows at a time; it overlaps the buffers below but d_norm, which the
+    // head writes (and, with checkpointing, the shared layer internals): dead while it runs.
     float *head_logits = nullptr, *row_loss = nullptr;
     int head_rows = 0;
     // Gradient scratch, shared by all layers.
