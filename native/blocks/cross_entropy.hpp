@@ -23,8 +23,22 @@ struct CrossEntropy {
     int V;
     static constexpr int32_t ignore_index = -100;
 
+    // The mean of the counted rows' losses, their number in *n_counted. Sums in a fixed order
+    // in double so the loss is reproducible.
+    static double mean_loss(const int32_t* targets, const float* row_loss, int N, int* n_counted) {
+        double total = 0.0;
+        int count = 0;
+        for (int n = 0; n < N; n++)
+            if (targets[n] != ignore_index) {
+                total += row_loss[n];
+                count++;
+            }
+        *n_counted = count;
+        return count ? total / count : 0.0;
+    }
+
     // Per-row losses into row_loss (0 for ignored rows); returns the mean and the number of
-    // counted rows in *n_valid. Sums in a fixed order in double so the loss is reproducible.
+    // counted rows in *n_valid.
     double forward(const float* logits, const int32_t* targets, float* row_loss, int N,
                    int* n_valid) const {
 #pragma omp parallel for schedule(static)
@@ -35,15 +49,7 @@ struct CrossEntropy {
             }
             cross_entropy_forward_row(logits + (size_t)n * V, targets[n], row_loss + n, V);
         }
-        double total = 0.0;
-        int count = 0;
-        for (int n = 0; n < N; n++)
-            if (targets[n] != ignore_index) {
-                total += row_loss[n];
-                count++;
-            }
-        *n_valid = count;
-        return count ? total / count : 0.0;
+        return mean_loss(targets, row_loss, N, n_valid);
     }
 
     // logits -> dlogits in place: (softmax - onehot(target)) * grad_scale / n_valid. The
@@ -91,15 +97,7 @@ struct CrossEntropy {
             for (int v = 0; v < V; v++) l[v] *= c;
             l[t] -= k;
         }
-        double total = 0.0;
-        int count = 0;
-        for (int n = 0; n < N; n++)
-            if (targets[n] != ignore_index) {
-                total += row_loss[n];
-                count++;
-            }
-        *n_counted = count;
-        return count ? total / count : 0.0;
+        return mean_loss(targets, row_loss, N, n_counted);
     }
 
     // The Clad backend's pullback: Clad's gradient of cross_entropy_forward_row, rows in
