@@ -100,6 +100,31 @@ def test_bench_zoo_alone_from_config_file(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG" and not out.with_suffix(".png").exists()
 
 
+def test_bench_rounds_pool_the_steps_and_report_each_round(tmp_path, capsys):
+    pytest.importorskip("torch")
+    cfg = preset("tiny-gpt2")
+    out = tmp_path / "rounds.json"
+    assert main(["bench", "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "16", "--rounds", "2",
+                 "--json", str(out), *FAST]) == 0
+    table = capsys.readouterr().out
+    assert "| round |" in table and "in turn 2 times" in table
+    r = json.loads(out.read_text())
+    assert r["rounds"] == 2 and "--rounds 2" in r["command"]
+    assert len(r["by_round"]) == 2
+    for name in ("zoo", "torch_fused", "torch_default"):
+        assert len(r["systems"][name]["step_ms"]) == 2 * 2  # steps of both rounds, pooled
+    for e in r["by_round"]:
+        assert e["sgemm_gflops"] > 0 and e["zoo_step_ms"] > 0
+        assert e["zoo_step_fraction_of_sgemm"] == pytest.approx(
+            r["flops_per_step"] / (e["zoo_step_ms"] / 1000) / 1e9 / e["sgemm_gflops"], rel=1e-9)
+        assert e["zoo_over_torch_fused"] == pytest.approx(e["zoo_step_ms"] / e["torch_fused_step_ms"], rel=1e-9)
+    rates = sorted(e["sgemm_gflops"] for e in r["by_round"])
+    assert r["sgemm_gflops"] == pytest.approx((rates[0] + rates[1]) / 2, rel=1e-9)  # their median
+    assert r["zoo_step_fraction_of_sgemm"] == pytest.approx(r["zoo_step_gflops"] / r["sgemm_gflops"], rel=1e-9)
+    assert main(["bench", "--preset", "tiny-gpt2", "--rounds", "0", *FAST]) == 1
+    assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_bench_bad_settings(tmp_path, capsys, monkeypatch):
     assert main(["bench", "--preset", "tiny-gpt2", "--seq-len", "100000", *FAST]) == 1
     assert "exceeds the model's context" in capsys.readouterr().err

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per system (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems in turn this many times and pool their steps; the ratios of "
+                        "each round are reported too (default 1)")
     p.add_argument("--threads", type=int, default=None,
                    help=f"threads for every system (default: the CPUs this process may use, {default_threads()})")
     p.add_argument("--vs", choices=["torch", "none"], default=None,
@@ -93,7 +96,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         results = run_bench(
             cfg, preset_name=args.preset or (None if args.config else "gpt2"), config_file=args.config,
             batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
-            threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing, seed=args.seed)
+            rounds=args.rounds, threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing, seed=args.seed)
     except (BenchError, ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"zoo bench: error: {msg}", file=sys.stderr)
@@ -216,11 +219,13 @@ def _run_worker(what: str, cmd: list[str], out: Path, threads: int) -> dict:
     return result
 
 
-def _summary(raw: dict, tokens: int, flops: float) -> dict:
-    ms = [1000.0 * s for s in raw["step_s"]]
+def _summary(runs: list[dict], tokens: int, flops: float) -> dict:
+    """One system over its rounds: steps pooled, the highest peak RSS, the first round's losses."""
+    raw = runs[0]
+    ms = [1000.0 * s for run in runs for s in run["step_s"]]
     median = statistics.median(ms)
     out = {"step_ms_median": median, "step_ms_min": min(ms), "step_ms_max": max(ms),
-           "tokens_per_s": tokens / (median / 1000.0), "peak_rss_mib": raw["peak_rss_mib"],
+           "tokens_per_s": tokens / (median / 1000.0), "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
            "step_ms_mean": statistics.fmean(ms), "step_ms": ms, "gflops": flops / (median / 1000.0) / 1e9,
            "threads": raw["threads"], "loss_first": raw["losses"][0], "loss_last": raw["losses"][-1],
            "rss_after_import_mib": raw["rss_after_import_mib"], "implementation": raw["implementation"]}
@@ -233,12 +238,12 @@ def _summary(raw: dict, tokens: int, flops: float) -> dict:
 
 
 def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[str] = None, batch: int = 4,
-              seq_len: int = 64, steps: int = 10, warmup: int = 3, threads: Optional[int] = None,
+              seq_len: int = 64, steps: int = 10, warmup: int = 3, rounds: int = 1, threads: Optional[int] = None,
               vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
               seed: int = 0) -> dict:
     """Runs every worker and returns the results (the --json document)."""
     for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
-                         ("--warmup", warmup, 0)):
+                         ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
         if v < low:
             raise ValueError(f"{name} must be at least {low}, got {v}")
     if seq_len > cfg.max_seq_len:
@@ -255,21 +260,25 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
     flops = step_flops(cfg, batch, seq_len)
     common = ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
     zoo_flags = ["--ad", ad] + (["--checkpointing"] if checkpointing else [])
-    raw: dict[str, dict] = {}
+    raw: dict[str, list[dict]] = {}  # system -> one result per round
     with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
         work = Path(tmp)
         print(f"zoo bench: writing weights and data ({cfg.num_parameters():,} parameters)", file=sys.stderr)
         write_workdir(work, cfg, batch, seq_len, seed)
         zoo_cmd = [sys.executable, "-m", "zoo.bench_worker", "--workdir", tmp] + common + zoo_flags
-        raw["zoo"] = _run_worker(f"zoo: {steps} steps after {warmup} warm-up", zoo_cmd + ["--mode", "time"],
-                                 work / "zoo.json", threads)
-        if vs == "torch":
-            script = str(Path(__file__).with_name("bench_torch.py"))
-            for name, opt in (("torch_fused", "fused"), ("torch_default", "default")):
-                raw[name] = _run_worker(f"{name}: {steps} steps after {warmup} warm-up",
-                                        [sys.executable, script, "--workdir", tmp, "--optimizer", opt] + common,
-                                        work / f"{name}.json", threads)
-        profile = _run_worker("zoo, profiled per block; then sgemm", zoo_cmd + ["--mode", "profile"],
+        script = str(Path(__file__).with_name("bench_torch.py"))
+        for r in range(rounds):
+            of = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
+            raw.setdefault("zoo", []).append(
+                _run_worker(f"zoo: {steps} steps after {warmup} warm-up, then sgemm{of}",
+                            zoo_cmd + ["--mode", "time"], work / "zoo.json", threads))
+            if vs == "torch":
+                for name, opt in (("torch_fused", "fused"), ("torch_default", "default")):
+                    raw.setdefault(name, []).append(
+                        _run_worker(f"{name}: {steps} steps after {warmup} warm-up{of}",
+                                    [sys.executable, script, "--workdir", tmp, "--optimizer", opt] + common,
+                                    work / f"{name}.json", threads))
+        profile = _run_worker("zoo, profiled per block", zoo_cmd + ["--mode", "profile"],
                               work / "profile.json", threads)
 
     systems = {name: (_summary(raw[name], tokens, flops["total"]) if name in raw else None) for name in SYSTEMS}
@@ -290,7 +299,21 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
                         "total_ms": 1000.0 * (fwd + back) / steps}
     in_blocks = sum(b["total_ms"] for b in blocks.values())
     prof_mean = statistics.fmean(prof_ms)
-    sgemm = profile["sgemm"]
+    # Each round pairs zoo's median step with the sgemm rate measured right after it.
+    by_round = []
+    for r in range(rounds):
+        zoo_r = statistics.median(raw["zoo"][r]["step_s"])
+        entry = {"zoo_step_ms": 1000.0 * zoo_r, "sgemm_gflops": raw["zoo"][r]["sgemm"]["gflops_median"],
+                 "zoo_step_fraction_of_sgemm": flops["total"] / zoo_r / 1e9 / raw["zoo"][r]["sgemm"]["gflops_median"]}
+        for name in SYSTEMS[1:]:
+            if name in raw:
+                other = statistics.median(raw[name][r]["step_s"])
+                entry[f"{name}_step_ms"] = 1000.0 * other
+                entry[f"zoo_over_{name}"] = zoo_r / other
+        by_round.append(entry)
+    sgemm = dict(raw["zoo"][0]["sgemm"])
+    sgemm["gflops_median"] = statistics.median(e["sgemm_gflops"] for e in by_round)
+    sgemm["gflops_best"] = max(run["sgemm"]["gflops_best"] for run in raw["zoo"])
     zoo_gflops = systems["zoo"]["gflops"]
     sgemm_gflops = sgemm["gflops_median"]
     return {
@@ -298,12 +321,13 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         "command": shlex.join(
             ["zoo", "bench", *(["--config", config_file] if config_file else ["--preset", preset_name or "?"]),
              "--batch-size", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--warmup", str(warmup),
-             "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed)]
+             "--rounds", str(rounds), "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed)]
             + (["--checkpointing"] if checkpointing else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
                   "n_params": cfg.num_parameters(), "matmul_params": flops["matmul_params"]},
         "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
+        "rounds": rounds,
         "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm",
                           decay_on="2-D matmul weights (zoo's decay mask)"),
@@ -314,7 +338,9 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         "sgemm_gflops": sgemm_gflops,
         "zoo_step_gflops": zoo_gflops,
         "zoo_step_fraction_of_sgemm": zoo_gflops / sgemm_gflops,
-        "sgemm": {"what": "zoo._native.blocks.linear_forward: (m, k) x (k, n), the LM head forward",
+        "by_round": by_round,
+        "sgemm": {"what": "zoo._native.blocks.linear_forward: (m, k) x (k, n), the LM head forward, "
+                          "in zoo's timing process right after its timed steps (median over rounds)",
                   **sgemm},
         "blocks": blocks,
         "blocks_profile": {"norm": cfg.norm, "activation": cfg.mlp, "steps": steps,
@@ -368,7 +394,9 @@ def markdown(r: dict) -> str:
         f"## zoo bench: {name} ({m['n_params']:,} parameters), batch {r['batch']} x seq {r['seq_len']} "
         f"= {r['tokens_per_step']} tokens, {r['threads']} thread{'s' if r['threads'] != 1 else ''}",
         "",
-        f"{r['steps']} timed steps after {r['warmup']} warm-up, each system in its own process. A step: zero "
+        f"{r['steps']} timed steps after {r['warmup']} warm-up, each system in its own process"
+        + (f", the systems in turn {r['rounds']} times (steps pooled)" if r["rounds"] > 1 else "")
+        + ". A step: zero "
         f"grads, forward, cross-entropy, backward, clip to norm {r['optimizer']['max_grad_norm']}, AdamW "
         f"(weight decay {r['optimizer']['weight_decay']}).",
         "",
@@ -401,10 +429,22 @@ def markdown(r: dict) -> str:
     lines += [
         f"- FLOPs per step: {r['flops_per_step'] / 1e9:,.2f} GFLOP = matmuls 6 x {r['model']['matmul_params']:,} x "
         f"{r['tokens_per_step']} ({f['matmul'] / 1e9:,.2f}) + causal attention ({f['attention'] / 1e9:,.3f})",
-        f"- sgemm, zoo linear_forward at the LM head shape ({sg['m']} x {sg['k']}) x ({sg['k']} x {sg['n']}): "
-        f"{r['sgemm_gflops']:,.1f} GFLOP/s (median of {sg['reps']}; best {sg['gflops_best']:,.1f})",
+        f"- sgemm, zoo linear_forward at the LM head shape ({sg['m']} x {sg['k']}) x ({sg['k']} x {sg['n']}), "
+        f"right after zoo's timed steps: {r['sgemm_gflops']:,.1f} GFLOP/s (median of {sg['reps']} calls"
+        + (" per round, over the rounds" if r["rounds"] > 1 else "") + f"; best {sg['gflops_best']:,.1f})",
         f"- zoo's whole step: {r['zoo_step_gflops']:,.1f} GFLOP/s = {100 * r['zoo_step_fraction_of_sgemm']:.0f}% "
         "of that sgemm rate",
+    ]
+    if r["rounds"] > 1:
+        lines += ["", "| round | zoo ms | sgemm GFLOP/s | zoo / sgemm rate |"
+                  + "".join(f" {n} ms | zoo / {n} |" for n in SYSTEMS[1:] if r["systems"][n]),
+                  "|---:|---:|---:|---:|" + "---:|---:|" * sum(1 for n in SYSTEMS[1:] if r["systems"][n])]
+        for i, e in enumerate(r["by_round"], 1):
+            lines.append(f"| {i} | {_f(e['zoo_step_ms'])} | {_f(e['sgemm_gflops'])} | "
+                         f"{100 * e['zoo_step_fraction_of_sgemm']:.0f}% |"
+                         + "".join(f" {_f(e[f'{n}_step_ms'])} | {e[f'zoo_over_{n}']:.3f}x |"
+                                   for n in SYSTEMS[1:] if r["systems"][n]))
+    lines += [
         "",
         f"### zoo per block (a separate profiled run, ms per step, mean of {r['blocks_profile']['steps']})",
         "",

@@ -1,9 +1,11 @@
 """The zoo side of `zoo bench`, one process per run (`python -m zoo.bench_worker ...`).
 
---mode time:    warm-up steps, then timed training steps; peak RSS of this process.
+--mode time:    warm-up steps, then timed training steps; peak RSS of this process; then,
+                with the model freed, the sgemm rate of zoo's own linear_forward at the
+                model's largest GEMM (the LM head forward), seconds after the timed steps,
+                so that both see the machine in the same state.
 --mode profile: the same steps with zoo's per-block profiling on (a separate process, so the
-                timed run carries no profiling overhead), then the sgemm rate of zoo's own
-                linear_forward at the model's largest GEMM (the LM head forward).
+                timed run carries no profiling overhead).
 
 It reads the work folder `zoo bench` wrote (manifest.json, weights.bin, tokens.bin; see
 bench_torch.py) and writes its result as JSON to --out.
@@ -105,8 +107,9 @@ def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str,
     if mode == "profile":
         out["blocks_s"] = {k: list(v) for k, v in model.block_profile().items()}
         model.set_profiling(False)
+    else:  # after the peak RSS was read: the sgemm arrays do not count towards it
         cfg = manifest["config"]
-        del model  # the sgemm arrays need not sit beside the arena
+        del model  # nor need they sit beside the arena
         out["sgemm"] = measure_sgemm(B * T, cfg["d_model"], cfg["vocab_size"])
     return out
 
