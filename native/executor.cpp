@@ -148,14 +148,17 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
 }
 
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
-// logits of the whole batch, so the head costs O(chunk * vocab) memory in training. Chunks
-// of at least 256 rows, more where 8M floats allow: below 256 rows the head's GEMMs, a third
-// of a GPT-2 step, run 15-20% slower (147 rows: 277 GFLOP/s, 256: 335, docs/benchmarks.md).
-// With activation checkpointing, where the chunk is most of what is left, about 4M floats.
-// Evened out so the last chunk is not a sliver.
-static int head_chunk_rows(int N, int V, bool checkpointing) {
-    long max_rows = checkpointing ? std::max<long>(16, (4L << 20) / V) : std::max<long>(256, (8L << 20) / V);
-    long chunks = (N + max_rows - 1) / max_rows;
+// logits of the whole batch, so the head costs O(chunk * vocab) memory in training. A chunk
+// may fill the buffers that are dead while the head runs (dead_floats) or a budget of 8M
+// floats, and has at least 512 rows: the head's GEMMs are a third of a GPT-2 step and run
+// faster on more rows (GPT-2's head over 1024 rows, hot: chunks of 256 rows 864-890 ms,
+// 512 rows 783-807 ms, 1024 rows 766-787 ms; 128-147 rows are 15-20% slower than 256,
+// docs/benchmarks.md). With activation checkpointing the chunk takes no memory of its own
+// beyond a 4M-float budget. Evened out so the last chunk is not a sliver.
+static int head_chunk_rows(int N, int V, bool checkpointing, size_t dead_floats) {
+    const long budget = std::max<long>(checkpointing ? 4L << 20 : 8L << 20, (long)dead_floats);
+    const long max_rows = std::max<long>(checkpointing ? 16 : 512, budget / V);
+    const long chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);
 }
 
@@ -233,7 +236,7 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
     p.attn_scratch = take(Attention{d_.n_head, d_.n_kv_head, d_.head_dim}.scratch_floats(omp_get_max_threads(), T));
     const size_t dead_end = pl.used;
     pl.used = head_start;
-    p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing);
+    p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing, dead_end - head_start);
     p.head_logits = take((size_t)p.head_rows * d_.vocab_size);
     pl.used = std::max(pl.used, dead_end);
     // The Clad cross-entropy pullback uses its scratch while the head runs: after both.
