@@ -9,6 +9,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "numpy_arrays.hpp"
@@ -30,6 +31,13 @@ namespace py = pybind11;
 namespace {
 
 using namespace zoo::py_arrays;
+
+// qkv: (B, T, (n_head + 2 n_kv_head) head_dim); returns B and T.
+std::pair<int, int> attention_batch(const F& qkv, const zoo::Attention& a) {
+    if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
+        throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
+    return {(int)qkv.shape(0), (int)qkv.shape(1)};
+}
 
 void same_shape(const F& a, const F& like, const char* what) {
     if (shape_of(a) != shape_of(like))
@@ -170,12 +178,9 @@ void bind_blocks(py::module_& parent) {
         rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T);
         return dx;
     });
-    // qkv: (B, T, (n_head + 2 n_kv_head) head_dim).
     m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
-        zoo::Attention a{n_head, n_kv_head, head_dim};
-        if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
-            throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
-        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        const zoo::Attention a{n_head, n_kv_head, head_dim};
+        const auto [B, T] = attention_batch(qkv, a);
         F out({B, T, n_head * head_dim}), lse({B, n_head, T});
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
         a.forward(qkv.data(), lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
@@ -183,10 +188,8 @@ void bind_blocks(py::module_& parent) {
     });
     // lse: the forward's (B, n_head, T) log-sum-exp of each row's scaled scores.
     m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim) {
-        zoo::Attention a{n_head, n_kv_head, head_dim};
-        if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
-            throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
-        int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
+        const zoo::Attention a{n_head, n_kv_head, head_dim};
+        const auto [B, T] = attention_batch(qkv, a);
         if (lse.ndim() != 3 || lse.shape(0) != B || lse.shape(1) != n_head || lse.shape(2) != T)
             throw std::invalid_argument("zoo: attention lse must be (B, n_head, T)");
         if (dout.ndim() != 3 || dout.shape(0) != B || dout.shape(1) != T || dout.shape(2) != n_head * head_dim)

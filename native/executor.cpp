@@ -75,6 +75,7 @@ void Executor::plan_grad_ranges(const std::vector<ParamBinding>& bindings) {
         }
         ranges = merged;
     }
+    all_grads_ = {{0, n_params_}};  // kept, so a step never builds the list
     other_grad_ranges_ = by_layer.back();
     by_layer.pop_back();
     layer_grad_ranges_ = by_layer;
@@ -623,7 +624,7 @@ void Executor::zero_grads() {
 
 double Executor::grad_norm() const {
     if (grad_sumsq_valid_) return std::sqrt(grad_sumsq_);
-    return std::sqrt(grad_sum_squares({{0, n_params_}}));
+    return std::sqrt(grad_sum_squares(all_grads_));
 }
 
 void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed) {

@@ -200,7 +200,7 @@ private:
     // norm the last writing forward_backward summed over them.
     using Range = std::pair<size_t, size_t>;
     std::vector<std::vector<Range>> layer_grad_ranges_;
-    std::vector<Range> other_grad_ranges_;
+    std::vector<Range> other_grad_ranges_, all_grads_;
     double grad_sumsq_ = 0.0;
     bool grad_sumsq_valid_ = false;
     size_t role_floats(const std::string& role) const;
