@@ -89,14 +89,12 @@ void bind_blocks(py::module_& parent) {
         zoo::GELU{C}.pullback(x.data(), dy.data(), dx.mutable_data(), N);
         return dx;
     });
-    // The executor's path: y and the derivative from the recompute, then one multiply.
+    // The executor's path: the recompute of y and the pullback in one pass.
     m.def("gelu_pullback_from_recompute", [](F x, F dy) {
         int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
         same_shape(dy, x, "gelu dy");
         F y(shape_of(x)), dx(shape_of(x));
-        const zoo::GELU gelu{C};
-        gelu.forward_with_derivative(x.data(), y.mutable_data(), dx.mutable_data(), N);
-        gelu.apply_derivative(dy.data(), dx.mutable_data(), N);
+        zoo::GELU{C}.recompute_and_pullback(x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
         return py::make_tuple(y, dx);
     });
     // relu2 has a forward only; its pullback is the Clad backend's (relu2_pullback_clad).
@@ -125,9 +123,7 @@ void bind_blocks(py::module_& parent) {
         int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
         if (dy.size() != gate_up.size() / 2) throw std::invalid_argument("zoo: swiglu dy must be half of gate_up");
         F y(shape_of(dy)), d(shape_of(gate_up));
-        const zoo::SwiGLU swiglu{F2 / 2};
-        swiglu.forward_with_derivative(gate_up.data(), y.mutable_data(), d.mutable_data(), N);
-        swiglu.apply_derivative(dy.data(), d.mutable_data(), N);
+        zoo::SwiGLU{F2 / 2}.recompute_and_pullback(gate_up.data(), dy.data(), y.mutable_data(), d.mutable_data(), N);
         return py::make_tuple(y, d);
     });
     m.def("linear_forward", [](F x, F W, std::optional<F> b) {

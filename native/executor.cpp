@@ -382,16 +382,15 @@ void Executor::layer_forward(int i, int B, int T, bool full) {
         TIMED(forward, kRope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                                        rope_cos_.data(), rope_sin_.data(), B, T));
     TIMED(forward, kAttention, attn.forward(a.qkv, a.lse, a.att, a_.attn_scratch, B, T));
-    // The residual add is fused into the projection: res_mid starts as x, the GEMM adds.
-    TIMED(forward, kResidual, std::memcpy(a.res_mid, x, sizeof(float) * N * d));
-    TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, true));
+    // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
+    // profile counts them as linear.
+    TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, x));
     TIMED(forward, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
     TIMED(forward, kLinear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
     TIMED(forward, kActivation, activation_forward(a.fc, a.act, N));
     if (!full) return;
     float* x_out = a_.residual + (size_t)(i + 1) * N * d;
-    TIMED(forward, kResidual, std::memcpy(x_out, a.res_mid, sizeof(float) * N * d));
-    TIMED(forward, kLinear, proj.forward(a.act, w.proj_w, w.proj_b, x_out, N, true));
+    TIMED(forward, kLinear, proj.forward(a.act, w.proj_w, w.proj_b, x_out, N, a.res_mid));
 }
 
 // a_.d_res holds dL/d(a_.residual[i+1]) on entry and dL/d(a_.residual[i]) on exit: the residual
@@ -407,19 +406,19 @@ void Executor::layer_pullback(int i, int B, int T) {
     [[maybe_unused]] float* cs = a_.clad_scratch;
     // The norm outputs and the activation output live in buffers every layer shares
     // (layout_activations): recompute this layer's before the GEMM pullbacks read them.
-    // The hand-written GELU and SwiGLU pullbacks take their derivative from this recompute
-    // (into d_fc, free until their pullback writes it) and multiply it in after.
-    const bool derivative_saved = activation_derivative_saved();
-    if (derivative_saved)
-        TIMED(pullback, kActivation, activation_forward_with_derivative(a.fc, a.act, a_.d_fc, N));
-    else
+    // With the hand-written GELU or SwiGLU and linear pullbacks the MLP runs dL/d(act) first,
+    // then the activation's recompute and pullback in one pass, then the projection's weight
+    // gradient from the recomputed act.
+    if (mlp_pullback_fused()) {
+        TIMED(pullback, kLinear, proj.pullback_input(w.proj_w, a_.d_res, a_.d_act, N));
+        TIMED(pullback, kActivation, activation_recompute_and_pullback(a.fc, a_.d_act, a.act, a_.d_fc, N));
+        TIMED(pullback, kLinear, proj.pullback_params(a.act, a_.d_res, g.proj_w, g.proj_b, N, accumulate_params_));
+    } else {
         TIMED(pullback, kActivation, activation_forward(a.fc, a.act, N));
-    TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
-                                             g.proj_b, N));
-    if (derivative_saved)
-        TIMED(pullback, kActivation, activation_apply_derivative(a_.d_act, a_.d_fc, N));
-    else
+        TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
+                                                 g.proj_b, N));
         TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
+    }
     TIMED(pullback, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
     TIMED(pullback, kLinear, linear_pullback(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
     TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, a_.d_norm,
@@ -461,26 +460,21 @@ void Executor::activation_forward(const float* fc, float* act, int N) const {
         GELU{d_.d_ff}.forward(fc, act, N);
 }
 
-// True where the activation's pullback is hand-written GELU or SwiGLU: those take their
-// derivative from the pullback's recompute (activation_forward_with_derivative).
-bool Executor::activation_derivative_saved() const {
+// True where the MLP's activation (GELU or SwiGLU) and linear pullbacks are the hand-written
+// ones: layer_pullback then fuses the activation's recompute into its pullback.
+bool Executor::mlp_pullback_fused() const {
+    if (ad_.clad[kAdLinear]) return false;
     if (d_.mlp == MlpKind::gelu) return !ad_.clad[kAdGELU];
     if (d_.mlp == MlpKind::swiglu) return !ad_.clad[kAdSwiGLU];
     return false;
 }
 
-void Executor::activation_forward_with_derivative(const float* fc, float* act, float* deriv, int N) const {
+void Executor::activation_recompute_and_pullback(const float* fc, const float* d_act, float* act, float* d_fc,
+                                                 int N) const {
     if (d_.mlp == MlpKind::swiglu)
-        SwiGLU{d_.d_ff}.forward_with_derivative(fc, act, deriv, N);
+        SwiGLU{d_.d_ff}.recompute_and_pullback(fc, d_act, act, d_fc, N);
     else
-        GELU{d_.d_ff}.forward_with_derivative(fc, act, deriv, N);
-}
-
-void Executor::activation_apply_derivative(const float* d_act, float* deriv_to_d_fc, int N) const {
-    if (d_.mlp == MlpKind::swiglu)
-        SwiGLU{d_.d_ff}.apply_derivative(d_act, deriv_to_d_fc, N);
-    else
-        GELU{d_.d_ff}.apply_derivative(d_act, deriv_to_d_fc, N);
+        GELU{d_.d_ff}.recompute_and_pullback(fc, d_act, act, d_fc, N);
 }
 
 // dL/d(act) -> dL/d(fc) for the model's MLP activation.
@@ -720,11 +714,11 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
                     std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
                 }
         attn.forward_cached(c_qkv_, kc, vc, c_probs_, c_att_, B, T, pos0, cache_len_);
-        attn_out.forward(c_att_, w.attn_out_w, w.attn_out_b, c_x_, N, /*accumulate=*/true);
+        attn_out.forward(c_att_, w.attn_out_w, w.attn_out_b, c_x_, N, /*residual=*/c_x_);
         norm_forward(c_x_, w.ln2_w, w.ln2_b, c_norm_, mean, rstd, N);
         fc.forward(c_norm_, w.fc_w, w.fc_b, c_fc_, N);
         activation_forward(c_fc_, c_act_, N);
-        proj.forward(c_act_, w.proj_w, w.proj_b, c_x_, N, /*accumulate=*/true);
+        proj.forward(c_act_, w.proj_w, w.proj_b, c_x_, N, /*residual=*/c_x_);
     }
     // Only the last position of each sequence needs logits.
     for (int b = 0; b < B; b++)

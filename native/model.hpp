@@ -61,11 +61,12 @@ struct LayerActs {
 };
 
 // Wall time per block kind, forward and pullback, accumulated while profiling is on.
-enum BlockKind { kEmbedding, kNorm, kLinear, kRope, kAttention, kActivation, kResidual, kCrossEntropy,
-                 kAdamW, kBlockKinds };
+// The residual adds have no kind: they are fused into the linear layers (Linear::forward).
+enum BlockKind { kEmbedding, kNorm, kLinear, kRope, kAttention, kActivation, kCrossEntropy, kAdamW,
+                 kBlockKinds };
 inline const char* block_kind_name(int k) {
-    static const char* names[] = {"embedding", "norm",     "linear",        "rope", "attention",
-                                  "activation", "residual", "cross_entropy", "adamw"};
+    static const char* names[] = {"embedding",  "norm",          "linear", "rope",
+                                  "attention",  "activation",    "cross_entropy", "adamw"};
     return names[k];
 }
 struct Profile {
@@ -220,9 +221,9 @@ private:
     void activation_forward(const float* fc, float* act, int N) const;
     void clear_if_writing(float* grad, size_t n) const;
     void activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const;
-    bool activation_derivative_saved() const;
-    void activation_forward_with_derivative(const float* fc, float* act, float* deriv, int N) const;
-    void activation_apply_derivative(const float* d_act, float* deriv_to_d_fc, int N) const;
+    bool mlp_pullback_fused() const;
+    void activation_recompute_and_pullback(const float* fc, const float* d_act, float* act, float* d_fc,
+                                           int N) const;
     void check_trainable() const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head; }

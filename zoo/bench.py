@@ -37,8 +37,7 @@ SCHEMA = "zoo-bench/1"
 SYSTEMS = ("zoo", "torch_fused", "torch_default")
 # The optimizer both sides run: AdamW, weight decay on 2-D matmul weights, global-norm clipping.
 OPTIMIZER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}
-BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "residual",
-               "cross_entropy", "adamw")
+BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "cross_entropy", "adamw")
 
 
 class BenchError(Exception):

@@ -51,10 +51,10 @@ struct GELU {
         }
     }
 
-    // The pullback's recompute of y, with dy/dx from the same exponential into dydx: the
-    // pullback proper is then one multiply (apply_derivative) instead of a second pass of
-    // exponentials. y is the forward's formula (equal to rounding).
-    void forward_with_derivative(const float* x, float* y, float* dydx, int N) const {
+    // The training pullback: the recompute of y (the output projection's weight gradient
+    // reads it; it is not kept from the forward) and dx = dy * dy/dx from the same
+    // exponential, in one pass over x and dy. y is the forward's formula (equal to rounding).
+    void recompute_and_pullback(const float* x, const float* dy, float* y, float* dx, int N) const {
         const float k = 0.7978845608028654f;
         const long total = (long)N * C;
 #pragma omp parallel for schedule(static)
@@ -62,15 +62,8 @@ struct GELU {
             const float xi = x[i];
             const float s = sigmoid(2.0f * (k * (xi + 0.044715f * xi * xi * xi)));
             y[i] = xi * s;
-            dydx[i] = s + 2.0f * xi * s * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * xi * xi);
+            dx[i] = dy[i] * (s + 2.0f * xi * s * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * xi * xi));
         }
-    }
-
-    // dx = dy * dydx, in place over dydx (from forward_with_derivative).
-    void apply_derivative(const float* dy, float* dydx_to_dx, int N) const {
-        const long total = (long)N * C;
-#pragma omp parallel for schedule(static)
-        for (long i = 0; i < total; i++) dydx_to_dx[i] *= dy[i];
     }
 
     // The Clad backend's pullback: Clad's gradient of gelu_forward_row, rows in parallel

@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "../clad_backend.hpp"
+#include "../columns.hpp"
 
 namespace zoo {
 
@@ -59,7 +60,7 @@ struct LayerNorm {
                 dxr[i] += r * (dyr[i] * w[i] - mean_g - xhat * mean_gx);
             }
         }
-        const int block = 64;
+        const int block = column_block(C);
 #pragma omp parallel for schedule(static)
         for (int c0 = 0; c0 < C; c0 += block) {
             int c1 = c0 + block < C ? c0 + block : C;

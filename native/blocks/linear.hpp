@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "../clad_backend.hpp"
+#include "../columns.hpp"
 #include "../blas.hpp"
 
 namespace zoo {
@@ -21,7 +22,7 @@ inline void linear_bias_row(const float* b, float* y, int n, int out) {
 }
 
 // The layer as Clad differentiates it: y += b on every row, then y += x W^T. The same
-// arithmetic as Linear::forward with accumulate=true, which runs the bias rows in parallel.
+// arithmetic as Linear::forward with residual = y, which runs the bias rows in parallel.
 // Bias first: after the GEMM, Clad would tape y for the GEMM's derivative.
 inline void linear_forward_rows(const float* x, const float* W, const float* b, float* y, int N,
                                 int in, int out) {
@@ -37,19 +38,23 @@ inline void linear_forward_rows_nobias(const float* x, const float* W, float* y,
 struct Linear {
     int in, out;
 
-    // x: (N, in); y: (N, out); b may be null. accumulate=true adds into y (fuses the
-    // residual add: y already holds the residual stream).
+    // x: (N, in); y: (N, out); b may be null. With residual (which may be y itself):
+    // y = residual + x W^T + b, the residual add fused into the GEMM: one pass writes
+    // residual + b into y, and the GEMM adds onto it (beta = 1).
     void forward(const float* x, const float* W, const float* b, float* y, int N,
-                 bool accumulate = false) const {
-        float beta = accumulate ? 1.0f : 0.0f;
-        if (b) {
+                 const float* residual = nullptr) const {
+        float beta = 0.0f;
+        if (b || residual) {
 #pragma omp parallel for schedule(static)
             for (int n = 0; n < N; n++) {
                 float* yr = y + (size_t)n * out;
-                if (accumulate)
-                    for (int o = 0; o < out; o++) yr[o] += b[o];
-                else
+                const float* rr = residual ? residual + (size_t)n * out : nullptr;
+                if (rr && b)
+                    for (int o = 0; o < out; o++) yr[o] = rr[o] + b[o];
+                else if (b)
                     std::memcpy(yr, b, sizeof(float) * out);
+                else if (rr != yr)
+                    std::memcpy(yr, rr, sizeof(float) * out);
             }
             beta = 1.0f;
         }
@@ -62,11 +67,21 @@ struct Linear {
     // needs no zeroed gradients, and the GEMM does not read the old dW.
     void pullback(const float* x, const float* W, const float* dy, float* dx, float* dW,
                   float* db, int N, bool accumulate_dx = false, bool accumulate_params = true) const {
-        if (dx) blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in,
-                           accumulate_dx ? 1.0f : 0.0f, dx, in);
+        if (dx) pullback_input(W, dy, dx, N, accumulate_dx);
+        pullback_params(x, dy, dW, db, N, accumulate_params);
+    }
+
+    // The two halves of pullback, for callers that need dx before x exists (the MLP's
+    // pullback recomputes the activation that feeds its output projection from dx's pass).
+    void pullback_input(const float* W, const float* dy, float* dx, int N, bool accumulate_dx = false) const {
+        blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+    }
+
+    void pullback_params(const float* x, const float* dy, float* dW, float* db, int N,
+                         bool accumulate_params = true) const {
         blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, accumulate_params ? 1.0f : 0.0f, dW, in);
         if (db) {
-            const int block = 64;
+            const int block = column_block(out);
 #pragma omp parallel for schedule(static)
             for (int o0 = 0; o0 < out; o0 += block) {
                 int o1 = o0 + block < out ? o0 + block : out;

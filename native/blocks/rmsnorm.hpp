@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "../clad_backend.hpp"
+#include "../columns.hpp"
 
 namespace zoo {
 
@@ -41,7 +42,7 @@ struct RMSNorm {
             float k = r * r * r * sum_gx / C;
             for (int i = 0; i < C; i++) dxr[i] += r * dyr[i] * w[i] - k * xr[i];
         }
-        const int block = 64;
+        const int block = column_block(C);
 #pragma omp parallel for schedule(static)
         for (int c0 = 0; c0 < C; c0 += block) {
             int c1 = c0 + block < C ? c0 + block : C;

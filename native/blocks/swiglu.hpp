@@ -41,33 +41,22 @@ struct SwiGLU {
         }
     }
 
-    // The pullback's recompute of y, with the partial derivatives of each element into
-    // deriv, laid out like d_gate_up (gate part | up part): the pullback proper is then one
-    // multiply (apply_derivative). y is the forward's formula (swiglu; equal to rounding).
-    void forward_with_derivative(const float* gate_up, float* y, float* deriv, int N) const {
+    // The training pullback: the recompute of y (the down projection's weight gradient reads
+    // it; it is not kept from the forward) and d_gate_up from the same exponential, in one
+    // pass over gate_up and dy. y is the forward's formula (swiglu; equal to rounding).
+    void recompute_and_pullback(const float* gate_up, const float* dy, float* y, float* d_gate_up,
+                                int N) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             const float* gu = gate_up + (size_t)n * 2 * F;
+            const float* dyr = dy + (size_t)n * F;
             float* yr = y + (size_t)n * F;
-            float* dr = deriv + (size_t)n * 2 * F;
+            float* d = d_gate_up + (size_t)n * 2 * F;
             for (int i = 0; i < F; i++) {
                 const float g = gu[i], u = gu[F + i], s = sigmoid(g);
                 yr[i] = g * s * u;
-                dr[i] = u * s * (1.0f + g * (1.0f - s));
-                dr[F + i] = g * s;
-            }
-        }
-    }
-
-    // d_gate_up = dy * deriv (both halves), in place over deriv.
-    void apply_derivative(const float* dy, float* deriv_to_d_gate_up, int N) const {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const float* dyr = dy + (size_t)n * F;
-            float* d = deriv_to_d_gate_up + (size_t)n * 2 * F;
-            for (int i = 0; i < F; i++) {
-                d[i] *= dyr[i];
-                d[F + i] *= dyr[i];
+                d[i] = dyr[i] * u * s * (1.0f + g * (1.0f - s));
+                d[F + i] = dyr[i] * g * s;
             }
         }
     }
