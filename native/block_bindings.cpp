@@ -59,8 +59,10 @@ void bind_blocks(py::module_& parent) {
     m.def("layernorm_pullback", [](F x, F w, F mean, F rstd, F dy, float eps) {
         int C = (int)w.size(), N = rows(x, C, "layernorm x");
         F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
-        zoo::LayerNorm{C, eps}.pullback(x.data(), w.data(), mean.data(), rstd.data(), dy.data(),
-                                        dx.mutable_data(), dw.mutable_data(), db.mutable_data(), N);
+        const zoo::LayerNorm ln{C, eps};
+        std::vector<float> scratch(ln.scratch_floats(omp_get_max_threads()));
+        ln.pullback(x.data(), w.data(), mean.data(), rstd.data(), dy.data(), dx.mutable_data(),
+                    dw.mutable_data(), db.mutable_data(), scratch.data(), N);
         return py::make_tuple(dx, dw, db);
     });
     m.def("rmsnorm_forward", [](F x, F w, float eps) {
@@ -72,8 +74,10 @@ void bind_blocks(py::module_& parent) {
     m.def("rmsnorm_pullback", [](F x, F w, F rstd, F dy, float eps) {
         int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
         F dx = zeros(shape_of(x)), dw = zeros({C});
-        zoo::RMSNorm{C, eps}.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(),
-                                      dw.mutable_data(), N);
+        const zoo::RMSNorm rms{C, eps};
+        std::vector<float> scratch(rms.scratch_floats(omp_get_max_threads()));
+        rms.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
+                     scratch.data(), N);
         return py::make_tuple(dx, dw);
     });
     m.def("gelu_forward", [](F x) {

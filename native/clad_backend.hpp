@@ -7,6 +7,8 @@
 
 #include <cstddef>
 
+#include "columns.hpp"
+
 namespace zoo {
 
 // Per-thread scratch rows are padded to 16 floats (64 bytes) so threads never share a line.
@@ -27,18 +29,6 @@ void activation_pullback_clad(int C, const float* x, const float* dy, float* dx,
 
 #ifdef ZOO_CLAD_TU
 namespace zoo {
-
-// Weight-gradient partial sums, one buffer per thread, added into dst in thread order: the
-// sums are the same whatever the schedule. Call inside a parallel region, after a barrier;
-// columns are split over the team.
-inline void add_thread_parts(float* dst, const float* parts, size_t stride, int threads, int n) {
-#pragma omp for schedule(static)
-    for (int i = 0; i < n; i++) {
-        float s = 0.0f;
-        for (int t = 0; t < threads; t++) s += parts[t * stride + i];
-        dst[i] += s;
-    }
-}
 
 // Per thread: [y (C) | seed (C)].
 template <ActivationRow Row>

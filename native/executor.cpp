@@ -235,6 +235,7 @@ ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlann
     p.d_res = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
     p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
     p.attn_scratch = take(Attention{d_.n_head, d_.n_kv_head, d_.head_dim}.scratch_floats(omp_get_max_threads(), T));
+    p.norm_scratch = take(LayerNorm{d_.d_model, d_.norm_eps}.scratch_floats(omp_get_max_threads()));  // >= RMSNorm's
     const size_t dead_end = pl.used;
     pl.used = head_start;
     p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing, dead_end - head_start);
@@ -324,7 +325,7 @@ void Executor::norm_pullback(const float* x, const float* w, const float* b, con
             return ln.pullback_clad(x, w, b, dy, dx, dw, db, a_.clad_scratch, N);
         }
 #endif
-        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, N, accumulate_params_);
+        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, a_.norm_scratch, N, accumulate_params_);
     } else {
         const RMSNorm rms{d_.d_model, d_.norm_eps};
 #ifdef ZOO_CLAD
@@ -333,7 +334,7 @@ void Executor::norm_pullback(const float* x, const float* w, const float* b, con
             return rms.pullback_clad(x, w, dy, dx, dw, a_.clad_scratch, N);
         }
 #endif
-        rms.pullback(x, w, rstd, dy, dx, dw, N, accumulate_params_);
+        rms.pullback(x, w, rstd, dy, dx, dw, a_.norm_scratch, N, accumulate_params_);
     }
 }
 

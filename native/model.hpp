@@ -104,7 +104,7 @@ struct ActivationPlan {
     int head_rows = 0;
     // Gradient scratch, shared by all layers.
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
-          *d_act = nullptr, *attn_scratch = nullptr;
+          *d_act = nullptr, *attn_scratch = nullptr, *norm_scratch = nullptr;
     // Clad pullbacks' scratch (per-thread weight-gradient parts and replay rows), shared by
     // all of them; empty when no block is on Clad.
     float* clad_scratch = nullptr;

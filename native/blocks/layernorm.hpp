@@ -4,7 +4,6 @@
 #include <cstddef>
 
 #include "../clad_backend.hpp"
-#include "../columns.hpp"
 
 namespace zoo {
 
@@ -23,6 +22,27 @@ inline void layernorm_forward_row(const float* x, const float* w, const float* b
     rstd_out[0] = rstd;
 }
 
+// One row of the hand-written pullback: adds into dx and into this thread's dw, db sums. A
+// function of its own with restrict pointers: g++ vectorizes it here, and not inlined in the
+// parallel loop (too many alias checks between three outputs and four inputs).
+inline void layernorm_pullback_row(const float* __restrict__ x, const float* __restrict__ w, float mean,
+                                   float rstd, const float* __restrict__ dy, float* __restrict__ dx,
+                                   float* __restrict__ dw, float* __restrict__ db, int C) {
+    float sum_g = 0.0f, sum_gx = 0.0f;
+    for (int i = 0; i < C; i++) {
+        const float g = dy[i] * w[i];
+        sum_g += g;
+        sum_gx += g * (x[i] - mean) * rstd;
+    }
+    const float mean_g = sum_g / C, mean_gx = sum_gx / C;
+    for (int i = 0; i < C; i++) {
+        const float xhat = (x[i] - mean) * rstd;
+        dx[i] += rstd * (dy[i] * w[i] - mean_g - xhat * mean_gx);
+        dw[i] += dy[i] * xhat;
+        db[i] += dy[i];
+    }
+}
+
 struct LayerNorm {
     int C;
     float eps;
@@ -36,45 +56,29 @@ struct LayerNorm {
                                   C, eps);
     }
 
-    // Adds into dx; adds into dw, db (writes them with accumulate_params=false). Rows in
-    // parallel for dx; column blocks in parallel for dw, db so no two threads write the same
-    // weight gradient.
+    // Adds into dx; adds into dw, db (writes them with accumulate_params=false). One pass over
+    // x and dy: each thread takes a range of rows and sums its part of dw, db into its own
+    // slice of scratch (scratch_floats), added up at the end.
+    size_t scratch_floats(int threads) const { return (size_t)threads * 2 * C; }
     void pullback(const float* x, const float* w, const float* mean, const float* rstd,
-                  const float* dy, float* dx, float* dw, float* db, int N,
+                  const float* dy, float* dx, float* dw, float* db, float* scratch, int N,
                   bool accumulate_params = true) const {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const float* xr = x + (size_t)n * C;
-            const float* dyr = dy + (size_t)n * C;
-            float* dxr = dx + (size_t)n * C;
-            float m = mean[n], r = rstd[n];
-            float sum_g = 0.0f, sum_gx = 0.0f;
-            for (int i = 0; i < C; i++) {
-                float g = dyr[i] * w[i];
-                sum_g += g;
-                sum_gx += g * (xr[i] - m) * r;
+#pragma omp parallel
+        {
+            const int threads = omp_get_num_threads();
+            float* dw_t = scratch + (size_t)omp_get_thread_num() * 2 * C;
+            float* db_t = dw_t + C;
+            for (int i = 0; i < 2 * C; i++) dw_t[i] = 0.0f;
+            if (!accumulate_params) {
+#pragma omp for schedule(static) nowait
+                for (int i = 0; i < C; i++) dw[i] = db[i] = 0.0f;
             }
-            float mean_g = sum_g / C, mean_gx = sum_gx / C;
-            for (int i = 0; i < C; i++) {
-                float xhat = (xr[i] - m) * r;
-                dxr[i] += r * (dyr[i] * w[i] - mean_g - xhat * mean_gx);
-            }
-        }
-        const int block = column_block(C);
-#pragma omp parallel for schedule(static)
-        for (int c0 = 0; c0 < C; c0 += block) {
-            int c1 = c0 + block < C ? c0 + block : C;
-            if (!accumulate_params)
-                for (int i = c0; i < c1; i++) dw[i] = db[i] = 0.0f;
-            for (int n = 0; n < N; n++) {
-                const float* xr = x + (size_t)n * C;
-                const float* dyr = dy + (size_t)n * C;
-                float m = mean[n], r = rstd[n];
-                for (int i = c0; i < c1; i++) {
-                    dw[i] += dyr[i] * (xr[i] - m) * r;
-                    db[i] += dyr[i];
-                }
-            }
+#pragma omp for schedule(static)
+            for (int n = 0; n < N; n++)
+                layernorm_pullback_row(x + (size_t)n * C, w, mean[n], rstd[n], dy + (size_t)n * C,
+                                       dx + (size_t)n * C, dw_t, db_t, C);
+            add_thread_parts(dw, scratch, 2 * (size_t)C, threads, C);
+            add_thread_parts(db, scratch + C, 2 * (size_t)C, threads, C);
         }
     }
 

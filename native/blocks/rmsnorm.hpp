@@ -4,7 +4,6 @@
 #include <cstddef>
 
 #include "../clad_backend.hpp"
-#include "../columns.hpp"
 
 namespace zoo {
 
@@ -17,6 +16,20 @@ inline void rmsnorm_forward_row(const float* x, const float* w, float* y, float*
     rstd_out[0] = rstd;
 }
 
+// One row of the hand-written pullback: adds into dx and into this thread's dw sums (a
+// function of its own with restrict pointers so that it vectorizes, as layernorm_pullback_row).
+inline void rmsnorm_pullback_row(const float* __restrict__ x, const float* __restrict__ w, float rstd,
+                                 const float* __restrict__ dy, float* __restrict__ dx,
+                                 float* __restrict__ dw, int C) {
+    float sum_gx = 0.0f;
+    for (int i = 0; i < C; i++) sum_gx += dy[i] * w[i] * x[i];
+    const float k = rstd * rstd * rstd * sum_gx / C;
+    for (int i = 0; i < C; i++) {
+        dx[i] += rstd * dy[i] * w[i] - k * x[i];
+        dw[i] += dy[i] * x[i] * rstd;
+    }
+}
+
 struct RMSNorm {
     int C;
     float eps;
@@ -27,33 +40,25 @@ struct RMSNorm {
             rmsnorm_forward_row(x + (size_t)n * C, w, y + (size_t)n * C, rstd + n, C, eps);
     }
 
-    // Adds into dx; adds into dw (writes it with accumulate_params=false).
+    // Adds into dx; adds into dw (writes it with accumulate_params=false). One pass over x
+    // and dy, as LayerNorm::pullback: per-thread partial sums of dw in scratch (scratch_floats).
+    size_t scratch_floats(int threads) const { return (size_t)threads * C; }
     void pullback(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
-                  float* dw, int N,
-                  bool accumulate_params = true) const {
-#pragma omp parallel for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const float* xr = x + (size_t)n * C;
-            const float* dyr = dy + (size_t)n * C;
-            float* dxr = dx + (size_t)n * C;
-            float r = rstd[n];
-            float sum_gx = 0.0f;
-            for (int i = 0; i < C; i++) sum_gx += dyr[i] * w[i] * xr[i];
-            float k = r * r * r * sum_gx / C;
-            for (int i = 0; i < C; i++) dxr[i] += r * dyr[i] * w[i] - k * xr[i];
-        }
-        const int block = column_block(C);
-#pragma omp parallel for schedule(static)
-        for (int c0 = 0; c0 < C; c0 += block) {
-            int c1 = c0 + block < C ? c0 + block : C;
-            if (!accumulate_params)
-                for (int i = c0; i < c1; i++) dw[i] = 0.0f;
-            for (int n = 0; n < N; n++) {
-                const float* xr = x + (size_t)n * C;
-                const float* dyr = dy + (size_t)n * C;
-                float r = rstd[n];
-                for (int i = c0; i < c1; i++) dw[i] += dyr[i] * xr[i] * r;
+                  float* dw, float* scratch, int N, bool accumulate_params = true) const {
+#pragma omp parallel
+        {
+            const int threads = omp_get_num_threads();
+            float* dw_t = scratch + (size_t)omp_get_thread_num() * C;
+            for (int i = 0; i < C; i++) dw_t[i] = 0.0f;
+            if (!accumulate_params) {
+#pragma omp for schedule(static) nowait
+                for (int i = 0; i < C; i++) dw[i] = 0.0f;
             }
+#pragma omp for schedule(static)
+            for (int n = 0; n < N; n++)
+                rmsnorm_pullback_row(x + (size_t)n * C, w, rstd[n], dy + (size_t)n * C, dx + (size_t)n * C,
+                                     dw_t, C);
+            add_thread_parts(dw, scratch, C, threads, C);
         }
     }
 
