@@ -257,7 +257,8 @@ void bind_blocks(py::module_& parent) {
                              py::array_t<float, py::array::c_style> mo,
                              py::array_t<float, py::array::c_style> v, float lr, float b1, float b2,
                              float eps, float wd, int step, bool decay, float grad_scale) {
-        zoo::AdamW{lr, b1, b2, eps, wd}.update(p.mutable_data(), g.data(), mo.mutable_data(),
+        std::vector<float> g_copy(g.data(), g.data() + g.size());  // update consumes (zeroes) it
+        zoo::AdamW{lr, b1, b2, eps, wd}.update(p.mutable_data(), g_copy.data(), mo.mutable_data(),
                                                v.mutable_data(), p.size(), step, decay, grad_scale);
     });
 }

@@ -151,14 +151,16 @@ void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bi
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
 // logits of the whole batch, so the head costs O(chunk * vocab) memory in training. A chunk
 // may fill the buffers that are dead while the head runs (dead_floats) or a budget of 8M
-// floats, and has at least 512 rows: the head's GEMMs are a third of a GPT-2 step and run
-// faster on more rows (GPT-2's head over 1024 rows, hot: chunks of 256 rows 864-890 ms,
-// 512 rows 783-807 ms, 1024 rows 766-787 ms; 128-147 rows are 15-20% slower than 256,
-// docs/benchmarks.md). With activation checkpointing the chunk takes no memory of its own
-// beyond a 4M-float budget. Evened out so the last chunk is not a sliver.
+// floats, and has at least 1024 rows: the head's GEMMs are a third of a GPT-2 step and run
+// faster on more rows, since each chunk packs the whole head weight again (GPT-2's head over
+// 1024 rows, hot: chunks of 256 rows 864-890 ms, 512 rows 783-807 ms, one of 1024 rows
+// 766-787 ms; a one-layer GPT-2 step at 4 x 256, A/B three times: 922-986 ms in chunks of
+// 512, 872-904 ms in one chunk, for 98 MiB more arena; docs/benchmarks.md). With activation
+// checkpointing the chunk takes no memory of its own beyond a 4M-float budget. Evened out
+// so the last chunk is not a sliver.
 static int head_chunk_rows(int N, int V, bool checkpointing, size_t dead_floats) {
     const long budget = std::max<long>(checkpointing ? 4L << 20 : 8L << 20, (long)dead_floats);
-    const long max_rows = std::max<long>(checkpointing ? 16 : 512, budget / V);
+    const long max_rows = std::max<long>(checkpointing ? 16 : 1024, budget / V);
     const long chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);
 }
@@ -569,10 +571,11 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
-    // After zero_grads or an optimizer step the pullbacks write the gradients instead of
-    // adding into zeroed ones: no clearing pass over them, and no GEMM reads the old ones.
-    const bool writing = grads_consumed_;
-    grads_consumed_ = false;
+    // After zero_grads or an optimizer step this step's gradients are the only ones (fresh).
+    // After an optimizer step they are zero and the pullbacks add into them; after zero_grads
+    // alone the pullbacks write them instead: no clearing pass, and no GEMM reads old ones.
+    const bool fresh = grads_consumed_, writing = fresh && !grads_zero_;
+    grads_consumed_ = grads_zero_ = false;
     trunk_forward(tokens, B, T);
     accumulate_params_ = !writing;
     double loss = head(targets, N, true, grad_scale);
@@ -580,15 +583,15 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
     TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b,
                                          a_.lnf_mean, a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
-    // On a step that writes the gradients, each layer's squared norm is taken as soon as its
-    // pullback has written them, while they are still in cache: adamw_step's clipping then
-    // needs no pass of its own over every gradient.
+    // On a fresh step each layer's squared norm is taken as soon as its pullback has written
+    // the gradients, while they are still in cache: adamw_step's clipping then needs no pass
+    // of its own over every gradient.
     grad_sumsq_valid_ = false;
     double sumsq = 0.0;
     for (int i = d_.n_layer - 1; i >= 0; i--) {
         if (checkpointing_) layer_forward(i, B, T, false);
         layer_pullback(i, B, T);
-        if (writing) TIMED(forward, kAdamW, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
+        if (fresh) TIMED(forward, kAdamW, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
     }
     // The embedding pullback adds rows into dwte (and dwpe): when writing, they start from
     // zero, except a tied dwte, which the LM head's pullback has just written in full.
@@ -604,7 +607,7 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     else
 #endif
         TIMED(pullback, kEmbedding, emb.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
-    if (writing) {
+    if (fresh) {
         TIMED(forward, kAdamW, sumsq += grad_sum_squares(other_grad_ranges_));
         grad_sumsq_ = sumsq;
         grad_sumsq_valid_ = true;
@@ -651,7 +654,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
         at = r.second;
     }
     run(at, n_params_, false);
-    grads_consumed_ = true;  // the next pullbacks write fresh gradients
+    grads_consumed_ = grads_zero_ = true;  // AdamW::update zeroed every gradient it read
     grad_sumsq_valid_ = false;
     if (profile.on) profile.forward[kAdamW] += omp_get_wtime() - t0;
     return norm;

@@ -183,9 +183,13 @@ private:
     AdChoice ad_;
     int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0;
     ActivationPlan a_;
-    // True after zero_grads or an optimizer step: the next forward_backward writes the
-    // gradients rather than adding into them (accumulate_params_ during that step).
+    // True after zero_grads or an optimizer step: the next forward_backward's gradients are
+    // the only ones (it writes them, or adds them into zeros, and takes their norm).
     bool grads_consumed_ = true;
+    // True after an optimizer step, which zeroes each gradient as it reads it: the next
+    // forward_backward adds into the zeros, and its weight-gradient GEMMs run with beta = 1
+    // where writing them (beta = 0) costs OpenBLAS a zero-fill pass over every gradient.
+    bool grads_zero_ = false;
     bool accumulate_params_ = true;
     Arena logits_arena_;  // full logits, for inference calls only
 

@@ -167,10 +167,11 @@ class Model:
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Read-only views of the gradient arena: what the pullbacks since the last zero_grads
-        (or optimizer step) accumulated. After zero_grads or adamw_step they still show the
-        consumed gradients until the next forward_backward writes new ones. Read-only because
-        the pullbacks alone write them: the first forward_backward of a step also takes their
-        norm for clipping as it goes (scale them with forward_backward's grad_scale)."""
+        (or optimizer step) accumulated. adamw_step consumes them: they read zero afterwards,
+        and the next forward_backward adds into the zeros. After zero_grads alone they still
+        show the old gradients until the next forward_backward writes new ones. Read-only
+        because the pullbacks alone write them: the first forward_backward of a step also takes
+        their norm for clipping as it goes (scale them with forward_backward's grad_scale)."""
         return dict(self._grads)
 
     def init_weights(self, seed: int) -> None:
@@ -222,7 +223,8 @@ class Model:
 
     def zero_grads(self) -> None:
         """Start a new accumulation: the next forward_backward writes the gradients instead of
-        adding to them (adamw_step does the same), so no pass clears them."""
+        adding to them, so no pass clears them (after adamw_step, which leaves them zero, it
+        adds into the zeros)."""
         self._exec.zero_grads()
 
     def check_trainable(self) -> None:
@@ -252,7 +254,8 @@ class Model:
 
     def adamw_step(self, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                    weight_decay: float = 0.0, max_grad_norm: Optional[float] = None) -> float:
-        """Global-norm clipping, then AdamW over every parameter. Returns the norm before clipping."""
+        """Global-norm clipping, then AdamW over every parameter; the gradients read zero
+        afterwards (consumed). Returns the norm before clipping."""
         return float(self._exec.adamw_step(lr, beta1, beta2, eps, weight_decay,
                                            -1.0 if max_grad_norm is None else float(max_grad_norm)))
 

@@ -9,8 +9,11 @@ namespace zoo {
 struct AdamW {
     float lr, beta1, beta2, eps, weight_decay;
 
-    // step counts from 1. grad_scale multiplies the gradient (global-norm clipping).
-    void update(float* p, const float* g, float* m, float* v, size_t n, int step, bool decay,
+    // step counts from 1. grad_scale multiplies the gradient (global-norm clipping). Consumes
+    // the gradient: each g[i] is set to zero once read, so the next step's pullbacks add into
+    // zeros (their GEMMs then skip OpenBLAS's zero-fill for beta = 0, a pass over every
+    // gradient); the store costs AdamW little, since the line is already in cache.
+    void update(float* p, float* g, float* m, float* v, size_t n, int step, bool decay,
                 float grad_scale) const {
         const float c1 = 1.0f / (1.0f - std::pow(beta1, (float)step));
         const float c2 = 1.0f / (1.0f - std::pow(beta2, (float)step));
@@ -18,6 +21,7 @@ struct AdamW {
 #pragma omp parallel for schedule(static)
         for (long i = 0; i < (long)n; i++) {
             float gi = g[i] * grad_scale;
+            g[i] = 0.0f;
             m[i] = beta1 * m[i] + (1.0f - beta1) * gi;
             v[i] = beta2 * v[i] + (1.0f - beta2) * gi * gi;
             p[i] -= lr * (m[i] * c1) / (std::sqrt(v[i] * c2) + eps) + wd * p[i];
