@@ -1,14 +1,15 @@
-// The few BLAS calls zoo makes, row-major, float32. Built against scipy-openblas32 (symbols
-// prefixed scipy_) or any CBLAS when ZOO_BLAS_PLAIN is defined.
+// The few BLAS calls zoo makes, row-major, float32: oneMKL (ZOO_BLAS_MKL, from the mkl
+// wheel) or OpenBLAS from the scipy-openblas32 wheel (symbols prefixed scipy_). CMakeLists.txt
+// chooses.
 #pragma once
-#include <cblas.h>
 
-#ifdef ZOO_BLAS_PLAIN
+#ifdef ZOO_BLAS_MKL
+#include <mkl_cblas.h>
+#include <mkl_service.h>
 #define ZOO_CBLAS(name) cblas_##name
-#define ZOO_OPENBLAS(name) openblas_##name
 #else
+#include <cblas.h>
 #define ZOO_CBLAS(name) scipy_cblas_##name
-#define ZOO_OPENBLAS(name) scipy_openblas_##name
 #endif
 
 namespace zoo::blas {
@@ -22,6 +23,14 @@ inline void gemm(bool trans_a, bool trans_b, int M, int N, int K, float alpha, c
                      ldc);
 }
 
-inline void set_threads(int n) { ZOO_OPENBLAS(set_num_threads)(n); }
+// MKL's GNU threading layer runs its GEMMs on libgomp's threads, zoo's own pool: this sets how
+// many of them a GEMM takes. OpenBLAS keeps a pool of its own.
+inline void set_threads(int n) {
+#ifdef ZOO_BLAS_MKL
+    mkl_set_num_threads(n);
+#else
+    scipy_openblas_set_num_threads(n);
+#endif
+}
 
 }  // namespace zoo::blas
