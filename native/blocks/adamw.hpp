@@ -11,7 +11,7 @@ struct AdamW {
 
     // step counts from 1. grad_scale multiplies the gradient (global-norm clipping). Consumes
     // the gradient: each g[i] is set to zero once read, so the next step's pullbacks add into
-    // zeros (their GEMMs then skip OpenBLAS's zero-fill for beta = 0, a pass over every
+    // zeros (their GEMMs then skip the BLAS's zero-fill for beta = 0, a pass over every
     // gradient); the store costs AdamW little, since the line is already in cache.
     void update(float* p, float* g, float* m, float* v, size_t n, int step, bool decay,
                 float grad_scale) const {

@@ -71,8 +71,9 @@ struct Linear {
         pullback_params(x, dy, dW, db, N, accumulate_params);
     }
 
-    // The two halves of pullback, for callers that need dx before x exists (the MLP's
-    // pullback recomputes the activation that feeds its output projection from dx's pass).
+    // The two halves of pullback, for a caller that needs dx before x is ready: the MLP's
+    // pullback recomputes act, its output projection's input, in the same pass that turns
+    // that projection's dx into the activation's adjoint.
     void pullback_input(const float* W, const float* dy, float* dx, int N, bool accumulate_dx = false) const {
         blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
     }

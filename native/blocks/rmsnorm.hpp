@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include "../clad_backend.hpp"
+#include "../columns.hpp"
 
 namespace zoo {
 
