@@ -40,11 +40,8 @@ zoo::Dims dims_from(const py::dict& c) {
     d.n_kv_head = c["n_kv_head"].cast<int>();
     d.head_dim = c["head_dim"].cast<int>();
     d.d_ff = c["d_ff"].cast<int>();
-    std::string norm = c["norm"].cast<std::string>(), mlp = c["mlp"].cast<std::string>();
-    if (norm != "layernorm" && norm != "rmsnorm") throw std::invalid_argument("zoo: unknown norm " + norm);
-    if (mlp != "gelu" && mlp != "swiglu" && mlp != "relu2") throw std::invalid_argument("zoo: unknown mlp " + mlp);
-    d.norm = norm == "layernorm" ? zoo::NormKind::layernorm : zoo::NormKind::rmsnorm;
-    d.mlp = mlp == "swiglu" ? zoo::MlpKind::swiglu : mlp == "relu2" ? zoo::MlpKind::relu2 : zoo::MlpKind::gelu;
+    d.norm = &zoo::find_norm(c["norm"].cast<std::string>());
+    d.mlp = &zoo::find_activation(c["mlp"].cast<std::string>());
     d.rope = c["positions"].cast<std::string>() == "rope";
     d.norm_eps = c["norm_eps"].cast<float>();
     d.attention_bias = c["attention_bias"].cast<bool>();
@@ -55,6 +52,19 @@ zoo::Dims dims_from(const py::dict& c) {
 
 void check_tokens(const Tokens& t, const char* what) {
     if (t.ndim() != 2) throw std::invalid_argument(std::string("zoo: ") + what + " must be 2-D (B, T)");
+}
+
+zoo::AdChoice ad_choice(const std::vector<std::string>& clad_blocks) {
+    return zoo::AdChoice{{clad_blocks.begin(), clad_blocks.end()}};
+}
+
+// A plan as Python sees it: one dict per buffer.
+py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
+    py::list out;
+    for (const auto& b : buffers)
+        out.append(py::dict(py::arg("name") = b.name, py::arg("floats") = b.floats, py::arg("live") = b.live,
+                            py::arg("offset") = b.offset));
+    return out;
 }
 
 }  // namespace
@@ -86,35 +96,63 @@ PYBIND11_MODULE(_native, m) {
 #ifdef ZOO_CLAD
         info["clad_version"] = ZOO_CLAD_VERSION;
 #endif
-        std::vector<std::string> blocks, manual;
-        for (int k = 0; k < zoo::kAdBlocks; k++) {
-            if (zoo::clad_built) blocks.push_back(zoo::ad_block_name(k));
-            if (zoo::has_manual_pullback(k)) manual.push_back(zoo::ad_block_name(k));
+        // The registry: every block, what a config may name, and what the layout needs of them.
+        py::list blocks;
+        std::vector<std::string> clad, manual;
+        for (const auto& b : zoo::block_infos()) {
+            blocks.append(py::dict(py::arg("name") = b.name, py::arg("kind") = b.kind, py::arg("manual") = b.manual,
+                                   py::arg("clad") = b.clad, py::arg("in_step") = b.in_step));
+            if (b.clad) clad.push_back(b.name);
+            if (b.manual) manual.push_back(b.name);
         }
-        info["clad_blocks"] = blocks;
+        info["blocks"] = blocks;
+        info["clad_blocks"] = clad;
         info["manual_blocks"] = manual;
+        py::dict norms, activations;
+        for (const zoo::NormBlock* n : zoo::norm_blocks)
+            norms[n->name] = py::dict(py::arg("bias") = n->bias, py::arg("stats_per_row") = n->stats_per_row);
+        for (const zoo::ActivationBlock* a : zoo::activation_blocks)
+            activations[a->name] = py::dict(py::arg("gate_width") = a->gate_width);
+        info["norms"] = norms;
+        info["activations"] = activations;
         return info;
     });
 
     m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
-        zoo::AdChoice ad;
-        for (int k = 0; k < zoo::kAdBlocks; k++)
-            for (const auto& name : clad_blocks) ad.clad[k] |= name == zoo::ad_block_name(k);
-        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T, ad);
+        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T, ad_choice(clad_blocks));
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{});
+    m.def("activation_plan", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
+        return plan_list(zoo::plan_activations(dims_from(cfg), checkpointing, ad_choice(clad_blocks), B, T, nullptr,
+                                               nullptr).buffers);
+    }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
+       py::arg("clad_blocks") = std::vector<std::string>{},
+       "The training step's activation buffers: name, floats, live (phase bits: 1 forward, 2 head, "
+       "4 pullback) and offset in floats.");
+    // The planner on its own, for its tests: buffers as (name, floats, live).
+    m.def("place_buffers", [](std::vector<std::tuple<std::string, size_t, unsigned>> buffers) {
+        zoo::LivenessPlanner pl;
+        for (auto& [name, floats, live] : buffers) pl.add(name, floats, live);
+        pl.place();
+        pl.check();
+        return plan_list(pl.buffers());
+    });
+    // Raises if two buffers live in a common phase overlap: buffers as (name, floats, live, offset).
+    m.def("check_buffer_plan", [](std::vector<std::tuple<std::string, size_t, unsigned, size_t>> buffers) {
+        std::vector<zoo::PlannedBuffer> plan;
+        for (auto& [name, floats, live, offset] : buffers) plan.push_back({name, floats, live, offset});
+        zoo::LivenessPlanner::check_buffers(plan);
+    });
 
     py::class_<Executor>(m, "Executor")
-        .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t>> b,
+        .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t, size_t>> table,
                          std::vector<float> inv_freq) {
-                 std::vector<zoo::ParamBinding> bindings;
-                 for (auto& [role, layer, offset] : b) {
-                     if (offset >= n_params) throw std::invalid_argument("zoo: binding offset out of range");
-                     bindings.push_back({role, layer, offset});
-                 }
-                 return new Executor(dims_from(cfg), n_params, bindings, inv_freq);
+                 std::vector<zoo::ParamBinding> layout;
+                 for (auto& [role, layer, offset, count] : table) layout.push_back({role, layer, offset, count});
+                 return new Executor(dims_from(cfg), n_params, layout, inv_freq);
              }),
-             py::arg("config"), py::arg("n_params"), py::arg("bindings"), py::arg("inv_freq"))
+             py::arg("config"), py::arg("n_params"), py::arg("layout"), py::arg("inv_freq"),
+             "layout: the table zoo/layout.py writes, rows of (role, layer, offset, count).")
         .def("params", [](py::object self) {
             auto& e = self.cast<Executor&>();
             return view(self, e.params(), {(py::ssize_t)e.n_params()});
@@ -132,6 +170,7 @@ PYBIND11_MODULE(_native, m) {
             return view(self, e.adam_v(), {(py::ssize_t)e.n_params()});
         })
         .def("activation_floats", &Executor::activation_floats)
+        .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
         .def("forward",
              [](Executor& e, Tokens tokens, std::optional<Tokens> targets) {
                  check_tokens(tokens, "tokens");
@@ -180,8 +219,9 @@ PYBIND11_MODULE(_native, m) {
         })
         .def("profile", [](Executor& e) {
             py::dict out;
-            for (int k = 0; k < zoo::kBlockKinds; k++)
-                out[zoo::block_kind_name(k)] = py::make_tuple(e.profile.forward[k], e.profile.pullback[k]);
+#define ZOO_PROFILE_ENTRY(s) out[#s] = py::make_tuple(e.profile.forward[zoo::k_##s], e.profile.pullback[zoo::k_##s]);
+            ZOO_PROFILE_SLOTS(ZOO_PROFILE_ENTRY)
+#undef ZOO_PROFILE_ENTRY
             return out;
         })
         .def("reset_cache", &Executor::reset_cache)

@@ -14,17 +14,7 @@
 
 #include "numpy_arrays.hpp"
 #include "blocks/adamw.hpp"
-#include "blocks/attention.hpp"
-#include "blocks/cross_entropy.hpp"
-#include "blocks/embedding.hpp"
-#include "blocks/gelu.hpp"
-#include "blocks/layernorm.hpp"
-#include "blocks/linear.hpp"
-#include "blocks/relu2.hpp"
-#include "blocks/residual.hpp"
-#include "blocks/rmsnorm.hpp"
-#include "blocks/rope.hpp"
-#include "blocks/swiglu.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 
@@ -62,7 +52,7 @@ void bind_blocks(py::module_& parent) {
         const zoo::LayerNorm ln{C, eps};
         std::vector<float> scratch(ln.scratch_floats(omp_get_max_threads()));
         ln.pullback(x.data(), w.data(), mean.data(), rstd.data(), dy.data(), dx.mutable_data(),
-                    dw.mutable_data(), db.mutable_data(), scratch.data(), N);
+                    dw.mutable_data(), db.mutable_data(), scratch.data(), N, zoo::GradMode::add);
         return py::make_tuple(dx, dw, db);
     });
     m.def("rmsnorm_forward", [](F x, F w, float eps) {
@@ -77,7 +67,7 @@ void bind_blocks(py::module_& parent) {
         const zoo::RMSNorm rms{C, eps};
         std::vector<float> scratch(rms.scratch_floats(omp_get_max_threads()));
         rms.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
-                     scratch.data(), N);
+                     scratch.data(), N, zoo::GradMode::add);
         return py::make_tuple(dx, dw);
     });
     m.def("gelu_forward", [](F x) {
@@ -140,7 +130,8 @@ void bind_blocks(py::module_& parent) {
         int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
         F dx({(py::ssize_t)N, (py::ssize_t)in}), dW = zeros({out, in}), db = zeros({out});
         zoo::Linear{in, out}.pullback(x.data(), W.data(), dy.data(), dx.mutable_data(),
-                                      dW.mutable_data(), has_bias ? db.mutable_data() : nullptr, N);
+                                      dW.mutable_data(), has_bias ? db.mutable_data() : nullptr, N, false,
+                                      zoo::GradMode::add);
         return py::make_tuple(dx, dW, has_bias ? py::object(db) : py::object(py::none()));
     });
     m.def("embedding_forward", [](I tokens, F wte, std::optional<F> wpe) {
@@ -154,7 +145,8 @@ void bind_blocks(py::module_& parent) {
         int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)dx.shape(1);
         F dwte = zeros({vocab, C}), dwpe = zeros({std::max(max_pos, 1), C});
         zoo::Embedding{C}.pullback(tokens.data(), dx.data(), dwte.mutable_data(),
-                                   max_pos ? dwpe.mutable_data() : nullptr, B, T);
+                                   max_pos ? dwpe.mutable_data() : nullptr, B, T, zoo::GradMode::add,
+                                   zoo::GradMode::add);
         return py::make_tuple(dwte, max_pos ? py::object(dwpe) : py::object(py::none()));
     });
     // x: (B, T, n_heads * head_dim), rotated in a copy.
@@ -252,6 +244,34 @@ void bind_blocks(py::module_& parent) {
         zoo::Residual{}.pullback(dy.data(), da.mutable_data(), db.mutable_data(), dy.size());
         return py::make_tuple(da, db);
     });
+
+    // Any registered norm or activation by name, through its registry entry: what a new
+    // block's tests call (its header and registry line are all it needs).
+    m.def("norm_forward", [](const std::string& name, F x, F w, std::optional<F> b, float eps) {
+        const zoo::NormBlock& norm = zoo::find_norm(name);
+        int C = (int)w.size(), N = rows(x, C, "norm x");
+        if (norm.bias != (bool)b) throw std::invalid_argument("zoo: norm " + name + (norm.bias ? " needs" : " has no") + " bias");
+        F y(shape_of(x)), stats({norm.stats_per_row, N});
+        norm.forward({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, nullptr}, y.mutable_data(),
+                     stats.mutable_data());
+        return py::make_tuple(y, stats);
+    }, py::arg("name"), py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
+       "Returns y and the per-row statistics (stats_per_row, N).");
+    m.def("norm_pullback", [](const std::string& name, F x, F w, std::optional<F> b, F stats, F dy, float eps,
+                              const std::string& backend) {
+        const zoo::NormBlock& norm = zoo::find_norm(name);
+        int C = (int)w.size(), N = rows(x, C, "norm x");
+        const bool clad = backend == "clad";
+        if (!clad && backend != "manual") throw std::invalid_argument("zoo: backend is 'manual' or 'clad'");
+        const zoo::NormPullback pullback = clad ? norm.pullback_clad : norm.pullback;
+        if (!pullback) throw std::invalid_argument("zoo: norm " + name + " has no " + backend + " pullback in this build");
+        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
+        std::vector<float> scratch((clad ? norm.clad_scratch_floats : norm.scratch_floats)(C, omp_get_max_threads()));
+        pullback({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats.data()}, dy.data(), dx.mutable_data(),
+                 dw.mutable_data(), norm.bias ? db.mutable_data() : nullptr, scratch.data(), zoo::GradMode::add);
+        return py::make_tuple(dx, dw, norm.bias ? py::object(db) : py::object(py::none()));
+    }, py::arg("name"), py::arg("x"), py::arg("w"), py::arg("b"), py::arg("stats"), py::arg("dy"), py::arg("eps"),
+       py::arg("backend") = "manual");
     // In place on p, m, v (float32 C-contiguous arrays).
     m.def("adamw_update", [](py::array_t<float, py::array::c_style> p, py::array_t<float, py::array::c_style> g,
                              py::array_t<float, py::array::c_style> mo,

@@ -15,17 +15,7 @@
 #include <vector>
 
 #include "numpy_arrays.hpp"
-#include "blocks/attention.hpp"
-#include "blocks/cross_entropy.hpp"
-#include "blocks/embedding.hpp"
-#include "blocks/gelu.hpp"
-#include "blocks/layernorm.hpp"
-#include "blocks/linear.hpp"
-#include "blocks/relu2.hpp"
-#include "blocks/residual.hpp"
-#include "blocks/rmsnorm.hpp"
-#include "blocks/rope.hpp"
-#include "blocks/swiglu.hpp"
+#include "registry.hpp"
 
 namespace py = pybind11;
 
@@ -44,7 +34,7 @@ void bind_clad_blocks(py::module_ m) {
         F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
         std::vector<float> scratch(ln.clad_scratch_floats(threads()));
         ln.pullback_clad(x.data(), w.data(), b.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
-                         db.mutable_data(), scratch.data(), N);
+                         db.mutable_data(), scratch.data(), N, zoo::GradMode::add);
         return py::make_tuple(dx, dw, db);
     });
     m.def("rmsnorm_pullback_clad", [](F x, F w, F dy, float eps) {
@@ -52,7 +42,8 @@ void bind_clad_blocks(py::module_ m) {
         zoo::RMSNorm rms{C, eps};
         F dx = zeros(shape_of(x)), dw = zeros({C});
         std::vector<float> scratch(rms.clad_scratch_floats(threads()));
-        rms.pullback_clad(x.data(), w.data(), dy.data(), dx.mutable_data(), dw.mutable_data(), scratch.data(), N);
+        rms.pullback_clad(x.data(), w.data(), dy.data(), dx.mutable_data(), dw.mutable_data(), scratch.data(), N,
+                          zoo::GradMode::add);
         return py::make_tuple(dx, dw);
     });
     m.def("gelu_pullback_clad", [](F x, F dy) {
@@ -85,7 +76,7 @@ void bind_clad_blocks(py::module_ m) {
         F dx({(py::ssize_t)N, (py::ssize_t)in}), dW = zeros({out, in}), db = zeros({out});
         std::vector<float> y(b ? l.clad_scratch_floats(N) : 0);
         l.pullback_clad(x.data(), W.data(), b ? b->data() : nullptr, dy.data(), dx.mutable_data(),
-                        dW.mutable_data(), b ? db.mutable_data() : nullptr, N, false, y.data());
+                        dW.mutable_data(), b ? db.mutable_data() : nullptr, N, false, zoo::GradMode::add, y.data());
         return py::make_tuple(dx, dW, b ? py::object(db) : py::object(py::none()));
     });
     m.def("embedding_pullback_clad", [](I tokens, F wte, std::optional<F> wpe, F dx) {
@@ -93,7 +84,8 @@ void bind_clad_blocks(py::module_ m) {
         F dwte = zeros({wte.shape(0), (py::ssize_t)C});
         F dwpe = zeros({wpe ? wpe->shape(0) : 1, (py::ssize_t)C});
         zoo::Embedding{C}.pullback_clad(tokens.data(), wte.data(), wpe ? wpe->data() : nullptr, dx.data(),
-                                        dwte.mutable_data(), wpe ? dwpe.mutable_data() : nullptr, B, T);
+                                        dwte.mutable_data(), wpe ? dwpe.mutable_data() : nullptr, B, T,
+                                        zoo::GradMode::add, zoo::GradMode::add);
         return py::make_tuple(dwte, wpe ? py::object(dwpe) : py::object(py::none()));
     });
     // dy: (B, T, n_heads * head_dim); the adjoint is rotated back in a copy.

@@ -6,22 +6,7 @@
 #define ZOO_CLAD_TU 1
 #include "clad/Differentiator/Differentiator.h"
 
-// clad_backend.hpp and fastmath.hpp (custom derivatives) come in through the blocks.
-#include "blocks/attention.hpp"
-#include "blocks/cross_entropy.hpp"
-#include "blocks/embedding.hpp"
-#include "blocks/gelu.hpp"
-#include "blocks/layernorm.hpp"
-#include "blocks/linear.hpp"
-#include "blocks/relu2.hpp"
-#include "blocks/residual.hpp"
-#include "blocks/rmsnorm.hpp"
-#include "blocks/rope.hpp"
-#include "blocks/swiglu.hpp"
-
-namespace zoo {
-// Activations go through one template; each one the executor uses is instantiated here.
-// A block written as a forward only needs this line and nothing else of the backend.
-template void activation_pullback_clad<gelu_forward_row>(int, const float*, const float*, float*, float*, int);
-template void activation_pullback_clad<relu2_forward_row>(int, const float*, const float*, float*, float*, int);
-}  // namespace zoo
+// Every block comes in through the registry; clad_backend.hpp and fastmath.hpp (custom
+// derivatives) through the blocks. Each header defines its Clad pullbacks, and instantiates
+// the generic activation pullback for its row kernel, under ZOO_CLAD_TU.
+#include "registry.hpp"

@@ -1,68 +1,65 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 
 #include "model.hpp"
 
 namespace zoo {
 
-// Runs the statement, adding its wall time to profile.<dir>[kind] when profiling is on.
-#define TIMED(dir, kind, ...)                                      \
-    do {                                                            \
-        double t0_ = profile.on ? omp_get_wtime() : 0.0;            \
-        __VA_ARGS__;                                                \
-        if (profile.on) profile.dir[kind] += omp_get_wtime() - t0_; \
+// Runs the statement, adding its wall time to profile.<dir>[k_<slot>] when profiling is on.
+#define TIMED(dir, slot, ...)                                         \
+    do {                                                               \
+        double t0_ = profile.on ? omp_get_wtime() : 0.0;               \
+        __VA_ARGS__;                                                   \
+        if (profile.on) profile.dir[k_##slot] += omp_get_wtime() - t0_; \
     } while (0)
 
-Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& bindings,
+Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
                    const std::vector<float>& inv_freq)
     : d_(dims), n_params_(n_params) {
+    plan_grad_ranges(layout);  // checks the table before anything is bound
     store_.reset(4 * n_params_);
-    w_.layers.resize(d_.n_layer);
-    g_.layers.resize(d_.n_layer);
-    bind(w_, params(), bindings);
-    bind(g_, grads(), bindings);
-    plan_grad_ranges(bindings);
+    bind(w_, params(), layout);
+    bind(g_, grads(), layout);
     if (d_.rope) {
         if ((int)inv_freq.size() != d_.head_dim / 2)
             throw std::invalid_argument("zoo: inv_freq must have head_dim/2 entries");
         size_t n = (size_t)d_.max_seq_len * d_.head_dim / 2;
         rope_cos_.resize(n);
         rope_sin_.resize(n);
-        RoPE{d_.head_dim}.build_tables(inv_freq.data(), rope_cos_.data(), rope_sin_.data(),
-                                       d_.max_seq_len);
+        RoPE{d_.head_dim}.build_tables(inv_freq.data(), rope_cos_.data(), rope_sin_.data(), d_.max_seq_len);
     }
-    decay_ranges_.clear();
+    set_clad_blocks({});
 }
 
-// Floats of the tensor a role binds (fused q|k|v and gate|up included).
-size_t Executor::role_floats(const std::string& role) const {
-    const size_t d = d_.d_model, V = d_.vocab_size;
-    if (role == "wte" || role == "lm_head_w") return V * d;
-    if (role == "wpe") return (size_t)d_.max_seq_len * d;
-    if (role == "qkv_w") return (size_t)d_.qkv_dim() * d;
-    if (role == "qkv_b") return d_.qkv_dim();
-    if (role == "attn_out_w") return d * d_.attn_dim();
-    if (role == "fc_w") return (size_t)d_.fc_dim() * d;
-    if (role == "fc_b") return d_.fc_dim();
-    if (role == "proj_w") return d * d_.d_ff;
-    return d;  // norm weights and biases, attn_out_b, proj_b
-}
-
-// Each layer's gradient ranges and the others', adjacent ones merged. The bindings must
-// cover the parameters exactly: a gap would be a gradient no pullback writes.
-void Executor::plan_grad_ranges(const std::vector<ParamBinding>& bindings) {
+// The table must tile the parameter arena exactly (no gap: a gradient no pullback writes; no
+// overlap: two tensors in one place). Each layer's ranges, adjacent ones merged, let a step
+// take a layer's gradient norm while it is in cache.
+void Executor::plan_grad_ranges(const std::vector<ParamBinding>& layout) {
+    std::vector<Range> all;
     std::vector<std::vector<Range>> by_layer(d_.n_layer + 1);  // the last: outside the layers
-    size_t covered = 0;
-    for (const auto& b : bindings) {
-        const size_t n = role_floats(b.role);
-        if (b.offset + n > n_params_)
-            throw std::invalid_argument("zoo: parameter " + b.role + " runs past the parameter arena");
-        by_layer[b.layer < 0 ? d_.n_layer : b.layer].push_back({b.offset, n});
-        covered += n;
+    for (const auto& b : layout) {
+        if (b.layer < -1 || b.layer >= d_.n_layer)
+            throw std::invalid_argument("zoo: parameter " + b.role + " has layer " + std::to_string(b.layer) +
+                                        " outside [-1, " + std::to_string(d_.n_layer) + ")");
+        if (b.count == 0 || b.offset + b.count > n_params_)
+            throw std::invalid_argument("zoo: parameter " + b.role + " (layer " + std::to_string(b.layer) +
+                                        ") runs past the parameter arena");
+        all.push_back({b.offset, b.count});
+        by_layer[b.layer < 0 ? d_.n_layer : b.layer].push_back({b.offset, b.count});
     }
-    if (covered != n_params_)
-        throw std::invalid_argument("zoo: the parameter bindings cover " + std::to_string(covered) + " of " +
+    std::sort(all.begin(), all.end());
+    size_t at = 0;
+    for (const auto& r : all) {
+        if (r.first != at)
+            throw std::invalid_argument("zoo: the parameter layout " + std::string(r.first < at ? "overlaps" : "leaves a gap") +
+                                        " at float " + std::to_string(std::min(r.first, at)));
+        at += r.second;
+    }
+    if (at != n_params_)
+        throw std::invalid_argument("zoo: the parameter layout covers " + std::to_string(at) + " of " +
                                     std::to_string(n_params_) + " floats");
     for (auto& ranges : by_layer) {
         std::sort(ranges.begin(), ranges.end());
@@ -79,6 +76,54 @@ void Executor::plan_grad_ranges(const std::vector<ParamBinding>& bindings) {
     other_grad_ranges_ = by_layer.back();
     by_layer.pop_back();
     layer_grad_ranges_ = by_layer;
+}
+
+// Whether the dims call for a tensor in role: biases and the tensors a config may leave out.
+static bool role_needed(const Dims& d, const std::string& role) {
+    if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias;
+    if (role == "qkv_b" || role == "attn_out_b") return d.attention_bias;
+    if (role == "fc_b" || role == "proj_b") return d.mlp_bias;
+    if (role == "wpe") return !d.rope;
+    if (role == "lm_head_w") return !d.tied_embeddings;
+    return true;
+}
+
+// The layout table bound in one loop: each row's pointer goes to its role's field.
+void Executor::bind(ModelTensors& t, float* base, const std::vector<ParamBinding>& layout) const {
+    t = ModelTensors{};
+    t.layers.resize(d_.n_layer);
+    for (const auto& b : layout) {
+        float** slot = nullptr;
+#define ZOO_MATCH_ROLE(r) \
+    if (b.role == #r) slot = &tensors.r;
+        if (b.layer < 0) {
+            ModelTensors& tensors = t;
+            ZOO_MODEL_ROLES(ZOO_MATCH_ROLE)
+        } else {
+            LayerTensors& tensors = t.layers[b.layer];
+            ZOO_LAYER_ROLES(ZOO_MATCH_ROLE)
+        }
+#undef ZOO_MATCH_ROLE
+        const std::string at = b.layer < 0 ? "" : " in layer " + std::to_string(b.layer);
+        if (!slot) throw std::invalid_argument("zoo: unknown parameter role " + b.role + at);
+        if (*slot) throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound twice");
+        if (!role_needed(d_, b.role))
+            throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound, but the config has no such tensor");
+        *slot = base + b.offset;
+    }
+    auto need = [&](float* p, const char* role, int layer) {
+        if (!p && role_needed(d_, role))
+            throw std::invalid_argument(std::string("zoo: parameter role ") + role + " is not bound" +
+                                        (layer < 0 ? "" : " in layer " + std::to_string(layer)));
+    };
+#define ZOO_NEED_MODEL(r) need(t.r, #r, -1);
+    ZOO_MODEL_ROLES(ZOO_NEED_MODEL)
+#undef ZOO_NEED_MODEL
+    for (int i = 0; i < d_.n_layer; i++) {
+#define ZOO_NEED_LAYER(r) need(t.layers[i].r, #r, i);
+        ZOO_LAYER_ROLES(ZOO_NEED_LAYER)
+#undef ZOO_NEED_LAYER
+    }
 }
 
 // Sum of squares of the gradients in ranges: float blocks of 1024 (vectorized), their sums
@@ -101,53 +146,6 @@ double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
     return total;
 }
 
-void Executor::bind(Weights& w, float* base, const std::vector<ParamBinding>& bindings) {
-    for (const auto& b : bindings) {
-        float* p = base + b.offset;
-        if (b.layer < 0) {
-            if (b.role == "wte") w.wte = p;
-            else if (b.role == "wpe") w.wpe = p;
-            else if (b.role == "lnf_w") w.lnf_w = p;
-            else if (b.role == "lnf_b") w.lnf_b = p;
-            else if (b.role == "lm_head_w") w.lm_head = p;
-            else throw std::invalid_argument("zoo: unknown parameter role " + b.role);
-            continue;
-        }
-        if (b.layer >= d_.n_layer) throw std::invalid_argument("zoo: layer index out of range");
-        LayerWeights& l = w.layers[b.layer];
-        if (b.role == "ln1_w") l.ln1_w = p;
-        else if (b.role == "ln1_b") l.ln1_b = p;
-        else if (b.role == "qkv_w") l.qkv_w = p;
-        else if (b.role == "qkv_b") l.qkv_b = p;
-        else if (b.role == "attn_out_w") l.attn_out_w = p;
-        else if (b.role == "attn_out_b") l.attn_out_b = p;
-        else if (b.role == "ln2_w") l.ln2_w = p;
-        else if (b.role == "ln2_b") l.ln2_b = p;
-        else if (b.role == "fc_w") l.fc_w = p;
-        else if (b.role == "fc_b") l.fc_b = p;
-        else if (b.role == "proj_w") l.proj_w = p;
-        else if (b.role == "proj_b") l.proj_b = p;
-        else throw std::invalid_argument("zoo: unknown layer parameter role " + b.role);
-    }
-    // Every tensor the dims call for must be bound.
-    bool ln = d_.norm == NormKind::layernorm;
-    auto need = [](bool ok, const std::string& what) {
-        if (!ok) throw std::invalid_argument("zoo: parameter binding missing: " + what);
-    };
-    need(w.wte, "wte");
-    need(d_.rope || w.wpe, "wpe");
-    need(w.lnf_w && (!ln || w.lnf_b), "final norm");
-    need(d_.tied_embeddings || w.lm_head, "lm_head");
-    for (int i = 0; i < d_.n_layer; i++) {
-        const LayerWeights& l = w.layers[i];
-        std::string at = " in layer " + std::to_string(i);
-        need(l.ln1_w && l.ln2_w && (!ln || (l.ln1_b && l.ln2_b)), "norm" + at);
-        need(l.qkv_w && l.attn_out_w && (!d_.attention_bias || (l.qkv_b && l.attn_out_b)),
-             "attention" + at);
-        need(l.fc_w && l.proj_w && (!d_.mlp_bias || (l.fc_b && l.proj_b)), "mlp" + at);
-    }
-}
-
 // Rows of the LM head handled at once: the logits of one chunk live in the arena, never the
 // logits of the whole batch, so the head costs O(chunk * vocab) memory in training. A chunk
 // may fill the buffers that are dead while the head runs (dead_floats) or a budget of 8M
@@ -165,88 +163,100 @@ static int head_chunk_rows(int N, int V, bool checkpointing, size_t dead_floats)
     return (int)((N + chunks - 1) / chunks);
 }
 
-size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad) {
-    ArenaPlanner pl;
-    layout_activations(d, checkpointing, pl, nullptr, B, T, ad);
-    return pl.used;
-}
-
-// Scratch for the Clad pullbacks of the blocks this model has on Clad: the largest need, since
-// one pullback runs at a time.
-static size_t clad_scratch_floats(const Dims& d, const AdChoice& ad, int B, int T, int threads) {
-    size_t n = 0;
-    auto need = [&](int k, bool used, size_t floats) {
-        if (ad.clad[k] && used) n = std::max(n, floats);
-    };
-    need(kAdLayerNorm, d.norm == NormKind::layernorm, LayerNorm{d.d_model, d.norm_eps}.clad_scratch_floats(threads));
-    need(kAdRMSNorm, d.norm == NormKind::rmsnorm, RMSNorm{d.d_model, d.norm_eps}.clad_scratch_floats(threads));
-    need(kAdGELU, d.mlp == MlpKind::gelu, GELU{d.d_ff}.clad_scratch_floats(threads));
-    need(kAdSwiGLU, d.mlp == MlpKind::swiglu, SwiGLU{d.d_ff}.clad_scratch_floats(threads));
-    need(kAdReLU2, d.mlp == MlpKind::relu2, activation_clad_scratch_floats(d.d_ff, threads));
-    need(kAdRope, d.rope, RoPE{d.head_dim}.clad_scratch_floats(threads));
-    need(kAdAttention, true, Attention{d.n_head, d.n_kv_head, d.head_dim}.clad_scratch_floats(threads, T));
-    need(kAdCrossEntropy, true, CrossEntropy{d.vocab_size}.clad_scratch_floats(threads));
-    // Linear: the replayed bias add of the widest layer with a bias.
-    int widest = 0;
-    if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
-    if (d.mlp_bias) widest = std::max({widest, d.fc_dim(), d.d_model});
-    need(kAdLinear, widest > 0, Linear{0, widest}.clad_scratch_floats(B * T));
+// The pullbacks the AD choice picks for the model's blocks: scratch needs, in floats. Layers'
+// pullbacks run one at a time and share one region; the cross-entropy pullback runs while the
+// LM head's logits chunk is live and has its own.
+static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, int T, int threads) {
+    const Attention attn{d.n_head, d.n_kv_head, d.head_dim};
+    size_t n = ad.on(d.norm->name) ? d.norm->clad_scratch_floats(d.d_model, threads)
+                                   : d.norm->scratch_floats(d.d_model, threads);
+    if (ad.on(d.mlp->name) || !d.mlp->pullback) n = std::max(n, d.mlp->clad_scratch_floats(d.d_ff, threads));
+    n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
+    if (d.rope && ad.on("rope")) n = std::max(n, RoPE{d.head_dim}.clad_scratch_floats(threads));
+    if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
+        int widest = 0;
+        if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
+        if (d.mlp_bias) widest = std::max({widest, d.fc_dim(), d.d_model});
+        n = std::max(n, Linear{0, widest}.clad_scratch_floats(B * T));
+    }
     return n;
 }
 
-ActivationPlan layout_activations(const Dims& d_, bool checkpointing, ArenaPlanner& pl, float* base,
-                                  int B, int T, const AdChoice& ad) {
-    const size_t N = (size_t)B * T, d = d_.d_model;
-    auto take = [&](size_t n) { size_t at = pl.take(n); return base ? base + at : nullptr; };
+// Every buffer of a training step with the phases it is live in; the planner places them.
+// Declared longest-lived first, so the head's logits chunk lands on the buffers dead while the
+// head runs (the layers' adjoints and scratch; with checkpointing the shared internals).
+ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoice& ad, int B, int T, float* base,
+                                size_t* total_floats) {
+    const size_t N = (size_t)B * T, D = d.d_model;
+    const int threads = omp_get_max_threads();
+    const int stats = d.norm->stats_per_row;
+    LivenessPlanner pl;
+    struct Slot { float** ptr; size_t index; };
+    std::vector<Slot> slots;
     ActivationPlan p;
-    // Live from the forward to the end of the pullback: the residual stream, each layer's
-    // saved internals, the final norm, the losses, and dL/d(final norm) the head writes.
-    p.residual = take((d_.n_layer + 1) * N * d);
-    auto layer = [&](LayerActs& l) {
-        l.ln1_mean = take(N); l.ln1_rstd = take(N);
-        l.qkv = take(N * d_.qkv_dim());
-        l.lse = take((size_t)B * d_.n_head * T);
-        l.att = take(N * d_.attn_dim());
-        l.res_mid = take(N * d);
-        l.ln2_mean = take(N); l.ln2_rstd = take(N);
-        l.fc = take(N * d_.fc_dim());
+    auto take = [&](float** ptr, std::string name, size_t floats, unsigned live) {
+        slots.push_back({ptr, pl.add(std::move(name), floats, live)});
     };
-    p.layers.resize(d_.n_layer);
-    if (!checkpointing)
-        for (auto& l : p.layers) layer(l);
-    p.lnf = take(N * d); p.lnf_mean = take(N); p.lnf_rstd = take(N);
-    p.row_loss = take(N);
-    p.d_norm = take(N * d);
-    // Dead while the LM head runs (after the last layer's forward, before its pullback): the
-    // head's logits chunk overlaps them. Norm outputs and the activation's output feed one
-    // GEMM each and are cheap to recompute: every layer shares one buffer for them, and the
-    // pullback recomputes them. With checkpointing, one set of internals serves every layer,
-    // recomputed per layer in the pullback.
-    const size_t head_start = pl.used;
-    float* norm_out = take(N * d);
-    float* act_out = take(N * d_.d_ff);
-    if (checkpointing) {
-        LayerActs shared;
-        layer(shared);
-        for (auto& l : p.layers) l = shared;
+    // Written by the forward, read by the pullback: live throughout.
+    take(&p.residual, "residual", (d.n_layer + 1) * N * D, kAllPhases);
+    p.layers.resize(d.n_layer);
+    const unsigned internals = checkpointing ? kForward | kPullback : kAllPhases;
+    const int saved_sets = checkpointing ? 1 : d.n_layer;  // with checkpointing, one set recomputed per layer
+    for (int i = 0; i < saved_sets; i++) {
+        LayerActs& l = p.layers[i];
+        const std::string at = checkpointing ? "layers." : "layer" + std::to_string(i) + ".";
+        take(&l.ln1_stats, at + "ln1_stats", stats * N, internals);
+        take(&l.qkv, at + "qkv", N * d.qkv_dim(), internals);
+        take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
+        take(&l.att, at + "att", N * d.attn_dim(), internals);
+        take(&l.res_mid, at + "res_mid", N * D, internals);
+        take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
+        take(&l.fc, at + "fc", N * d.fc_dim(), internals);
     }
-    for (auto& l : p.layers) {
+    take(&p.lnf, "lnf", N * D, kForward | kHead);
+    take(&p.lnf_stats, "lnf_stats", stats * N, kAllPhases);
+    take(&p.row_loss, "row_loss", N, kHead);
+    take(&p.d_norm, "d_norm", N * D, kHead | kPullback);  // the head writes dL/d(final norm)
+    // Norm outputs and the activation's output feed one GEMM each and are cheap to recompute:
+    // all layers share one buffer for each, recomputed in the pullback.
+    float *norm_out = nullptr, *act_out = nullptr;
+    take(&norm_out, "norm_out", N * D, kForward | kPullback);
+    take(&act_out, "act_out", N * d.d_ff, kForward | kPullback);
+    take(&p.attention_scratch, "attention_scratch",
+         Attention{d.n_head, d.n_kv_head, d.head_dim}.scratch_floats(threads, T),
+         checkpointing ? kForward | kPullback : kForward);
+    take(&p.d_res, "d_res", N * D, kPullback);
+    take(&p.d_qkv, "d_qkv", N * d.qkv_dim(), kPullback);
+    take(&p.d_att, "d_att", N * d.attn_dim(), kPullback);
+    take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
+    take(&p.d_act, "d_act", N * d.d_ff, kPullback);
+    take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
+    pl.place();
+    // The head's chunk fills what is free above the buffers live while it runs.
+    p.head_rows = head_chunk_rows((int)N, d.vocab_size, checkpointing, pl.total() - pl.end_of(kHead));
+    take(&p.head_logits, "head_logits", (size_t)p.head_rows * d.vocab_size, kHead);
+    if (ad.on("cross_entropy"))
+        take(&p.head_scratch, "head_scratch", CrossEntropy{d.vocab_size}.clad_scratch_floats(threads), kHead);
+    pl.place();
+    pl.check();
+    for (const Slot& s : slots) *s.ptr = base ? base + pl[s.index].offset : nullptr;
+    for (int i = 0; i < d.n_layer; i++) {
+        LayerActs& l = p.layers[i];
+        if (checkpointing) l = p.layers[0];
+        l.x = p.residual ? p.residual + (size_t)i * N * D : nullptr;
+        l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
         l.act = act_out;
     }
-    p.d_res = take(N * d); p.d_qkv = take(N * d_.qkv_dim());
-    p.d_att = take(N * d_.attn_dim()); p.d_fc = take(N * d_.fc_dim()); p.d_act = take(N * d_.d_ff);
-    p.attn_scratch = take(Attention{d_.n_head, d_.n_kv_head, d_.head_dim}.scratch_floats(omp_get_max_threads(), T));
-    p.norm_scratch = take(LayerNorm{d_.d_model, d_.norm_eps}.scratch_floats(omp_get_max_threads()));  // >= RMSNorm's
-    const size_t dead_end = pl.used;
-    pl.used = head_start;
-    p.head_rows = head_chunk_rows((int)N, d_.vocab_size, checkpointing, dead_end - head_start);
-    p.head_logits = take((size_t)p.head_rows * d_.vocab_size);
-    pl.used = std::max(pl.used, dead_end);
-    // The Clad cross-entropy pullback uses its scratch while the head runs: after both.
-    const size_t clad = clad_scratch_floats(d_, ad, B, T, omp_get_max_threads());
-    if (clad) p.clad_scratch = take(clad);
+    p.buffers = pl.buffers();
+    if (total_floats) *total_floats = pl.total();
     return p;
+}
+
+size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad) {
+    size_t total = 0;
+    plan_activations(d, checkpointing, ad, B, T, nullptr, &total);
+    return total;
 }
 
 void Executor::set_checkpointing(bool on) {
@@ -256,265 +266,181 @@ void Executor::set_checkpointing(bool on) {
     }
 }
 
+// Picks every pullback of the model from the registry: Clad's for the blocks named, the
+// hand-written one for the others. A block with no hand-written pullback takes Clad's where it
+// is built (otherwise it stays null: check_trainable says so).
 void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     AdChoice ad;
+    const auto infos = block_infos();
     for (const auto& name : names) {
-        int k = 0;
-        while (k < kAdBlocks && name != ad_block_name(k)) k++;
-        if (k == kAdBlocks) throw std::invalid_argument("zoo: no block named " + name);
-        ad.clad[k] = true;
+        auto it = std::find_if(infos.begin(), infos.end(), [&](const BlockInfo& b) { return b.name == name; });
+        if (it == infos.end()) throw std::invalid_argument("zoo: no block named " + name);
+        if (!it->clad)
+            throw std::runtime_error(clad_built ? "zoo: block " + name + " has no Clad pullback"
+                                                : std::string("zoo: the Clad backend was not built into this zoo; rebuild "
+                                                              "with ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> "
+                                                              "(docs/clad.md)"));
+        ad.clad.insert(name);
     }
-    if (!names.empty() && !clad_built)
-        throw std::runtime_error("zoo: the Clad backend was not built into this zoo; rebuild with "
-                                 "ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> (docs/clad.md)");
+    auto pick = [&](const auto& manual, const auto& clad, const char* name) {
+        return ad.on(name) || !manual ? clad : manual;
+    };
+    Pullbacks pb;
+    pb.norm = pick(d_.norm->pullback, d_.norm->pullback_clad, d_.norm->name);
+    pb.activation = pick(d_.mlp->pullback, d_.mlp->pullback_clad, d_.mlp->name);
+    pb.linear = pick(linear_block.pullback, linear_block.pullback_clad, "linear");
+    pb.attention = pick(attention_block.pullback, attention_block.pullback_clad, "attention");
+    pb.rope = pick(rope_block.pullback, rope_block.pullback_clad, "rope");
+    pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
+    pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
+    if (pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
+        pb.activation_fused = d_.mlp->recompute_and_pullback;
+    if (!d_.mlp->pullback && d_.mlp->pullback_clad) ad.clad.insert(d_.mlp->name);  // its only pullback
     ad_ = ad;
-    cap_B_ = cap_T_ = 0;  // the Clad scratch changes: re-plan at the next step
+    pb_ = pb;
+    cap_B_ = cap_T_ = 0;  // the scratch needs change: re-plan at the next step
 }
 
-std::vector<std::string> Executor::clad_blocks() const {
-    std::vector<std::string> out;
-    for (int k = 0; k < kAdBlocks; k++)
-        if (ad_.clad[k]) out.push_back(ad_block_name(k));
-    return out;
-}
-
-// A block without a hand-written pullback (relu2) trains only on the Clad backend.
+// A block without a pullback in this build (one written as a forward only, without Clad)
+// runs forward but cannot train.
 void Executor::check_trainable() const {
-    if (d_.mlp == MlpKind::relu2 && !ad_.clad[kAdReLU2])
-        throw std::runtime_error(
-            clad_built ? "zoo: block 'relu2' has no hand-written pullback; put it on the Clad backend "
-                         "(ad=\"clad\" or ad={\"relu2\": \"clad\"}) to train it"
-                       : "zoo: block 'relu2' has no hand-written pullback, and its generated one comes "
-                         "from the Clad backend, which this build does not have: the model runs forward "
-                         "(logits, generation) but cannot train. Rebuild zoo with ZOO_CLAD_DIR=<Clad prefix> "
-                         "CXX=<its clang++> (docs/clad.md)");
+    if (!pb_.norm || !pb_.activation) {
+        const char* name = !pb_.norm ? d_.norm->name : d_.mlp->name;
+        throw std::runtime_error(std::string("zoo: block '") + name +
+                                 "' has no hand-written pullback, and its generated one comes from the Clad "
+                                 "backend, which this build does not have: the model runs forward (logits, "
+                                 "generation) but cannot train. Rebuild zoo with ZOO_CLAD_DIR=<Clad prefix> "
+                                 "CXX=<its clang++> (docs/clad.md)");
+    }
 }
 
 void Executor::plan(int B, int T) {
     if (B <= 0 || T <= 0) throw std::invalid_argument("zoo: batch and sequence length must be positive");
     if (T > d_.max_seq_len)
-        throw std::invalid_argument("zoo: sequence length " + std::to_string(T) +
-                                    " exceeds max_seq_len " + std::to_string(d_.max_seq_len));
-    // Attention probabilities are laid out T x T; per-thread scratch for the threads planned.
+        throw std::invalid_argument("zoo: sequence length " + std::to_string(T) + " exceeds max_seq_len " +
+                                    std::to_string(d_.max_seq_len));
+    // Attention tiles are laid out for T; per-thread scratch for the threads planned.
     if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
     acts_.reset(activation_floats(B, T));
-    ArenaPlanner pl;
-    a_ = layout_activations(d_, checkpointing_, pl, acts_.data, B, T, ad_);
+    a_ = plan_activations(d_, checkpointing_, ad_, B, T, acts_.data, nullptr);
     cap_B_ = B;
     cap_T_ = T;
     cap_threads_ = omp_get_max_threads();
 }
 
-void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* mean,
-                            float* rstd, int N) const {
-    if (d_.norm == NormKind::layernorm)
-        LayerNorm{d_.d_model, d_.norm_eps}.forward(x, w, b, y, mean, rstd, N);
-    else
-        RMSNorm{d_.d_model, d_.norm_eps}.forward(x, w, y, rstd, N);
+void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const {
+    d_.norm->forward({d_.d_model, d_.norm_eps, N, x, w, b, stats}, y, stats);
 }
 
-// The pullbacks with a choice of backend (set_clad_blocks); the Clad branches exist only in a
-// Clad build.
-void Executor::norm_pullback(const float* x, const float* w, const float* b, const float* mean,
-                             const float* rstd, const float* dy, float* dx, float* dw, float* db,
-                             int N) const {
-    if (d_.norm == NormKind::layernorm) {
-        const LayerNorm ln{d_.d_model, d_.norm_eps};
-#ifdef ZOO_CLAD
-        if (ad_.clad[kAdLayerNorm]) {
-            clear_if_writing(dw, d_.d_model);
-            clear_if_writing(db, d_.d_model);
-            return ln.pullback_clad(x, w, b, dy, dx, dw, db, a_.clad_scratch, N);
-        }
-#endif
-        ln.pullback(x, w, mean, rstd, dy, dx, dw, db, a_.norm_scratch, N, accumulate_params_);
-    } else {
-        const RMSNorm rms{d_.d_model, d_.norm_eps};
-#ifdef ZOO_CLAD
-        if (ad_.clad[kAdRMSNorm]) {
-            clear_if_writing(dw, d_.d_model);
-            return rms.pullback_clad(x, w, dy, dx, dw, a_.clad_scratch, N);
-        }
-#endif
-        rms.pullback(x, w, rstd, dy, dx, dw, a_.norm_scratch, N, accumulate_params_);
-    }
-}
-
-void Executor::linear_pullback(const Linear& l, const float* x, const float* W, const float* b,
-                               const float* dy, float* dx, float* dW, float* db, int N) const {
-#ifdef ZOO_CLAD
-    if (ad_.clad[kAdLinear]) {
-        clear_if_writing(dW, (size_t)l.out * l.in);
-        clear_if_writing(db, l.out);
-        return l.pullback_clad(x, W, b, dy, dx, dW, db, N, false, a_.clad_scratch);
-    }
-#endif
-    l.pullback(x, W, dy, dx, dW, db, N, /*accumulate_dx=*/false, accumulate_params_);
-}
-
-// The Clad pullbacks always add into parameter gradients: on a step that writes them, they
-// start from zero.
-void Executor::clear_if_writing(float* grad, size_t n) const {
-    if (grad && !accumulate_params_) std::memset(grad, 0, sizeof(float) * n);
+void Executor::norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,
+                             float* dx, float* dw, float* db, int N, GradMode mode) const {
+    pb_.norm({d_.d_model, d_.norm_eps, N, x, w, b, stats}, dy, dx, dw, db, a_.pullback_scratch, mode);
 }
 
 void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
     const int V = d_.vocab_size;
     for (int n = 0; n < N; n++) {
         if (tokens[n] < 0 || tokens[n] >= V)
-            throw std::invalid_argument("zoo: token id " + std::to_string(tokens[n]) +
-                                        " outside the vocabulary [0, " + std::to_string(V) + ")");
+            throw std::invalid_argument("zoo: token id " + std::to_string(tokens[n]) + " outside the vocabulary [0, " +
+                                        std::to_string(V) + ")");
         if (targets && targets[n] != CrossEntropy::ignore_index && (targets[n] < 0 || targets[n] >= V))
             throw std::invalid_argument("zoo: target id " + std::to_string(targets[n]) +
                                         " outside the vocabulary [0, " + std::to_string(V) + ")");
     }
 }
 
-// Layer i from a_.residual[i]. With full=false it stops after the activation: what a
-// checkpointed pullback needs recomputed (the MLP output only feeds a_.residual[i+1]).
-void Executor::layer_forward(int i, int B, int T, bool full) {
+void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
     const int N = B * T, d = d_.d_model;
-    const LayerWeights& w = w_.layers[i];
-    LayerActs& a = a_.layers[i];
+    const LayerTensors& w = w_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
     const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
-    const float* x = a_.residual + (size_t)i * N * d;
-    TIMED(forward, kNorm, norm_forward(x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_mean, a.ln1_rstd, N));
-    TIMED(forward, kLinear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
+    TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
+    TIMED(forward, linear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
-        TIMED(forward, kRope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                                       rope_cos_.data(), rope_sin_.data(), B, T));
-    TIMED(forward, kAttention, attn.forward(a.qkv, a.lse, a.att, a_.attn_scratch, B, T));
+        TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
+                                                       rope_cos_.data(), rope_sin_.data(), B, T, pos0));
+    if (pass == LayerPass::cached) {
+        // This call's keys and values join the cache; its queries attend to everything cached.
+        const int hd = d_.head_dim;
+        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * hd;
+        float *kc = k_cache_ + i * layer_kv, *vc = v_cache_ + i * layer_kv;
+        for (int b = 0; b < B; b++)
+            for (int t = 0; t < T; t++)
+                for (int g = 0; g < d_.n_kv_head; g++) {
+                    const float* row = a.qkv + ((size_t)b * T + t) * d_.qkv_dim();
+                    const size_t at = (((size_t)b * d_.n_kv_head + g) * cache_len_ + pos0 + t) * hd;
+                    std::memcpy(kc + at, row + (d_.n_head + g) * hd, sizeof(float) * hd);
+                    std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
+                }
+        attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_);
+    } else {
+        TIMED(forward, attention, attn.forward(a.qkv, a.lse, a.att, a_.attention_scratch, B, T));
+    }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
     // profile counts them as linear.
-    TIMED(forward, kLinear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, x));
-    TIMED(forward, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
-    TIMED(forward, kLinear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
-    TIMED(forward, kActivation, activation_forward(a.fc, a.act, N));
-    if (!full) return;
-    float* x_out = a_.residual + (size_t)(i + 1) * N * d;
-    TIMED(forward, kLinear, proj.forward(a.act, w.proj_w, w.proj_b, x_out, N, a.res_mid));
+    TIMED(forward, linear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, a.x));
+    TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    TIMED(forward, linear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
+    TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
+    if (pass == LayerPass::recompute) return;  // the MLP output only feeds the next layer's input
+    TIMED(forward, linear, proj.forward(a.act, w.proj_w, w.proj_b, a.out, N, a.res_mid));
 }
 
-// a_.d_res holds dL/d(a_.residual[i+1]) on entry and dL/d(a_.residual[i]) on exit: the residual
-// adds pass it through unchanged, so the norm pullbacks add their parts into it.
-void Executor::layer_pullback(int i, int B, int T) {
+// a_.d_res holds dL/d(layer output) on entry and dL/d(layer input) on exit: the residual adds
+// pass it through unchanged, so the norm pullbacks add their parts into it.
+void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     const int N = B * T, d = d_.d_model;
-    const LayerWeights& w = w_.layers[i];
-    LayerWeights& g = g_.layers[i];
-    LayerActs& a = a_.layers[i];
+    const LayerTensors& w = w_.layers[i];
+    LayerTensors& g = g_.layers[i];
+    const LayerActs& a = a_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
     const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
-    const float* x = a_.residual + (size_t)i * N * d;
-    [[maybe_unused]] float* cs = a_.clad_scratch;
-    // The norm outputs and the activation output live in buffers every layer shares
-    // (layout_activations): recompute this layer's before the GEMM pullbacks read them.
-    // With the hand-written GELU or SwiGLU and linear pullbacks the MLP runs dL/d(act) first,
-    // then the activation's recompute and pullback in one pass, then the projection's weight
-    // gradient from the recomputed act.
-    if (mlp_pullback_fused()) {
-        TIMED(pullback, kLinear, proj.pullback_input(w.proj_w, a_.d_res, a_.d_act, N));
-        TIMED(pullback, kActivation, activation_recompute_and_pullback(a.fc, a_.d_act, a.act, a_.d_fc, N));
-        TIMED(pullback, kLinear, proj.pullback_params(a.act, a_.d_res, g.proj_w, g.proj_b, N, accumulate_params_));
+    float* scratch = a_.pullback_scratch;
+    // The norm outputs and the activation output live in buffers every layer shares: recompute
+    // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks the MLP
+    // runs dL/d(act) first, then the activation's recompute and pullback in one pass, then the
+    // projection's weight gradient from the recomputed act.
+    if (pb_.activation_fused) {
+        TIMED(pullback, linear, proj.pullback_input(w.proj_w, a_.d_res, a_.d_act, N));
+        TIMED(pullback, activation, pb_.activation_fused(d_.d_ff, a.fc, a_.d_act, a.act, a_.d_fc, N));
+        TIMED(pullback, linear, proj.pullback_params(a.act, a_.d_res, g.proj_w, g.proj_b, N, mode));
     } else {
-        TIMED(pullback, kActivation, activation_forward(a.fc, a.act, N));
-        TIMED(pullback, kLinear, linear_pullback(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
-                                                 g.proj_b, N));
-        TIMED(pullback, kActivation, activation_pullback(a.fc, a_.d_act, a_.d_fc, N));
+        TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
+        TIMED(pullback, linear, pb_.linear(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w, g.proj_b,
+                                           N, mode, scratch));
+        TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, scratch, N));
     }
-    TIMED(pullback, kNorm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_mean, a.ln2_rstd, N));
-    TIMED(pullback, kLinear, linear_pullback(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N));
-    TIMED(pullback, kNorm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_mean, a.ln2_rstd, a_.d_norm,
-                                         a_.d_res, g.ln2_w, g.ln2_b, N));
-    TIMED(pullback, kLinear, linear_pullback(attn_out, a.att, w.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
-                                             g.attn_out_w, g.attn_out_b, N));
-#ifdef ZOO_CLAD
-    if (ad_.clad[kAdAttention])
-        TIMED(pullback, kAttention, attn.pullback_clad(a.qkv, a_.d_att, a_.d_qkv, cs, B, T));
-    else
-#endif
-        TIMED(pullback, kAttention, attn.pullback(a.qkv, a.lse, a_.d_att, a_.d_qkv, a_.attn_scratch, B, T));
-    if (d_.rope) {
-        const RoPE rope{d_.head_dim};
-        const int heads = d_.n_head + d_.n_kv_head;
-#ifdef ZOO_CLAD
-        if (ad_.clad[kAdRope])
-            TIMED(pullback, kRope, rope.pullback_clad(a_.d_qkv, d_.qkv_dim(), heads, rope_cos_.data(),
-                                                      rope_sin_.data(), B, T, cs));
-        else
-#endif
-            TIMED(pullback, kRope, rope.pullback(a_.d_qkv, d_.qkv_dim(), heads, rope_cos_.data(),
-                                                 rope_sin_.data(), B, T));
-    }
-    TIMED(pullback, kNorm, norm_forward(x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_mean, a.ln1_rstd, N));
-    TIMED(pullback, kLinear, linear_pullback(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w,
-                                             g.qkv_b, N));
-    TIMED(pullback, kNorm, norm_pullback(x, w.ln1_w, w.ln1_b, a.ln1_mean, a.ln1_rstd, a_.d_norm, a_.d_res,
-                                         g.ln1_w, g.ln1_b, N));
-}
-
-// fc -> act for the model's MLP activation.
-void Executor::activation_forward(const float* fc, float* act, int N) const {
-    if (d_.mlp == MlpKind::swiglu)
-        SwiGLU{d_.d_ff}.forward(fc, act, N);
-    else if (d_.mlp == MlpKind::relu2)
-        ReLU2{d_.d_ff}.forward(fc, act, N);
-    else
-        GELU{d_.d_ff}.forward(fc, act, N);
-}
-
-// True where the MLP's activation (GELU or SwiGLU) and linear pullbacks are the hand-written
-// ones: layer_pullback then fuses the activation's recompute into its pullback.
-bool Executor::mlp_pullback_fused() const {
-    if (ad_.clad[kAdLinear]) return false;
-    if (d_.mlp == MlpKind::gelu) return !ad_.clad[kAdGELU];
-    if (d_.mlp == MlpKind::swiglu) return !ad_.clad[kAdSwiGLU];
-    return false;
-}
-
-void Executor::activation_recompute_and_pullback(const float* fc, const float* d_act, float* act, float* d_fc,
-                                                 int N) const {
-    if (d_.mlp == MlpKind::swiglu)
-        SwiGLU{d_.d_ff}.recompute_and_pullback(fc, d_act, act, d_fc, N);
-    else
-        GELU{d_.d_ff}.recompute_and_pullback(fc, d_act, act, d_fc, N);
-}
-
-// dL/d(act) -> dL/d(fc) for the model's MLP activation.
-void Executor::activation_pullback(const float* fc, const float* d_act, float* d_fc, int N) const {
-    const int F = d_.d_ff;
-    [[maybe_unused]] float* cs = a_.clad_scratch;
-    if (d_.mlp == MlpKind::swiglu) {
-#ifdef ZOO_CLAD
-        if (ad_.clad[kAdSwiGLU]) return SwiGLU{F}.pullback_clad(fc, d_act, d_fc, cs, N);
-#endif
-        SwiGLU{F}.pullback(fc, d_act, d_fc, N);
-    } else if (d_.mlp == MlpKind::gelu) {
-#ifdef ZOO_CLAD
-        if (ad_.clad[kAdGELU]) return GELU{F}.pullback_clad(fc, d_act, d_fc, cs, N);
-#endif
-        GELU{F}.pullback(fc, d_act, d_fc, N);
-    } else {  // relu2: Clad's pullback only (check_trainable ran)
-#ifdef ZOO_CLAD
-        activation_pullback_clad<relu2_forward_row>(F, fc, d_act, d_fc, cs, N);
-#else
-        check_trainable();
-#endif
-    }
+    TIMED(pullback, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    TIMED(pullback, linear, pb_.linear(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode,
+                                       scratch));
+    TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a_.d_res, g.ln2_w,
+                                        g.ln2_b, N, mode));
+    TIMED(pullback, linear, pb_.linear(attn_out, a.att, w.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
+                                       g.attn_out_w, g.attn_out_b, N, mode, scratch));
+    TIMED(pullback, attention, pb_.attention(attn, a.qkv, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
+    if (d_.rope)
+        TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
+                                       rope_cos_.data(), rope_sin_.data(), B, T, scratch));
+    TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
+    TIMED(pullback, linear, pb_.linear(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
+                                       mode, scratch));
+    TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a_.d_res, g.ln1_w, g.ln1_b,
+                                        N, mode));
 }
 
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
-    TIMED(forward, kEmbedding, Embedding{d}.forward(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, a_.residual, B, T));
-    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, B, T, true);
-    TIMED(forward, kNorm, norm_forward(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf,
-                                       a_.lnf_mean, a_.lnf_rstd, N));
+    TIMED(forward, embedding, Embedding{d}.forward(tokens, w_.wte, w_.wpe, a_.residual, B, T));
+    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
+    TIMED(forward, norm, norm_forward(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf,
+                                      a_.lnf_stats, N));
 }
 
 // LM head and cross-entropy, chunk by chunk of rows. With pullback, each chunk's logits turn
-// into their adjoint at once and flow into a_.d_norm (dL/d lnf) and the head's weight gradient.
-double Executor::head(const int32_t* targets, int N, bool pullback, float grad_scale) {
+// into their adjoint at once and flow into a_.d_norm (dL/d lnf) and the head's weight gradient,
+// which the first chunk writes or adds per mode and later chunks add to.
+double Executor::head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode) {
     const int d = d_.d_model, V = d_.vocab_size;
     const CrossEntropy ce{V};
     const Linear lm{d, V};
@@ -526,27 +452,20 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         double chunk_mean = 0.0;
-        TIMED(forward, kLinear, lm.forward(x, head_weight(), nullptr, a_.head_logits, rows));
-#ifdef ZOO_CLAD
-        if (pullback && ad_.clad[kAdCrossEntropy]) {
-            TIMED(forward, kCrossEntropy,
+        TIMED(forward, linear, lm.forward(x, head_weight(), nullptr, a_.head_logits, rows));
+        if (!pullback) {
+            TIMED(forward, cross_entropy,
                   chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
-            TIMED(pullback, kCrossEntropy, ce.pullback_clad(a_.head_logits, targets + r0, rows, n_valid, grad_scale,
-                                                            a_.clad_scratch));
-        } else
-#endif
-        if (pullback)  // fused: the profile counts it all as forward
-            TIMED(forward, kCrossEntropy,
-                  chunk_mean = ce.forward_pullback(a_.head_logits, targets + r0, a_.row_loss + r0, rows,
-                                                   n_valid, grad_scale, &counted));
-        else
-            TIMED(forward, kCrossEntropy,
-                  chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
+            total += chunk_mean * counted;
+            continue;
+        }
+        // The hand-written pullback is fused with the forward: the profile counts it as forward.
+        TIMED(forward, cross_entropy,
+              chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
+                                             grad_scale, &counted, a_.head_scratch));
         total += chunk_mean * counted;
-        if (!pullback) continue;
-        TIMED(pullback, kLinear, linear_pullback(lm, x, head_weight(), nullptr, a_.head_logits,
-                                                 a_.d_norm + (size_t)r0 * d, head_grad(), nullptr, rows));
-        accumulate_params_ = true;  // later chunks add to what the first wrote
+        TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, a_.d_norm + (size_t)r0 * d,
+                                           head_grad(), nullptr, rows, r0 == 0 ? mode : GradMode::add, nullptr));
     }
     return n_valid ? total / n_valid : 0.0;
 }
@@ -556,72 +475,50 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
     const int N = B * T;
     check_ids(tokens, targets, N);
     trunk_forward(tokens, B, T);
-    if (targets) return head(targets, N, false, 0.0f);
+    if (targets) return head(targets, N, false, 0.0f, GradMode::add);
     // Full logits only for callers that ask for them (inference): their own arena.
     const size_t need = (size_t)N * d_.vocab_size;
     if (logits_arena_.size < need) logits_arena_.reset(need);
-    TIMED(forward, kLinear, Linear{d_.d_model, d_.vocab_size}.forward(a_.lnf, head_weight(), nullptr,
-                                                                     logits_arena_.data, N));
+    TIMED(forward, linear,
+          Linear{d_.d_model, d_.vocab_size}.forward(a_.lnf, head_weight(), nullptr, logits_arena_.data, N));
     return NAN;
 }
 
-double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                  float grad_scale) {
+double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale) {
     check_trainable();
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
-    // After zero_grads or an optimizer step this step's gradients are the only ones (fresh).
-    // After an optimizer step they are zero and the pullbacks add into them; after zero_grads
-    // alone the pullbacks write them instead: no clearing pass, and no GEMM reads old ones.
-    const bool fresh = grads_consumed_, writing = fresh && !grads_zero_;
-    grads_consumed_ = grads_zero_ = false;
+    const GradMode mode = grads_.pass_mode();
+    const bool first = grads_.pass_is_first();
+    grads_.begin_pass();
     trunk_forward(tokens, B, T);
-    accumulate_params_ = !writing;
-    double loss = head(targets, N, true, grad_scale);
-    accumulate_params_ = !writing;
+    double loss = head(targets, N, true, grad_scale, mode);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
-    TIMED(pullback, kNorm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b,
-                                         a_.lnf_mean, a_.lnf_rstd, a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N));
-    // On a fresh step each layer's squared norm is taken as soon as its pullback has written
+    TIMED(pullback, norm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf_stats,
+                                        a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N, mode));
+    // On a first pass each layer's squared norm is taken as soon as its pullback has written
     // the gradients, while they are still in cache: adamw_step's clipping then needs no pass
     // of its own over every gradient.
-    grad_sumsq_valid_ = false;
     double sumsq = 0.0;
     for (int i = d_.n_layer - 1; i >= 0; i--) {
-        if (checkpointing_) layer_forward(i, B, T, false);
-        layer_pullback(i, B, T);
-        if (fresh) TIMED(forward, kAdamW, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
+        if (checkpointing_) layer_forward(i, a_.layers[i], B, T, LayerPass::recompute);
+        layer_pullback(i, B, T, mode);
+        if (first) TIMED(forward, adamw, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
     }
-    // The embedding pullback adds rows into dwte (and dwpe): when writing, they start from
-    // zero, except a tied dwte, which the LM head's pullback has just written in full.
-    if (writing) {
-        if (!d_.tied_embeddings) std::memset(g_.wte, 0, sizeof(float) * (size_t)d_.vocab_size * d);
-        if (!d_.rope) std::memset(g_.wpe, 0, sizeof(float) * (size_t)d_.max_seq_len * d);
-    }
-    const Embedding emb{d};
-#ifdef ZOO_CLAD
-    if (ad_.clad[kAdEmbedding])
-        TIMED(pullback, kEmbedding, emb.pullback_clad(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, a_.d_res, g_.wte,
-                                                      d_.rope ? nullptr : g_.wpe, B, T));
-    else
-#endif
-        TIMED(pullback, kEmbedding, emb.pullback(tokens, a_.d_res, g_.wte, d_.rope ? nullptr : g_.wpe, B, T));
-    if (fresh) {
-        TIMED(forward, kAdamW, sumsq += grad_sum_squares(other_grad_ranges_));
-        grad_sumsq_ = sumsq;
-        grad_sumsq_valid_ = true;
+    // A tied dwte holds the LM head's gradient already: the embedding adds to it.
+    const Embedding emb{d, d_.vocab_size, d_.max_seq_len};
+    TIMED(pullback, embedding, pb_.embedding(emb, tokens, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B, T,
+                                             d_.tied_embeddings ? GradMode::add : mode, mode));
+    if (first) {
+        TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
+        grads_.end_first_pass(sumsq);
     }
     return loss;
 }
 
-void Executor::zero_grads() {
-    grads_consumed_ = true;
-    grad_sumsq_valid_ = false;
-}
-
 double Executor::grad_norm() const {
-    if (grad_sumsq_valid_) return std::sqrt(grad_sumsq_);
+    if (grads_.norm_valid) return std::sqrt(grads_.sumsq);
     return std::sqrt(grad_sum_squares(all_grads_));
 }
 
@@ -633,8 +530,7 @@ void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& de
     std::sort(decay_ranges_.begin(), decay_ranges_.end());
 }
 
-double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay,
-                            float max_norm) {
+double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm) {
     double t0 = profile.on ? omp_get_wtime() : 0.0;
     double norm = grad_norm();
     float scale = 1.0f;
@@ -645,8 +541,8 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     size_t at = 0;
     auto run = [&](size_t begin, size_t end, bool decay) {
         if (end > begin)
-            opt.update(params() + begin, grads() + begin, adam_m() + begin, adam_v() + begin,
-                       end - begin, step_count, decay, scale);
+            opt.update(params() + begin, grads() + begin, adam_m() + begin, adam_v() + begin, end - begin, step_count,
+                       decay, scale);
     };
     for (const auto& r : decay_ranges_) {
         run(at, r.first, false);
@@ -654,81 +550,54 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
         at = r.second;
     }
     run(at, n_params_, false);
-    grads_consumed_ = grads_zero_ = true;  // AdamW::update zeroed every gradient it read
-    grad_sumsq_valid_ = false;
-    if (profile.on) profile.forward[kAdamW] += omp_get_wtime() - t0;
+    grads_.optimizer_step();  // AdamW::update zeroed every gradient it read
+    if (profile.on) profile.forward[k_adamw] += omp_get_wtime() - t0;
     return norm;
 }
 
 void Executor::reset_cache(int B, int max_len) {
     if (B <= 0 || max_len <= 0) throw std::invalid_argument("zoo: cache shape must be positive");
     if (max_len > d_.max_seq_len)
-        throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) +
-                                    " exceeds max_seq_len " + std::to_string(d_.max_seq_len));
+        throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) + " exceeds max_seq_len " +
+                                    std::to_string(d_.max_seq_len));
     const size_t d = d_.d_model, kv = (size_t)d_.n_layer * B * d_.n_kv_head * max_len * d_.head_dim;
     const size_t N = (size_t)B * max_len;  // the prompt may fill the cache in one call
+    // Every buffer is live for the whole call: one after the other.
     ArenaPlanner pl;
     size_t o_k = pl.take(kv), o_v = pl.take(kv), o_x = pl.take(N * d), o_n = pl.take(N * d),
-           o_s = pl.take(2 * N), o_qkv = pl.take(N * d_.qkv_dim()),
+           o_s = pl.take(d_.norm->stats_per_row * N), o_qkv = pl.take(N * d_.qkv_dim()),
            o_p = pl.take((size_t)B * d_.n_head * max_len * max_len), o_att = pl.take(N * d_.attn_dim()),
            o_fc = pl.take(N * d_.fc_dim()), o_act = pl.take(N * d_.d_ff), o_last = pl.take((size_t)B * d),
            o_lg = pl.take((size_t)B * d_.vocab_size);
     cache_.reset(pl.used);
     float* a = cache_.data;
-    k_cache_ = a + o_k; v_cache_ = a + o_v; c_x_ = a + o_x; c_norm_ = a + o_n; c_stat_ = a + o_s;
-    c_qkv_ = a + o_qkv; c_probs_ = a + o_p; c_att_ = a + o_att; c_fc_ = a + o_fc; c_act_ = a + o_act;
-    c_last_ = a + o_last; c_logits_ = a + o_lg;
+    k_cache_ = a + o_k;
+    v_cache_ = a + o_v;
+    c_probs_ = a + o_p;
+    c_last_ = a + o_last;
+    c_logits_ = a + o_lg;
+    // The residual stream is updated in place; the norms share one output and one stats buffer.
+    cached_ = LayerActs{a + o_x, a + o_n, a + o_s, a + o_qkv, nullptr, a + o_att, a + o_x,
+                        a + o_n, a + o_s, a + o_fc,  a + o_act, a + o_x};
     cache_B_ = B;
     cache_len_ = max_len;
 }
 
 const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int pos0) {
-    if (!k_cache_ || B != cache_B_)
-        throw std::invalid_argument("zoo: reset_cache(B, max_len) with this batch size first");
+    if (!k_cache_ || B != cache_B_) throw std::invalid_argument("zoo: reset_cache(B, max_len) with this batch size first");
     if (T <= 0 || pos0 < 0 || pos0 + T > cache_len_)
-        throw std::invalid_argument("zoo: positions " + std::to_string(pos0) + ".." +
-                                    std::to_string(pos0 + T) + " exceed the cache length " +
-                                    std::to_string(cache_len_));
-    const int N = B * T, d = d_.d_model, V = d_.vocab_size, hd = d_.head_dim;
-    for (int n = 0; n < N; n++)
-        if (tokens[n] < 0 || tokens[n] >= V)
-            throw std::invalid_argument("zoo: token id " + std::to_string(tokens[n]) +
-                                        " outside the vocabulary [0, " + std::to_string(V) + ")");
-    const Attention attn{d_.n_head, d_.n_kv_head, hd};
-    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()},
-        proj{d_.d_ff, d};
-    float *mean = c_stat_, *rstd = c_stat_ + N;
-    Embedding{d}.forward(tokens, w_.wte, d_.rope ? nullptr : w_.wpe, c_x_, B, T, pos0);
-    const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * hd;
-    for (int i = 0; i < d_.n_layer; i++) {
-        const LayerWeights& w = w_.layers[i];
-        float* kc = k_cache_ + i * layer_kv;
-        float* vc = v_cache_ + i * layer_kv;
-        norm_forward(c_x_, w.ln1_w, w.ln1_b, c_norm_, mean, rstd, N);
-        qkv.forward(c_norm_, w.qkv_w, w.qkv_b, c_qkv_, N);
-        if (d_.rope)
-            RoPE{hd}.forward(c_qkv_, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos_.data(),
-                             rope_sin_.data(), B, T, pos0);
-        for (int b = 0; b < B; b++)
-            for (int t = 0; t < T; t++)
-                for (int g = 0; g < d_.n_kv_head; g++) {
-                    const float* row = c_qkv_ + ((size_t)b * T + t) * d_.qkv_dim();
-                    size_t at = (((size_t)b * d_.n_kv_head + g) * cache_len_ + pos0 + t) * hd;
-                    std::memcpy(kc + at, row + (d_.n_head + g) * hd, sizeof(float) * hd);
-                    std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
-                }
-        attn.forward_cached(c_qkv_, kc, vc, c_probs_, c_att_, B, T, pos0, cache_len_);
-        attn_out.forward(c_att_, w.attn_out_w, w.attn_out_b, c_x_, N, /*residual=*/c_x_);
-        norm_forward(c_x_, w.ln2_w, w.ln2_b, c_norm_, mean, rstd, N);
-        fc.forward(c_norm_, w.fc_w, w.fc_b, c_fc_, N);
-        activation_forward(c_fc_, c_act_, N);
-        proj.forward(c_act_, w.proj_w, w.proj_b, c_x_, N, /*residual=*/c_x_);
-    }
+        throw std::invalid_argument("zoo: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + T) +
+                                    " exceed the cache length " + std::to_string(cache_len_));
+    check_ids(tokens, nullptr, B * T);
+    const int d = d_.d_model, V = d_.vocab_size;
+    float* x = cached_.out;
+    Embedding{d}.forward(tokens, w_.wte, w_.wpe, x, B, T, pos0);
+    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, B, T, LayerPass::cached, pos0);
     // Only the last position of each sequence needs logits.
     for (int b = 0; b < B; b++)
-        std::memcpy(c_last_ + (size_t)b * d, c_x_ + ((size_t)b * T + T - 1) * d, sizeof(float) * d);
-    norm_forward(c_last_, w_.lnf_w, w_.lnf_b, c_norm_, mean, rstd, B);
-    Linear{d, V}.forward(c_norm_, head_weight(), nullptr, c_logits_, B);
+        std::memcpy(c_last_ + (size_t)b * d, x + ((size_t)b * T + T - 1) * d, sizeof(float) * d);
+    norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, B);
+    Linear{d, V}.forward(cached_.ln1, head_weight(), nullptr, c_logits_, B);
     return c_logits_;
 }
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from . import blocks
 
 
 class RopeScaling(BaseModel):
@@ -46,9 +48,9 @@ class ModelConfig(BaseModel):
     n_kv_head: Optional[int] = Field(default=None, gt=0)  # None: = n_head (multi-head attention)
     head_dim: Optional[int] = Field(default=None, gt=0)  # None: = d_model // n_head
     d_ff: Optional[int] = Field(default=None, gt=0)  # None: 4 * d_model
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm: str = "layernorm"  # a norm of the block registry (zoo/blocks.py): layernorm, rmsnorm, ...
     norm_eps: float = Field(default=1e-5, gt=0)
-    mlp: Literal["gelu", "swiglu", "relu2"] = "gelu"  # relu2: forward only without Clad (docs/clad.md)
+    mlp: str = "gelu"  # an activation of the registry: gelu, swiglu, relu2 (forward only without Clad), ...
     positions: Literal["learned", "rope"] = "learned"
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: Optional[RopeScaling] = None
@@ -76,6 +78,20 @@ class ModelConfig(BaseModel):
         if data.get("d_ff") is None and isinstance(data.get("d_model"), int):
             data["d_ff"] = 4 * data["d_model"]
         return data
+
+    @field_validator("norm")
+    @classmethod
+    def _registered_norm(cls, v: str) -> str:
+        if v not in blocks.norms():
+            raise ValueError(f"{v!r} is no norm of this zoo; registered: {', '.join(blocks.norms())}")
+        return v
+
+    @field_validator("mlp")
+    @classmethod
+    def _registered_activation(cls, v: str) -> str:
+        if v not in blocks.activations():
+            raise ValueError(f"{v!r} is no MLP activation of this zoo; registered: {', '.join(blocks.activations())}")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

@@ -12,12 +12,21 @@ checkpoints store (in, out): those tensors carry hf_transposed=True.
 
 Fused GEMMs need adjacent tensors: q, k, v projections (and their biases) are laid out
 next to each other and bound as one "qkv" weight; gate_proj and up_proj likewise as "fc".
+
+Which tensors a norm or an activation needs (a bias, a gated input) comes from the native
+block registry (zoo/blocks.py). The executor receives the layout as a table of
+(role, layer, offset, count) rows (layout_table) and binds it in one loop.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import blocks
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -31,6 +40,18 @@ class ParamSpec:
     layer: int  # -1 for tensors outside the layer stack
     hf_transposed: bool  # stored transposed relative to the Hugging Face checkpoint
     decay: bool  # AdamW weight decay applies by default (2-D matmul weights only)
+    init: str  # "ones", "zeros", "normal" (std 0.02) or "residual" (std 0.02 / sqrt(2 n_layer))
+
+
+def initial_value(spec: ParamSpec, rng: np.random.Generator, n_layer: int) -> np.ndarray:
+    """The tensor's GPT-2-style initial value (float32). The one init, used by zoo.Model and
+    by zoo bench: normal draws come from rng in layout order, so a seed fixes every weight."""
+    if spec.init == "ones":
+        return np.ones(spec.shape, np.float32)
+    if spec.init == "zeros":
+        return np.zeros(spec.shape, np.float32)
+    std = 0.02 / math.sqrt(2 * n_layer) if spec.init == "residual" else 0.02
+    return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(std)
 
 
 def parameter_layout(cfg: "ModelConfig") -> list[ParamSpec]:
@@ -41,20 +62,59 @@ def parameter_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, ...]]:
     return {p.name: p.shape for p in parameter_layout(cfg)}
 
 
+def parameter_offsets(layout: list[ParamSpec]) -> tuple[dict[str, int], int]:
+    """Each tensor's offset in the parameter arena (floats, in layout order), and the total."""
+    offsets, at = {}, 0
+    for p in layout:
+        offsets[p.name] = at
+        at += math.prod(p.shape)
+    return offsets, at
+
+
+def layout_table(layout: list[ParamSpec]) -> list[tuple[str, int, int, int]]:
+    """The layout as the executor binds it: (role, layer, offset, count) rows, a fused tensor
+    (a role followed by its role-less neighbours) as one row."""
+    rows: list[list] = []
+    at = 0
+    for p in layout:
+        n = math.prod(p.shape)
+        if p.role:
+            rows.append([p.role, p.layer, at, n])
+        else:
+            rows[-1][3] += n
+        at += n
+    return [tuple(r) for r in rows]
+
+
+# Norm weights start at one, biases at zero, matrices at normal(0, 0.02), the projections into
+# the residual stream scaled down by depth (GPT-2). A fused neighbour shares its role's init.
+_ONES = ("ln1_w", "ln2_w", "lnf_w")
+_RESIDUAL = ("attn_out_w", "proj_w")
+
+
+def _init(role: str, shape) -> str:
+    if role in _ONES:
+        return "ones"
+    if len(shape) == 1:
+        return "zeros"
+    return "residual" if role in _RESIDUAL else "normal"
+
+
 def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     d, hd = cfg.d_model, cfg.head_dim
-    fc_out = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+    fc_out = blocks.activations()[cfg.mlp]["gate_width"] * cfg.d_ff
+    norm_bias = blocks.norms()[cfg.norm]["bias"]
     out: list[ParamSpec] = []
 
     def add(name, shape, role, layer=-1, transposed=False, decay=False):
-        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay))
+        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay, _init(role, shape)))
 
     add("transformer.wte.weight", (cfg.vocab_size, d), "wte")
     add("transformer.wpe.weight", (cfg.max_seq_len, d), "wpe")
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
         add(p + "ln_1.weight", (d,), "ln1_w", i)
-        if cfg.norm == "layernorm":
+        if norm_bias:
             add(p + "ln_1.bias", (d,), "ln1_b", i)
         add(p + "attn.c_attn.weight", (cfg.qkv_dim, d), "qkv_w", i, True, True)
         if cfg.attention_bias:
@@ -63,7 +123,7 @@ def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         if cfg.attention_bias:
             add(p + "attn.c_proj.bias", (d,), "attn_out_b", i)
         add(p + "ln_2.weight", (d,), "ln2_w", i)
-        if cfg.norm == "layernorm":
+        if norm_bias:
             add(p + "ln_2.bias", (d,), "ln2_b", i)
         add(p + "mlp.c_fc.weight", (fc_out, d), "fc_w", i, True, True)
         if cfg.mlp_bias:
@@ -72,7 +132,7 @@ def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         if cfg.mlp_bias:
             add(p + "mlp.c_proj.bias", (d,), "proj_b", i)
     add("transformer.ln_f.weight", (d,), "lnf_w")
-    if cfg.norm == "layernorm":
+    if norm_bias:
         add("transformer.ln_f.bias", (d,), "lnf_b")
     if not cfg.tied_embeddings:
         add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
@@ -82,10 +142,12 @@ def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
 def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     d, hd = cfg.d_model, cfg.head_dim
     q_out, kv_out = cfg.n_head * hd, cfg.n_kv_head * hd
+    gated = blocks.activations()[cfg.mlp]["gate_width"] == 2
+    norm_bias = blocks.norms()[cfg.norm]["bias"]
     out: list[ParamSpec] = []
 
     def add(name, shape, role, layer=-1, decay=False):
-        out.append(ParamSpec(name, tuple(shape), role, layer, False, decay))
+        out.append(ParamSpec(name, tuple(shape), role, layer, False, decay, _init(role, shape)))
 
     add("model.embed_tokens.weight", (cfg.vocab_size, d), "wte")
     if cfg.positions == "learned":  # unreachable today (learned => gpt2 naming); kept for clarity
@@ -93,7 +155,7 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     for i in range(cfg.n_layer):
         p = f"model.layers.{i}."
         add(p + "input_layernorm.weight", (d,), "ln1_w", i)
-        if cfg.norm == "layernorm":
+        if norm_bias:
             add(p + "input_layernorm.bias", (d,), "ln1_b", i)
         # q, k, v weights adjacent: one (q_out + 2 kv_out, d) GEMM
         add(p + "self_attn.q_proj.weight", (q_out, d), "qkv_w", i, True)
@@ -107,9 +169,9 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         if cfg.attention_bias:
             add(p + "self_attn.o_proj.bias", (d,), "attn_out_b", i)
         add(p + "post_attention_layernorm.weight", (d,), "ln2_w", i)
-        if cfg.norm == "layernorm":
+        if norm_bias:
             add(p + "post_attention_layernorm.bias", (d,), "ln2_b", i)
-        if cfg.mlp == "swiglu":
+        if gated:
             add(p + "mlp.gate_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
             add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "", i, True)
             if cfg.mlp_bias:
@@ -123,7 +185,7 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         if cfg.mlp_bias:
             add(p + "mlp.down_proj.bias", (d,), "proj_b", i)
     add("model.norm.weight", (d,), "lnf_w")
-    if cfg.norm == "layernorm":
+    if norm_bias:
         add("model.norm.bias", (d,), "lnf_b")
     if not cfg.tied_embeddings:
         add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)

@@ -3,17 +3,24 @@ works for models far larger than the machine).
 
 Everything is float32: parameters, gradients, AdamW's two moments (16 bytes per parameter),
 plus the activation arena the native planner lays out for one micro-batch of
-batch x seq_len tokens (zoo.model.activation_bytes, the same figure a built model uses).
+batch x seq_len tokens (activation_bytes, the same figure a built model uses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._load_native import _native
 from .config import ModelConfig
-from .model import activation_bytes
 
 FLOAT_BYTES = 4
+
+
+def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
+                     clad_blocks: tuple[str, ...] = ()) -> int:
+    """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
+    return FLOAT_BYTES * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len),
+                                                       bool(checkpointing), list(clad_blocks)))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Model: one class for GPT-2 and Llama. A config becomes a parameter layout (layout.py),
-the layout is bound into the native executor's arena, and every call below is one native
-call: forward, forward + pullback, or an optimizer step."""
+the layout's table is bound into the native executor's arena, and every call below is one
+native call: forward, forward + pullback, or an optimizer step."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Mapping, Optional, Union
 
 import numpy as np
 
+from . import blocks
 from ._load_native import _native
 from .config import ModelConfig
-from .layout import ParamSpec, parameter_layout
+from .layout import ParamSpec, initial_value, layout_table, parameter_layout, parameter_offsets
+from .memory import activation_bytes
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -33,18 +35,11 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
-                     clad_blocks: tuple[str, ...] = ()) -> int:
-    """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
-    return 4 * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len), bool(checkpointing),
-                                             list(clad_blocks)))
-
-
 # --- differentiation backends (docs/clad.md) -------------------------------------------
 
-# Every block with a pullback, by the name ad= uses. AdamW is the optimizer, not a block.
-AD_BLOCKS = ("embedding", "rope", "layernorm", "rmsnorm", "gelu", "swiglu", "relu2", "linear", "attention",
-             "residual", "cross_entropy")
+# Every block with a pullback, by the name ad= uses, as the native registry lists them. AdamW
+# is the optimizer, not a block.
+AD_BLOCKS = tuple(b["name"] for b in blocks.blocks())
 AdSpec = Union[str, Mapping[str, str]]
 CLAD_BUILD_HINT = ("rebuild zoo with the Clad backend: ZOO_CLAD_DIR=<Clad install prefix> "
                    "CXX=<the clang++ Clad was built against> pip install . (see docs/clad.md)")
@@ -55,12 +50,18 @@ class ADError(ValueError):
 
 
 def model_blocks(cfg: ModelConfig) -> list[str]:
-    """The blocks whose pullbacks a training step of cfg runs. The residual adds are fused into
-    the linear layers (their adjoint passes straight through), so residual is not among them."""
-    blocks = ["embedding", cfg.norm, "linear", "attention", cfg.mlp, "cross_entropy"]
-    if cfg.positions == "rope":
-        blocks.insert(1, "rope")
-    return blocks
+    """The blocks whose pullbacks a training step of cfg runs: the config's norm and activation
+    and the blocks every model has (rope only with RoPE positions). The residual adds are fused
+    into the linear layers (their adjoint passes straight through), so residual is not among them."""
+    chosen = {"norm": cfg.norm, "mlp": cfg.mlp}
+    out = []
+    for b in blocks.blocks():
+        if b["kind"] in chosen:
+            if b["name"] == chosen[b["kind"]]:
+                out.append(b["name"])
+        elif b["in_step"] and (b["name"] != "rope" or cfg.positions == "rope"):
+            out.append(b["name"])
+    return out
 
 
 def resolve_ad(ad: AdSpec, cfg: ModelConfig) -> dict[str, Optional[str]]:
@@ -69,8 +70,8 @@ def resolve_ad(ad: AdSpec, cfg: ModelConfig) -> dict[str, Optional[str]]:
     only). ad is "manual", "clad", or a mapping {block: "manual" | "clad"} for a mix, the
     blocks it leaves out being manual. A block with no hand-written pullback (relu2) takes
     Clad's wherever it is built."""
-    info = _native.build_info()
-    built, manual = set(info["clad_blocks"]), set(info["manual_blocks"])
+    built = {b["name"] for b in blocks.blocks() if b["clad"]}
+    manual = {b["name"] for b in blocks.blocks() if b["manual"]}
     if isinstance(ad, str):
         if ad not in ("manual", "clad"):
             raise ADError(f"ad={ad!r}: choose 'manual', 'clad', or a mapping {{block: 'manual' | 'clad'}}")
@@ -135,15 +136,9 @@ class Model:
                  ad: AdSpec = "manual"):
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
-        offsets, at = {}, 0
-        for p in self.layout:
-            offsets[p.name] = at
-            at += math.prod(p.shape)
-        self.n_params = at
-        bindings = [(p.role, p.layer, offsets[p.name]) for p in self.layout if p.role]
+        self._offsets, self.n_params = parameter_offsets(self.layout)
         inv_freq = rope_inv_freq(config).tolist() if config.positions == "rope" else []
-        self._exec = _native.Executor(config.model_dump(), at, bindings, inv_freq)
-        self._offsets = offsets
+        self._exec = _native.Executor(config.model_dump(), self.n_params, layout_table(self.layout), inv_freq)
         self._params = self._views(self._exec.params())
         self._grads = self._views(self._exec.grads())
         for g in self._grads.values():  # written by the pullbacks only (the clipping norm relies on it)
@@ -166,26 +161,18 @@ class Model:
         return dict(self._params)
 
     def gradients(self) -> dict[str, np.ndarray]:
-        """Read-only views of the gradient arena: what the pullbacks since the last zero_grads
-        (or optimizer step) accumulated. adamw_step consumes them: they read zero afterwards,
-        and the next forward_backward adds into the zeros. After zero_grads alone they still
-        show the old gradients until the next forward_backward writes new ones. Read-only
-        because the pullbacks alone write them: the first forward_backward of a step also takes
-        their norm for clipping as it goes (scale them with forward_backward's grad_scale)."""
+        """Read-only views of the gradient arena: the sum of what the forward_backward calls
+        since the last zero_grads or adamw_step computed. adamw_step consumes them (they read
+        zero afterwards); after zero_grads they keep their old values until the next
+        forward_backward replaces them. Only the pullbacks write them (scale them with
+        forward_backward's grad_scale)."""
         return dict(self._grads)
 
     def init_weights(self, seed: int) -> None:
+        """Every tensor's initial value as the layout gives it (layout.initial_value)."""
         rng = np.random.default_rng(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for p in self.layout:
-            view = self._params[p.name]
-            if p.role in ("ln1_w", "ln2_w", "lnf_w"):
-                view[...] = 1.0
-            elif len(p.shape) == 1:
-                view[...] = 0.0
-            else:
-                std = residual_std if p.role in ("attn_out_w", "proj_w") else 0.02
-                view[...] = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
+            self._params[p.name][...] = initial_value(p, rng, self.config.n_layer)
 
     @property
     def decay_mask(self) -> dict[str, bool]:
@@ -222,9 +209,7 @@ class Model:
         return loss, {k: v.copy() for k, v in self._grads.items()}
 
     def zero_grads(self) -> None:
-        """Start a new accumulation: the next forward_backward writes the gradients instead of
-        adding to them, so no pass clears them (after adamw_step, which leaves them zero, it
-        adds into the zeros)."""
+        """Start a new accumulation: the next forward_backward's gradients replace the old ones."""
         self._exec.zero_grads()
 
     def check_trainable(self) -> None:
@@ -232,7 +217,7 @@ class Model:
         build (a block written as a forward only, in a build without Clad)."""
         missing = [b for b, v in self.ad.items() if v is None]
         if missing:
-            field = "mlp" if missing[0] == self.config.mlp else "norm"
+            field = next(b["kind"] for b in blocks.blocks() if b["name"] == missing[0])
             raise ADError(f"block {missing[0]!r} ({field}={missing[0]!r}) has no hand-written pullback, and the "
                           "pullback Clad generates for it needs the Clad backend, which this zoo was built "
                           "without: the model runs forward (logits, loss, generation) but cannot train; "

@@ -7,6 +7,7 @@
 
 #include <omp.h>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -277,6 +278,20 @@ struct Attention {
                        int T) const;
 };
 
+// The registry entry (native/registry.hpp): d_qkv written; lse is the forward's (the Clad
+// pullback replays it instead).
+using AttentionPullback = void (*)(const Attention& a, const float* qkv, const float* lse, const float* d_out,
+                                   float* d_qkv, float* scratch, int B, int T);
+void attention_pullback_clad(const Attention& a, const float* qkv, const float* lse, const float* d_out,
+                             float* d_qkv, float* scratch, int B, int T);
+inline const FixedBlock<AttentionPullback> attention_block{
+    "attention",
+    [](const Attention& a, const float* qkv, const float* lse, const float* d_out, float* d_qkv, float* scratch,
+       int B, int T) { a.pullback(qkv, lse, d_out, d_qkv, scratch, B, T); },
+    ZOO_CLAD_FN(attention_pullback_clad),
+    /*in_step=*/true,
+};
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -315,6 +330,11 @@ void zoo::Attention::pullback_clad(const float* qkv, const float* d_out, float* 
                     }
             }
     }
+}
+
+void zoo::attention_pullback_clad(const Attention& a, const float* qkv, const float*, const float* d_out,
+                                  float* d_qkv, float* scratch, int B, int T) {
+    a.pullback_clad(qkv, d_out, d_qkv, scratch, B, T);
 }
 #endif
 

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -109,6 +110,23 @@ struct CrossEntropy {
                        float* scratch) const;
 };
 
+// The registry entry (native/registry.hpp): a chunk of rows' losses and, in place, their
+// logits' adjoint; returns the chunk's mean loss over its *n_counted counted rows.
+using CrossEntropyPullback = double (*)(const CrossEntropy& ce, float* logits, const int32_t* targets,
+                                        float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,
+                                        float* scratch);
+double cross_entropy_pullback_clad(const CrossEntropy& ce, float* logits, const int32_t* targets, float* row_loss,
+                                   int N, int n_valid, float grad_scale, int* n_counted, float* scratch);
+inline const FixedBlock<CrossEntropyPullback> cross_entropy_block{
+    "cross_entropy",
+    [](const CrossEntropy& ce, float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
+       float grad_scale, int* n_counted, float*) {
+        return ce.forward_pullback(logits, targets, row_loss, N, n_valid, grad_scale, n_counted);
+    },
+    ZOO_CLAD_FN(cross_entropy_pullback_clad),
+    /*in_step=*/true,
+};
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -133,5 +151,13 @@ void zoo::CrossEntropy::pullback_clad(float* logits, const int32_t* targets, int
             for (int v = 0; v < V; v++) l[v] = d[v];
         }
     }
+}
+
+double zoo::cross_entropy_pullback_clad(const CrossEntropy& ce, float* logits, const int32_t* targets,
+                                        float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,
+                                        float* scratch) {
+    const double mean = ce.forward(logits, targets, row_loss, N, n_counted);
+    ce.pullback_clad(logits, targets, N, n_valid, grad_scale, scratch);
+    return mean;
 }
 #endif

@@ -3,6 +3,9 @@
 #include <cstddef>
 #include <cstdint>
 
+#include <cstring>
+
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 
 namespace zoo {
@@ -18,6 +21,7 @@ inline void token_embedding_forward_row(const float* wte_row, float* x, int C) {
 
 struct Embedding {
     int C;
+    int vocab = 0, max_pos = 0;  // rows of wte and wpe: what a pullback that writes clears
 
     // tokens: (B, T); x: (B*T, C). wpe may be null (RoPE models). pos0 offsets positions
     // (generation with a KV cache).
@@ -35,10 +39,12 @@ struct Embedding {
         }
     }
 
-    // Adds dx rows into the rows of dwte (and dwpe) they came from. Column blocks in
-    // parallel: repeated tokens never race and the sum order is fixed.
+    // Adds dx rows into the rows of dwte (and dwpe) they came from; a gradient whose mode is
+    // write, into zeros (vocab and max_pos rows; a tied dwte already holds the LM head's part).
+    // Column blocks in parallel: repeated tokens never race and the sum order is fixed.
     void pullback(const int32_t* tokens, const float* dx, float* dwte, float* dwpe, int B,
-                  int T) const {
+                  int T, GradMode wte_mode, GradMode wpe_mode) const {
+        clear_if_writing(dwte, dwpe, wte_mode, wpe_mode);
         const int block = 64;
 #pragma omp parallel for schedule(static)
         for (int c0 = 0; c0 < C; c0 += block) {
@@ -59,14 +65,38 @@ struct Embedding {
     // blocks of each row (the kernels are elementwise), blocks in parallel as above (defined
     // below, compiled only into a Clad build). The replayed forward reads wte and wpe.
     void pullback_clad(const int32_t* tokens, const float* wte, const float* wpe, const float* dx,
-                       float* dwte, float* dwpe, int B, int T) const;
+                       float* dwte, float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) const;
+
+    void clear_if_writing(float* dwte, float* dwpe, GradMode wte_mode, GradMode wpe_mode) const {
+        if (wte_mode == GradMode::write) std::memset(dwte, 0, sizeof(float) * vocab * C);
+        if (dwpe && wpe_mode == GradMode::write) std::memset(dwpe, 0, sizeof(float) * max_pos * C);
+    }
+};
+
+// The registry entry (native/registry.hpp).
+using EmbeddingPullback = void (*)(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
+                                   const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
+                                   GradMode wpe_mode);
+void embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
+                             const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
+                             GradMode wpe_mode);
+inline const FixedBlock<EmbeddingPullback> embedding_block{
+    "embedding",
+    [](const Embedding& e, const int32_t* tokens, const float*, const float*, const float* dx, float* dwte,
+       float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) {
+        e.pullback(tokens, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
+    },
+    ZOO_CLAD_FN(embedding_pullback_clad),
+    /*in_step=*/true,
 };
 
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
 void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, const float* wpe,
-                                   const float* dx, float* dwte, float* dwpe, int B, int T) const {
+                                   const float* dx, float* dwte, float* dwpe, int B, int T,
+                                   GradMode wte_mode, GradMode wpe_mode) const {
+    clear_if_writing(dwte, dwpe, wte_mode, wpe_mode);
     const int block = 64;
 #pragma omp parallel
     {
@@ -86,5 +116,11 @@ void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, cons
             }
         }
     }
+}
+
+void zoo::embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
+                                  const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
+                                  GradMode wpe_mode) {
+    e.pullback_clad(tokens, wte, wpe, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
 }
 #endif

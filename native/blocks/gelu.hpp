@@ -6,6 +6,7 @@
 
 #include <omp.h>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -74,4 +75,20 @@ struct GELU {
     }
 };
 
+// The registry entry (native/registry.hpp).
+inline const ActivationBlock gelu_block{
+    "gelu", /*gate_width=*/1,
+    [](int F, const float* x, float* y, int N) { GELU{F}.forward(x, y, N); },
+    [](int F, const float* x, const float* dy, float* dx, float*, int N) { GELU{F}.pullback(x, dy, dx, N); },
+    [](int F, const float* x, const float* dy, float* y, float* dx, int N) {
+        GELU{F}.recompute_and_pullback(x, dy, y, dx, N);
+    },
+    ZOO_CLAD_FN(&activation_pullback_clad<gelu_forward_row>),
+    activation_clad_scratch_floats,
+};
+
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+template void zoo::activation_pullback_clad<zoo::gelu_forward_row>(int, const float*, const float*, float*, float*, int);
+#endif

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../columns.hpp"
 
@@ -57,20 +58,19 @@ struct LayerNorm {
                                   C, eps);
     }
 
-    // Adds into dx; adds into dw, db (writes them with accumulate_params=false). One pass over
-    // x and dy: each thread takes a range of rows and sums its part of dw, db into its own
+    // Adds into dx; writes or adds dw, db per mode. One pass over x and dy: each thread takes a range of rows and sums its part of dw, db into its own
     // slice of scratch (scratch_floats), added up at the end.
     size_t scratch_floats(int threads) const { return (size_t)threads * 2 * C; }
     void pullback(const float* x, const float* w, const float* mean, const float* rstd,
                   const float* dy, float* dx, float* dw, float* db, float* scratch, int N,
-                  bool accumulate_params = true) const {
+                  GradMode mode) const {
 #pragma omp parallel
         {
             const int threads = omp_get_num_threads();
             float* dw_t = scratch + (size_t)omp_get_thread_num() * 2 * C;
             float* db_t = dw_t + C;
             for (int i = 0; i < 2 * C; i++) dw_t[i] = 0.0f;
-            if (!accumulate_params) {
+            if (mode == GradMode::write) {
 #pragma omp for schedule(static) nowait
                 for (int i = 0; i < C; i++) dw[i] = db[i] = 0.0f;
             }
@@ -89,7 +89,23 @@ struct LayerNorm {
     size_t clad_row_floats() const { return ((size_t)4 * C + 4 + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
     void pullback_clad(const float* x, const float* w, const float* b, const float* dy, float* dx,
-                       float* dw, float* db, float* scratch, int N) const;
+                       float* dw, float* db, float* scratch, int N, GradMode mode) const;
+};
+
+// The registry entry (native/registry.hpp). Statistics: mean, then rstd.
+void layernorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
+                                    float* scratch, GradMode mode);
+inline const NormBlock layernorm_block{
+    "layernorm", /*bias=*/true, /*stats_per_row=*/2,
+    [](const NormArgs& a, float* y, float* stats) {
+        LayerNorm{a.C, a.eps}.forward(a.x, a.w, a.b, y, stats, stats + a.N, a.N);
+    },
+    [](const NormArgs& a, const float* dy, float* dx, float* dw, float* db, float* scratch, GradMode mode) {
+        LayerNorm{a.C, a.eps}.pullback(a.x, a.w, a.stats, a.stats + a.N, dy, dx, dw, db, scratch, a.N, mode);
+    },
+    [](int C, int threads) { return LayerNorm{C, 0.0f}.scratch_floats(threads); },
+    ZOO_CLAD_FN(layernorm_pullback_clad),
+    [](int C, int threads) { return LayerNorm{C, 0.0f}.clad_scratch_floats(threads); },
 };
 
 }  // namespace zoo
@@ -97,8 +113,11 @@ struct LayerNorm {
 #ifdef ZOO_CLAD_TU
 // Per thread: [dw part (C) | db part (C) | y (C) | seed (C) | mean, rstd, their adjoints].
 void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* b, const float* dy,
-                                   float* dx, float* dw, float* db, float* scratch, int N) const {
+                                   float* dx, float* dw, float* db, float* scratch, int N,
+                                   GradMode mode) const {
     const size_t S = clad_row_floats();
+    if (mode == GradMode::write)  // the gradient adds
+        for (int i = 0; i < C; i++) dw[i] = db[i] = 0.0f;
     int threads = 1;
 #pragma omp parallel
     {
@@ -119,5 +138,10 @@ void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* 
         add_thread_parts(dw, scratch, S, threads, C);
         add_thread_parts(db, scratch + C, S, threads, C);
     }
+}
+
+void zoo::layernorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
+                                         float* scratch, GradMode mode) {
+    LayerNorm{a.C, a.eps}.pullback_clad(a.x, a.w, a.b, dy, dx, dw, db, scratch, a.N, mode);
 }
 #endif

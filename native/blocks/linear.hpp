@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstring>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../columns.hpp"
 #include "../blas.hpp"
@@ -62,13 +63,12 @@ struct Linear {
     }
 
     // dx = dy W (added into dx when accumulate_dx, else written; dx may be null),
-    // dW += dy^T x, db += column sums of dy (db may be null). With accumulate_params=false
-    // dW and db are written instead: the first micro-batch after an optimizer step then
+    // dW = or += dy^T x, db = or += column sums of dy (db may be null), per mode: writing
     // needs no zeroed gradients, and the GEMM does not read the old dW.
     void pullback(const float* x, const float* W, const float* dy, float* dx, float* dW,
-                  float* db, int N, bool accumulate_dx = false, bool accumulate_params = true) const {
+                  float* db, int N, bool accumulate_dx, GradMode mode) const {
         if (dx) pullback_input(W, dy, dx, N, accumulate_dx);
-        pullback_params(x, dy, dW, db, N, accumulate_params);
+        pullback_params(x, dy, dW, db, N, mode);
     }
 
     // The two halves of pullback, for a caller that needs dx before x is ready: the MLP's
@@ -78,15 +78,15 @@ struct Linear {
         blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
     }
 
-    void pullback_params(const float* x, const float* dy, float* dW, float* db, int N,
-                         bool accumulate_params = true) const {
-        blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, accumulate_params ? 1.0f : 0.0f, dW, in);
+    void pullback_params(const float* x, const float* dy, float* dW, float* db, int N, GradMode mode) const {
+        const bool add = mode == GradMode::add;
+        blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, add ? 1.0f : 0.0f, dW, in);
         if (db) {
             const int block = column_block(out);
 #pragma omp parallel for schedule(static)
             for (int o0 = 0; o0 < out; o0 += block) {
                 int o1 = o0 + block < out ? o0 + block : out;
-                if (!accumulate_params)
+                if (!add)
                     for (int o = o0; o < o1; o++) db[o] = 0.0f;
                 for (int n = 0; n < N; n++) {
                     const float* dyr = dy + (size_t)n * out;
@@ -102,7 +102,21 @@ struct Linear {
     // y_scratch, clad_scratch_floats(N) floats where the replayed forward adds the bias.
     size_t clad_scratch_floats(int N) const { return (size_t)N * out; }
     void pullback_clad(const float* x, const float* W, const float* b, const float* dy, float* dx,
-                       float* dW, float* db, int N, bool accumulate_dx, float* y_scratch) const;
+                       float* dW, float* db, int N, bool accumulate_dx, GradMode mode,
+                       float* y_scratch) const;
+};
+
+// The registry entry (native/registry.hpp): dx written; scratch as pullback_clad's y_scratch.
+using LinearPullback = void (*)(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
+                                float* dx, float* dW, float* db, int N, GradMode mode, float* scratch);
+void linear_pullback_clad(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
+                          float* dx, float* dW, float* db, int N, GradMode mode, float* scratch);
+inline const FixedBlock<LinearPullback> linear_block{
+    "linear",
+    [](const Linear& l, const float* x, const float* W, const float*, const float* dy, float* dx, float* dW,
+       float* db, int N, GradMode mode, float*) { l.pullback(x, W, dy, dx, dW, db, N, false, mode); },
+    ZOO_CLAD_FN(linear_pullback_clad),
+    /*in_step=*/true,
 };
 
 }  // namespace zoo
@@ -119,14 +133,19 @@ inline void linear_gemm_reverse_forw(const float*, const float*, float*, int, in
 inline void linear_gemm_pullback(const float* x, const float* W, float* y, int N, int in, int out,
                                  float* d_x, float* d_W, float* d_y, int*, int*, int*,
                                  clad::pullback_state<>) {
-    ::zoo::Linear{in, out}.pullback(x, W, d_y, d_x, d_W, nullptr, N, /*accumulate_dx=*/true);
+    ::zoo::Linear{in, out}.pullback(x, W, d_y, d_x, d_W, nullptr, N, /*accumulate_dx=*/true, ::zoo::GradMode::add);
 }
 }  // namespace clad::custom_derivatives::zoo
 
 void zoo::Linear::pullback_clad(const float* x, const float* W, const float* b, const float* dy,
-                                float* dx, float* dW, float* db, int N, bool accumulate_dx,
+                                float* dx, float* dW, float* db, int N, bool accumulate_dx, GradMode mode,
                                 float* y_scratch) const {
-    if (dx && !accumulate_dx) std::memset(dx, 0, sizeof(float) * N * in);  // the gradient adds
+    // The gradient adds into every adjoint: clear the ones this pullback writes.
+    if (dx && !accumulate_dx) std::memset(dx, 0, sizeof(float) * N * in);
+    if (mode == GradMode::write) {
+        std::memset(dW, 0, sizeof(float) * out * in);
+        if (db) std::memset(db, 0, sizeof(float) * out);
+    }
     // y += ... passes its adjoint through unchanged, so the gradient reads dy and leaves it.
     float* d_y = const_cast<float*>(dy);
     if (b)
@@ -135,5 +154,10 @@ void zoo::Linear::pullback_clad(const float* x, const float* W, const float* b, 
     else
         clad::gradient(linear_forward_rows_nobias, "x, W, y")
             .execute(x, W, y_scratch, N, in, out, dx, dW, d_y);
+}
+
+void zoo::linear_pullback_clad(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
+                               float* dx, float* dW, float* db, int N, GradMode mode, float* scratch) {
+    l.pullback_clad(x, W, b, dy, dx, dW, db, N, false, mode, scratch);
 }
 #endif

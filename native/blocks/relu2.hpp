@@ -6,6 +6,9 @@
 #pragma once
 #include <cstddef>
 
+#include "../block.hpp"
+#include "../clad_backend.hpp"
+
 namespace zoo {
 
 // The element as a scalar function: Clad differentiates it in forward mode with no tape.
@@ -25,4 +28,18 @@ struct ReLU2 {
     }
 };
 
+// The registry entry (native/registry.hpp): no hand-written pullback; Clad's where it is built.
+inline const ActivationBlock relu2_block{
+    "relu2", /*gate_width=*/1,
+    [](int F, const float* x, float* y, int N) { ReLU2{F}.forward(x, y, N); },
+    nullptr,
+    nullptr,
+    ZOO_CLAD_FN(&activation_pullback_clad<relu2_forward_row>),
+    activation_clad_scratch_floats,
+};
+
 }  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+template void zoo::activation_pullback_clad<zoo::relu2_forward_row>(int, const float*, const float*, float*, float*, int);
+#endif

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 
 namespace zoo {
@@ -37,6 +38,18 @@ struct Residual {
                        size_t n) const;
 };
 
+// The registry entry (native/registry.hpp): pullbacks at the block level only.
+using ResidualPullback = void (*)(const float* a, const float* b, const float* dy, float* da, float* db, size_t n);
+void residual_pullback_clad(const float* a, const float* b, const float* dy, float* da, float* db, size_t n);
+inline const FixedBlock<ResidualPullback> residual_block{
+    "residual",
+    [](const float*, const float*, const float* dy, float* da, float* db, size_t n) {
+        Residual{}.pullback(dy, da, db, n);
+    },
+    ZOO_CLAD_FN(residual_pullback_clad),
+    /*in_step=*/false,
+};
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -53,5 +66,9 @@ void zoo::Residual::pullback_clad(const float* a, const float* b, const float* d
             grad.execute(a + i, b + i, y, len, da + i, db + i, seed);
         }
     }
+}
+
+void zoo::residual_pullback_clad(const float* a, const float* b, const float* dy, float* da, float* db, size_t n) {
+    Residual{}.pullback_clad(a, b, dy, da, db, n);
 }
 #endif

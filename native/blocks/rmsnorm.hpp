@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../columns.hpp"
 
@@ -41,17 +42,17 @@ struct RMSNorm {
             rmsnorm_forward_row(x + (size_t)n * C, w, y + (size_t)n * C, rstd + n, C, eps);
     }
 
-    // Adds into dx; adds into dw (writes it with accumulate_params=false). One pass over x
+    // Adds into dx; writes or adds dw per mode. One pass over x
     // and dy, as LayerNorm::pullback: per-thread partial sums of dw in scratch (scratch_floats).
     size_t scratch_floats(int threads) const { return (size_t)threads * C; }
     void pullback(const float* x, const float* w, const float* rstd, const float* dy, float* dx,
-                  float* dw, float* scratch, int N, bool accumulate_params = true) const {
+                  float* dw, float* scratch, int N, GradMode mode) const {
 #pragma omp parallel
         {
             const int threads = omp_get_num_threads();
             float* dw_t = scratch + (size_t)omp_get_thread_num() * C;
             for (int i = 0; i < C; i++) dw_t[i] = 0.0f;
-            if (!accumulate_params) {
+            if (mode == GradMode::write) {
 #pragma omp for schedule(static) nowait
                 for (int i = 0; i < C; i++) dw[i] = 0.0f;
             }
@@ -69,7 +70,21 @@ struct RMSNorm {
     size_t clad_row_floats() const { return ((size_t)3 * C + 2 + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
     void pullback_clad(const float* x, const float* w, const float* dy, float* dx, float* dw,
-                       float* scratch, int N) const;
+                       float* scratch, int N, GradMode mode) const;
+};
+
+// The registry entry (native/registry.hpp). Statistics: rstd.
+void rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
+                                  float* scratch, GradMode mode);
+inline const NormBlock rmsnorm_block{
+    "rmsnorm", /*bias=*/false, /*stats_per_row=*/1,
+    [](const NormArgs& a, float* y, float* stats) { RMSNorm{a.C, a.eps}.forward(a.x, a.w, y, stats, a.N); },
+    [](const NormArgs& a, const float* dy, float* dx, float* dw, float*, float* scratch, GradMode mode) {
+        RMSNorm{a.C, a.eps}.pullback(a.x, a.w, a.stats, dy, dx, dw, scratch, a.N, mode);
+    },
+    [](int C, int threads) { return RMSNorm{C, 0.0f}.scratch_floats(threads); },
+    ZOO_CLAD_FN(rmsnorm_pullback_clad),
+    [](int C, int threads) { return RMSNorm{C, 0.0f}.clad_scratch_floats(threads); },
 };
 
 }  // namespace zoo
@@ -77,8 +92,10 @@ struct RMSNorm {
 #ifdef ZOO_CLAD_TU
 // Per thread: [dw part (C) | y (C) | seed (C) | rstd, its adjoint].
 void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy, float* dx,
-                                 float* dw, float* scratch, int N) const {
+                                 float* dw, float* scratch, int N, GradMode mode) const {
     const size_t S = clad_row_floats();
+    if (mode == GradMode::write)  // the gradient adds
+        for (int i = 0; i < C; i++) dw[i] = 0.0f;
     int threads = 1;
 #pragma omp parallel
     {
@@ -97,5 +114,10 @@ void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy
         }
         add_thread_parts(dw, scratch, S, threads, C);
     }
+}
+
+void zoo::rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float*,
+                                       float* scratch, GradMode mode) {
+    RMSNorm{a.C, a.eps}.pullback_clad(a.x, a.w, dy, dx, dw, scratch, a.N, mode);
 }
 #endif

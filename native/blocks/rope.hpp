@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 
 namespace zoo {
@@ -72,6 +73,19 @@ struct RoPE {
                        int B, int T, float* scratch) const;
 };
 
+// The registry entry (native/registry.hpp): in place on the adjoint.
+using RopePullback = void (*)(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
+                              const float* sin_t, int B, int T, float* scratch);
+void rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
+                        int B, int T, float* scratch);
+inline const FixedBlock<RopePullback> rope_block{
+    "rope",
+    [](const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t, int B, int T,
+       float*) { r.pullback(dx, stride, n_heads, cos_t, sin_t, B, T); },
+    ZOO_CLAD_FN(rope_pullback_clad),
+    /*in_step=*/true,
+};
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -90,5 +104,10 @@ void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* c
                 grad.execute(x, cos_t + p, sin_t + p, half, dx + (size_t)n * stride + h * head_dim);
         }
     }
+}
+
+void zoo::rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
+                             const float* sin_t, int B, int T, float* scratch) {
+    r.pullback_clad(dx, stride, n_heads, cos_t, sin_t, B, T, scratch);
 }
 #endif

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstddef>
 
+#include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../fastmath.hpp"
 
@@ -67,6 +68,19 @@ struct SwiGLU {
     void pullback_clad(const float* gate_up, const float* dy, float* d_gate_up, float* scratch, int N) const;
 };
 
+// The registry entry (native/registry.hpp).
+void swiglu_pullback_clad(int F, const float* gate_up, const float* dy, float* d_gate_up, float* scratch, int N);
+inline const ActivationBlock swiglu_block{
+    "swiglu", /*gate_width=*/2,
+    [](int F, const float* x, float* y, int N) { SwiGLU{F}.forward(x, y, N); },
+    [](int F, const float* x, const float* dy, float* dx, float*, int N) { SwiGLU{F}.pullback(x, dy, dx, N); },
+    [](int F, const float* x, const float* dy, float* y, float* dx, int N) {
+        SwiGLU{F}.recompute_and_pullback(x, dy, y, dx, N);
+    },
+    ZOO_CLAD_FN(swiglu_pullback_clad),
+    [](int F, int threads) { return SwiGLU{F}.clad_scratch_floats(threads); },
+};
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -87,5 +101,10 @@ void zoo::SwiGLU::pullback_clad(const float* gate_up, const float* dy, float* d_
             grad.execute(gate_up + (size_t)n * 2 * F, y, F, d, seed);
         }
     }
+}
+
+void zoo::swiglu_pullback_clad(int F, const float* gate_up, const float* dy, float* d_gate_up, float* scratch,
+                               int N) {
+    SwiGLU{F}.pullback_clad(gate_up, dy, d_gate_up, scratch, N);
 }
 #endif
