@@ -6,9 +6,11 @@ weights and data. One thread: fast and steady on a shared machine."""
 import json
 import math
 
+import numpy as np
 import pytest
 
-from zoo import bench
+import zoo
+from zoo.tools import bench
 from zoo.cli import main
 from zoo.presets import preset
 
@@ -146,3 +148,17 @@ def test_step_flops_gpt2():
     assert f["matmul"] == 6 * f["matmul_params"] * 256
     assert f["attention"] == 6 * 12 * 4 * 64 * 64 * 12 * 64
     assert 189e9 < f["total"] < 192e9
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
+def test_bench_weights_are_zoos_init(tmp_path, name):
+    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.layout.initial_value)."""
+    cfg = preset(name)
+    bench.write_workdir(tmp_path, cfg, 1, 8, seed=5)
+    weights = np.fromfile(tmp_path / "weights.bin", dtype=np.float32)
+    params = json.loads((tmp_path / "manifest.json").read_text())["params"]
+    expected = zoo.Model(cfg, seed=5).parameters()
+    assert [p["name"] for p in params] == list(cfg.parameter_shapes())
+    for p in params:
+        got = weights[p["offset"]:p["offset"] + math.prod(p["shape"])].reshape(p["shape"])
+        np.testing.assert_array_equal(got, expected[p["name"]], err_msg=p["name"])

@@ -1,6 +1,6 @@
-"""Model cards (zoo/cards.py): every preset has a committed card, the committed cards are exactly
-what the generator writes today (so they cannot drift from the code), `zoo card NAME` prints one,
-and a card shows a `zoo bench --json` result placed in its benchmarks folder."""
+"""Model cards (zoo/tools/cards.py): every preset has a committed card, the committed cards are
+exactly what the generator writes today (so they cannot drift from the code), `zoo card NAME`
+prints one, and a card shows a `zoo bench --json` result placed in its benchmarks folder."""
 
 import json
 import shutil
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo import cards
+from zoo.tools import cards
 from zoo.cli import main
 from zoo.config import ModelConfig
 from zoo.memory import finetune_memory_bytes
@@ -155,3 +155,14 @@ def test_broken_benchmark_file(tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
     assert main(["card", "gpt2", "--benchmarks", str(tmp_path)]) == 1
     assert "bad.json: not readable JSON" in capsys.readouterr().err
+
+
+def test_a_card_names_each_block_by_what_it_is():
+    from zoo.presets import Preset
+
+    base = PRESETS[0].config.model_dump()
+    for norm, mlp, words in (("rmsnorm", "relu2", ("RMSNorm (`rmsnorm`)", "squared ReLU (`relu2`)")),
+                             ("layernorm", "swiglu", ("LayerNorm (`layernorm`)", "SwiGLU (`swiglu`)"))):
+        p = Preset("x", ModelConfig(**dict(base, norm=norm, mlp=mlp)), (), "MIT")
+        md = cards.card_markdown(cards.card_data(p, []))
+        assert all(w in md for w in words), (norm, mlp)

@@ -87,7 +87,7 @@ def test_ad_choices_are_validated():
 
 def test_relu2_forward_runs_in_any_build():
     pytest.importorskip("torch")
-    from torch_reference import Reference
+    from zoo.tools.torch_reference import Reference
 
     x = np.random.default_rng(0).standard_normal((5, 33)).astype(np.float32)
     np.testing.assert_array_equal(B.relu2_forward(x), np.square(np.maximum(x, 0)))
@@ -306,7 +306,7 @@ def test_mixed_mode(ad):
 @needs_clad
 def test_relu2_trains_with_clad():
     pytest.importorskip("torch")
-    from torch_reference import Reference
+    from zoo.tools.torch_reference import Reference
 
     for ad in ("manual", "clad"):  # relu2's only pullback is Clad's, whatever the rest uses
         model = zoo.Model(RELU2_TINY, seed=1, ad=ad)
@@ -330,7 +330,7 @@ def test_relu2_trains_with_clad():
 
 @needs_clad
 def test_bench_ad_compares_every_block_and_the_step(tmp_path, capsys):
-    from zoo import bench_ad
+    from zoo.tools import bench_ad
 
     out = tmp_path / "ad.json"
     assert bench_ad.main(["--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "16", "--threads", "1",

@@ -1,4 +1,4 @@
-"""Whole-model parity against the independent PyTorch reference in tests/torch_reference.py."""
+"""Whole-model parity against the independent PyTorch reference in zoo/tools/torch_reference.py."""
 
 import math
 
@@ -9,7 +9,7 @@ import zoo
 from zoo import ModelConfig, RopeScaling
 
 torch = pytest.importorskip("torch")
-from torch_reference import Reference  # noqa: E402
+from zoo.tools.torch_reference import Reference  # noqa: E402
 
 GPT2_TINY = ModelConfig(vocab_size=97, max_seq_len=32, d_model=48, n_layer=2, n_head=4, d_ff=96)
 LLAMA_TINY = ModelConfig(

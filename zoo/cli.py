@@ -247,7 +247,7 @@ def _cmd_convert(args) -> int:
 
 
 def _add_bench(sub) -> None:
-    from .bench import add_arguments
+    from .tools.bench import add_arguments
 
     p = sub.add_parser("bench", help="time a training step of zoo and of PyTorch eager, side by side "
                                      "(see docs/benchmarks.md)")
@@ -256,7 +256,7 @@ def _add_bench(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import run_from_args
+    from .tools.bench import run_from_args
 
     return run_from_args(args)
 
@@ -294,7 +294,7 @@ def _add_card(sub) -> None:
 
 
 def _cmd_card(args) -> int:
-    from . import cards
+    from .tools import cards
 
     bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
     data = cards.card_data(cards.find_preset(args.name), cards.read_benchmarks(bench_dir))
@@ -313,7 +313,7 @@ def _add_cards(sub) -> None:
 
 
 def _cmd_cards(args) -> int:
-    from . import cards
+    from .tools import cards
 
     root = cards.default_root()
     out = Path(args.out) if args.out else root / cards.CARDS_DIR

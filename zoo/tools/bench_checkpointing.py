@@ -1,7 +1,7 @@
 """Activation checkpointing against stored activations, side by side in one process: the
 activation arena each plans and the median training step of each, stepped in turn.
 
-    python -m zoo.bench_checkpointing --preset gpt2 --batch-size 4 --seq-len 64
+    python -m zoo.tools.bench_checkpointing --preset gpt2 --batch-size 4 --seq-len 64
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from zoo.model import activation_bytes
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zoo.bench_checkpointing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_checkpointing", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)

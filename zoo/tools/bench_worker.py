@@ -1,4 +1,4 @@
-"""The zoo side of `zoo bench`, one process per run (`python -m zoo.bench_worker ...`).
+"""The zoo side of `zoo bench`, one process per run (`python -m zoo.tools.bench_worker ...`).
 
 --mode time:    warm-up steps, then timed training steps; peak RSS of this process; then,
                 with the model freed, the sgemm rate of zoo's own linear_forward at the

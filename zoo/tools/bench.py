@@ -1,18 +1,18 @@
 """`zoo bench`: one full training step (zero grads, forward, loss, backward, gradient clipping,
-AdamW) of zoo and of an independent PyTorch eager implementation (zoo/bench_torch.py), side by
-side, with the same weights and the same data.
+AdamW) of zoo and of an independent PyTorch eager implementation (zoo/tools/torch_reference.py,
+stepped by zoo/tools/bench_torch.py), side by side, with the same weights and the same data.
 
 Every system runs in a process of its own, one after the other, so each one's peak resident
 memory is its own (getrusage's ru_maxrss, read in the child) and no two compete for the cores:
 
-  zoo            python -m zoo.bench_worker --mode time        timed, unprofiled
-  torch_fused    python zoo/bench_torch.py --optimizer fused   AdamW(fused=True)
-  torch_default  python zoo/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
-  (profile)      python -m zoo.bench_worker --mode profile     per-block times, then sgemm
+  zoo            python -m zoo.tools.bench_worker --mode time        timed, unprofiled
+  torch_fused    python zoo/tools/bench_torch.py --optimizer fused   AdamW(fused=True)
+  torch_default  python zoo/tools/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
+  (profile)      python -m zoo.tools.bench_worker --mode profile     per-block times, then sgemm
 
-This process writes the weights (GPT-2-style random init), the token batch and zoo's parameter
-layout into a temporary work folder that every worker reads. The FLOP count of a step is
-analytic (see step_flops); docs/benchmarks.md explains every number.
+This process writes the weights (zoo's init, zoo.layout.initial_value), the token batch and
+zoo's parameter layout into a temporary work folder that every worker reads. The FLOP count of
+a step is analytic (see step_flops); docs/benchmarks.md explains every number.
 """
 
 from __future__ import annotations
@@ -116,12 +116,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 def model_config(preset: Optional[str], config_file: Optional[str]):
     """The ModelConfig to measure: a preset (default gpt2), or a YAML/JSON file holding a
     ModelConfig's fields, or a training config whose `model:` (or `preset:`) names one."""
-    from .config import ModelConfig
-    from .presets import preset as lookup
+    from ..config import ModelConfig
+    from ..presets import preset as lookup
 
     if config_file is None:
         return lookup(preset or "gpt2")
-    from .train_config import read_config_file
+    from ..train_config import read_config_file
 
     raw = read_config_file(config_file)
     if isinstance(raw.get("model"), dict):
@@ -172,26 +172,17 @@ def torch_available() -> bool:
 
 def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> None:
     """manifest.json, weights.bin (float32, zoo's arena order) and tokens.bin (int32, B x (T+1)).
-    The init is GPT-2's: normal(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer),
-    zero biases, unit norm weights; written one tensor at a time."""
+    The weights are zoo's init (zoo.layout.initial_value, the draws in the order zoo.Model(cfg,
+    seed) makes them, so they are the weights of that model); written one tensor at a time."""
     import numpy as np
 
-    from .layout import parameter_layout
+    from ..layout import initial_value, parameter_layout
 
-    layout = parameter_layout(cfg)
     rng = np.random.default_rng(seed)
-    residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
     entries, offset = [], 0
     with open(workdir / "weights.bin", "wb") as f:
-        for p in layout:
-            if p.role in ("ln1_w", "ln2_w", "lnf_w"):
-                t = np.ones(p.shape, np.float32)
-            elif len(p.shape) == 1:
-                t = np.zeros(p.shape, np.float32)
-            else:
-                std = residual_std if p.role in ("attn_out_w", "proj_w") else 0.02
-                t = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
-            f.write(t.tobytes())
+        for p in parameter_layout(cfg):
+            f.write(initial_value(p, rng, cfg.n_layer).tobytes())
             entries.append({"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer,
                             "offset": offset, "decay": p.decay})
             offset += math.prod(p.shape)
@@ -264,7 +255,8 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         work = Path(tmp)
         print(f"zoo bench: writing weights and data ({cfg.num_parameters():,} parameters)", file=sys.stderr)
         write_workdir(work, cfg, batch, seq_len, seed)
-        zoo_cmd = [sys.executable, "-m", "zoo.bench_worker", "--workdir", tmp] + common + zoo_flags
+        zoo_cmd = [sys.executable, "-m", "zoo.tools.bench_worker", "--workdir", tmp] + common + zoo_flags
+        # By path, not -m: the PyTorch process must not import zoo (bench_torch.py says why).
         script = str(Path(__file__).with_name("bench_torch.py"))
         for r in range(rounds):
             of = f" (round {r + 1} of {rounds})" if rounds > 1 else ""

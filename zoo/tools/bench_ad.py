@@ -1,6 +1,6 @@
 """The Clad backend against the hand-written pullbacks, side by side (docs/clad.md).
 
-    python -m zoo.bench_ad --preset gpt2 --batch-size 4 --seq-len 64 --threads 1 2 --rounds 7
+    python -m zoo.tools.bench_ad --preset gpt2 --batch-size 4 --seq-len 64 --threads 1 2 --rounds 7
 
 Two models with the same weights, one with ad="manual" and one with ad="clad", stepped in
 turn in one process so that both see the same load on a shared machine. Per block, the median
@@ -90,7 +90,7 @@ def markdown(results: list[dict], title: str) -> str:
 def main(argv: Optional[list[str]] = None) -> int:
     import zoo
 
-    p = argparse.ArgumentParser(prog="python -m zoo.bench_ad", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_ad", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
@@ -99,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--json", metavar="FILE", default=None)
     a = p.parse_args(argv)
     if not zoo.build_info()["clad"]:
-        print("zoo.bench_ad: this zoo was built without the Clad backend (docs/clad.md)", file=sys.stderr)
+        print("zoo.tools.bench_ad: this zoo was built without the Clad backend (docs/clad.md)", file=sys.stderr)
         return 1
     cfg = zoo.preset(a.preset)
     results = [measure(cfg, a.batch_size, a.seq_len, t, a.rounds) for t in a.threads]

@@ -1,0 +1,253 @@
+"""An independent PyTorch implementation of zoo's architecture space, written from the block
+definitions (not from zoo's kernels). One model for two uses:
+
+- `zoo bench` times its training step against zoo's (bench_torch.py: `Decoder`, AdamW);
+- the parity tests compare zoo's logits, loss and gradients with it (`Reference`).
+
+It never imports zoo: zoo bench runs it in a process of its own (bench_torch.py, run by path)
+that must hold PyTorch alone, not zoo's native core and its BLAS threads and memory. So it
+takes the config as a plain dict (ModelConfig.model_dump()) and zoo's parameter layout as plain
+records {"name", "shape", "role", "layer"} in arena order: zoo bench's manifest.json holds
+them, and zoo_layout() makes them in a process that has zoo anyway (the tests).
+
+Parameters are held by role, as zoo binds them: a role-less record is the fused neighbour of
+the role before it (q|k|v in "qkv_w", gate|up in "fc_w"), so each role is one tensor whose
+rows are its records' rows, in layout order.
+
+The blocks it implements are the keys of NORMS, MLPS and POSITIONS. A config that asks for
+anything else, or that has a field this file does not know, is refused with the field and the
+value: the reference never stands in one block for another.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --- blocks -------------------------------------------------------------------------------
+
+
+def layer_norm(x, w, b, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def rms_norm(x, w, b, eps):
+    # x / sqrt(mean(x^2) + eps) * w; zoo's layout gives RMSNorm no bias (b is None)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def gelu(h):
+    return F.gelu(h, approximate="tanh")
+
+
+def swiglu(h):
+    gate, up = h.chunk(2, dim=-1)  # fc_w holds [gate; up]
+    return F.silu(gate) * up
+
+
+def relu2(h):
+    return F.relu(h).square()
+
+
+def rotate_half(t):
+    half = t.shape[-1] // 2
+    return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
+
+
+def rope_inverse_frequencies(cfg: dict) -> torch.Tensor:
+    """theta^(-2i/head_dim), float32, with Llama 3's rope_scaling when the config has it: long
+    wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
+    hd = cfg["head_dim"]
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = cfg.get("rope_scaling")
+    if not s:
+        return inv
+    orig, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"],
+                               s["high_freq_factor"], s["factor"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > orig / low, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(cfg: dict, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x inverse frequency, (seq_len, head_dim), float32."""
+    freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * rope_inverse_frequencies(cfg)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def learned_positions(model, x):
+    """Adds the position embedding; queries and keys are left as they are."""
+    return x + model.wpe[: x.shape[1]], lambda t: t
+
+
+def rotary_positions(model, x):
+    """Leaves x as it is; queries and keys get rotated (rotate-half RoPE)."""
+    cos, sin = rope_tables(model.cfg, x.shape[1])
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x, lambda t: t * cos + rotate_half(t) * sin
+
+
+# What this file implements, one dict per config field. A block added to zoo's registry
+# (zoo.blocks: norms, MLP activations) goes here too; tests/test_torch_reference.py checks that
+# every value a config may name is here.
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}  # (x, weight, bias, eps)
+MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2}  # fc's output -> proj's input
+POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
+BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "POSITIONS", POSITIONS))
+
+# Every ModelConfig field the forward below reads or that is a plain shape. A field zoo gains
+# later is refused until this file implements it.
+CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
+                 "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
+                 "mlp_bias", "tied_embeddings"}
+ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+# zoo's parameter roles (zoo/layout.py): the tensors outside the layers, and those of a layer.
+GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
+LAYER_ROLES = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "attn_out_w", "attn_out_b", "ln2_w", "ln2_b",
+               "fc_w", "fc_b", "proj_w", "proj_b")
+
+
+def check_config(cfg: dict) -> None:
+    """Raises NotImplementedError naming the field and the value this file does not implement."""
+    for field in cfg:
+        if field not in CONFIG_FIELDS:
+            raise NotImplementedError(f"torch reference: config field {field}={cfg[field]!r} is not implemented "
+                                      "here; add it to zoo/tools/torch_reference.py (CONFIG_FIELDS and the forward)")
+    for field, table_name, table in BLOCK_TABLES:
+        value = cfg.get(field)
+        if value not in table:
+            raise NotImplementedError(f"torch reference: {field}={value!r} is not implemented here (it has "
+                                      f"{', '.join(table)}); add it to {table_name} in zoo/tools/torch_reference.py")
+    for field in cfg.get("rope_scaling") or {}:
+        if field not in ROPE_SCALING_FIELDS:
+            raise NotImplementedError(f"torch reference: rope_scaling.{field} is not implemented here (it has "
+                                      f"Llama 3's {', '.join(sorted(ROPE_SCALING_FIELDS))})")
+
+
+def role_spans(layout: list[dict]) -> list[dict]:
+    """The layout's records grouped by role, in arena order: {"role", "layer", "records",
+    "shape"}, the shape the records' rows stacked (a fused q|k|v or gate|up is one span)."""
+    spans: list[dict] = []
+    for rec in layout:
+        if rec["role"]:
+            spans.append({"role": rec["role"], "layer": rec["layer"], "records": [rec]})
+        elif spans:
+            spans[-1]["records"].append(rec)
+        else:
+            raise ValueError(f"torch reference: {rec['name']} has no role and no tensor before it to fuse with")
+    for s in spans:
+        roles = LAYER_ROLES if s["layer"] >= 0 else GLOBAL_ROLES
+        if s["role"] not in roles:
+            raise NotImplementedError(f"torch reference: parameter role {s['role']!r} "
+                                      f"({s['records'][0]['name']}) is not implemented here")
+        first = s["records"][0]["shape"]
+        s["shape"] = (sum(r["shape"][0] for r in s["records"]), *first[1:])
+    return spans
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+class Decoder(nn.Module):
+    """The model as a PyTorch user writes it: one parameter per zoo role (`model.wte`,
+    `model.layers[i].qkv_w`, ...; None where the config has no such tensor), and a forward that
+    returns the mean cross-entropy. Parameters start uninitialised: load them."""
+
+    def __init__(self, cfg: dict, layout: list[dict], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        check_config(cfg)
+        self.cfg = dict(cfg)
+        self.norm, self.mlp = NORMS[cfg["norm"]], MLPS[cfg["mlp"]]
+        self.positions = POSITIONS[cfg["positions"]]
+        self.layers = nn.ModuleList(nn.Module() for _ in range(cfg["n_layer"]))
+        for role in GLOBAL_ROLES:
+            self.register_parameter(role, None)
+        for layer in self.layers:
+            for role in LAYER_ROLES:
+                layer.register_parameter(role, None)
+        self.spans = role_spans(layout)
+        for s in self.spans:
+            self.owner(s).register_parameter(s["role"], nn.Parameter(torch.empty(s["shape"], dtype=dtype)))
+
+    def owner(self, span: dict) -> nn.Module:
+        return self if span["layer"] < 0 else self.layers[span["layer"]]
+
+    def parameter_of(self, span: dict) -> nn.Parameter:
+        return getattr(self.owner(span), span["role"])
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        B, T = tokens.shape
+        nh, nkv, hd, eps = c["n_head"], c["n_kv_head"], c["head_dim"], c["norm_eps"]
+        x = F.embedding(tokens, self.wte)
+        x, rotate = self.positions(self, x)
+        for layer in self.layers:
+            h = self.norm(x, layer.ln1_w, layer.ln1_b, eps)
+            q, k, v = F.linear(h, layer.qkv_w, layer.qkv_b).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+            q = rotate(q.view(B, T, nh, hd).transpose(1, 2))
+            k = rotate(k.view(B, T, nkv, hd).transpose(1, 2))
+            v = v.view(B, T, nkv, hd).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), layer.attn_out_w, layer.attn_out_b)
+            h = self.norm(x, layer.ln2_w, layer.ln2_b, eps)
+            x = x + F.linear(self.mlp(F.linear(h, layer.fc_w, layer.fc_b)), layer.proj_w, layer.proj_b)
+        x = self.norm(x, self.lnf_w, self.lnf_b, eps)
+        return F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.logits(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+# --- the parity tests' view -----------------------------------------------------------------
+
+
+def zoo_layout(cfg: dict) -> list[dict]:
+    """zoo's parameter layout for a config, as the records this file takes. Imports zoo: for
+    callers in a process that has it (the tests), never the bench's PyTorch worker."""
+    from zoo.config import ModelConfig
+    from zoo.layout import parameter_layout
+
+    return [{"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer}
+            for p in parameter_layout(ModelConfig(**cfg))]
+
+
+class Reference:
+    """zoo's parameters by name in (numpy arrays, e.g. zoo.Model.parameters()); logits, loss,
+    and gradients by zoo's tensor names out. cfg: a dict of ModelConfig fields, or anything
+    with model_dump() (a zoo ModelConfig); layout: records in arena order, or None for zoo's
+    own (zoo_layout). dtype: torch.float32 or torch.float64."""
+
+    def __init__(self, cfg, params: dict, dtype: torch.dtype = torch.float32, layout: list[dict] | None = None):
+        cfg = cfg if isinstance(cfg, dict) else cfg.model_dump()
+        self.model = Decoder(cfg, zoo_layout(cfg) if layout is None else layout, dtype)
+        with torch.no_grad():
+            for s in self.model.spans:
+                rows = [torch.tensor(params[r["name"]]).reshape(r["shape"]) for r in s["records"]]
+                self.model.parameter_of(s).copy_(torch.cat(rows, dim=0))
+
+    def logits(self, tokens) -> torch.Tensor:
+        return self.model.logits(torch.tensor(tokens, dtype=torch.long))
+
+    def loss(self, tokens, targets) -> torch.Tensor:
+        return self.model(torch.tensor(tokens, dtype=torch.long), torch.tensor(targets, dtype=torch.long))
+
+    def loss_and_grads(self, tokens, targets) -> tuple[float, dict]:
+        """The loss and every tensor's gradient by zoo's name (fused roles split back)."""
+        self.model.zero_grad(set_to_none=True)
+        loss = self.loss(tokens, targets)
+        loss.backward()
+        grads = {}
+        for s in self.model.spans:
+            p = self.model.parameter_of(s)
+            g = torch.zeros_like(p) if p.grad is None else p.grad
+            for r, part in zip(s["records"], g.split([r["shape"][0] for r in s["records"]], dim=0)):
+                grads[r["name"]] = part.reshape(r["shape"]).numpy()
+        return loss.item(), grads
