@@ -12,6 +12,7 @@
 #include "blocks/embedding.hpp"
 #include "blocks/gelu.hpp"
 #include "blocks/layernorm.hpp"
+#include "blocks/layernorm_nobias.hpp"
 #include "blocks/linear.hpp"
 #include "blocks/relu2.hpp"
 #include "blocks/residual.hpp"
@@ -21,7 +22,7 @@
 
 namespace zoo {
 
-inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block};
+inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block};
 inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block};
 
 // Every block by the name ad= takes, with the pullbacks this build has for it.

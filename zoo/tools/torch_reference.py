@@ -97,7 +97,7 @@ def rotary_positions(model, x):
 # What this file implements, one dict per config field. A block added to zoo's registry
 # (zoo.blocks: norms, MLP activations) goes here too; tests/test_torch_reference.py checks that
 # every value a config may name is here.
-NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}  # (x, weight, bias, eps)
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm}  # (x, weight, bias, eps)
 MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2}  # fc's output -> proj's input
 POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
 BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "POSITIONS", POSITIONS))
