@@ -54,10 +54,6 @@ void check_tokens(const Tokens& t, const char* what) {
     if (t.ndim() != 2) throw std::invalid_argument(std::string("zoo: ") + what + " must be 2-D (B, T)");
 }
 
-zoo::AdChoice ad_choice(const std::vector<std::string>& clad_blocks) {
-    return zoo::AdChoice{{clad_blocks.begin(), clad_blocks.end()}};
-}
-
 // A plan as Python sees it: one dict per buffer.
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
@@ -115,15 +111,26 @@ PYBIND11_MODULE(_native, m) {
             activations[a->name] = py::dict(py::arg("gate_width") = a->gate_width);
         info["norms"] = norms;
         info["activations"] = activations;
+        // The roles a layout table may bind (zoo/layout.py names its tensors' roles from these).
+        std::vector<std::string> model_roles, layer_roles;
+#define ZOO_MODEL_ROLE_NAME(r) model_roles.push_back(#r);
+#define ZOO_LAYER_ROLE_NAME(r) layer_roles.push_back(#r);
+        ZOO_MODEL_ROLES(ZOO_MODEL_ROLE_NAME)
+        ZOO_LAYER_ROLES(ZOO_LAYER_ROLE_NAME)
+#undef ZOO_MODEL_ROLE_NAME
+#undef ZOO_LAYER_ROLE_NAME
+        info["roles"] = py::dict(py::arg("model") = model_roles, py::arg("layer") = layer_roles);
         return info;
     });
 
     m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
-        return zoo::activation_floats(dims_from(cfg), checkpointing, B, T, ad_choice(clad_blocks));
+        const zoo::Dims d = dims_from(cfg);
+        return zoo::activation_floats(d, checkpointing, B, T, zoo::ad_choice(d, clad_blocks));
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{});
     m.def("activation_plan", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
-        return plan_list(zoo::plan_activations(dims_from(cfg), checkpointing, ad_choice(clad_blocks), B, T, nullptr,
+        const zoo::Dims d = dims_from(cfg);
+        return plan_list(zoo::plan_activations(d, checkpointing, zoo::ad_choice(d, clad_blocks), B, T, nullptr,
                                                nullptr).buffers);
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{},
@@ -171,6 +178,7 @@ PYBIND11_MODULE(_native, m) {
         })
         .def("activation_floats", &Executor::activation_floats)
         .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
+        .def("set_poison_dead_buffers", &Executor::set_poison_dead_buffers)
         .def("forward",
              [](Executor& e, Tokens tokens, std::optional<Tokens> targets) {
                  check_tokens(tokens, "tokens");

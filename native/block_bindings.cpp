@@ -34,6 +34,22 @@ void same_shape(const F& a, const F& like, const char* what) {
         throw std::invalid_argument(std::string("zoo: ") + what + " must have the input's shape");
 }
 
+// A registered norm's arguments: b present (with C floats) exactly when the norm has a bias.
+void check_norm_bias(const zoo::NormBlock& norm, const std::optional<F>& b, int C) {
+    if (norm.bias != (bool)b)
+        throw std::invalid_argument(std::string("zoo: norm ") + norm.name + (norm.bias ? " needs" : " has no") + " bias");
+    if (b && b->size() != C) throw std::invalid_argument(std::string("zoo: norm ") + norm.name + " bias must have C floats");
+}
+
+// "manual" or "clad": which of a registry entry's pullbacks to run.
+template <class Pullback>
+Pullback chosen_pullback(Pullback manual, Pullback clad, const std::string& backend, const std::string& block) {
+    if (backend != "manual" && backend != "clad") throw std::invalid_argument("zoo: backend is 'manual' or 'clad'");
+    Pullback p = backend == "clad" ? clad : manual;
+    if (!p) throw std::invalid_argument("zoo: block " + block + " has no " + backend + " pullback in this build");
+    return p;
+}
+
 }  // namespace
 
 void bind_blocks(py::module_& parent) {
@@ -250,7 +266,7 @@ void bind_blocks(py::module_& parent) {
     m.def("norm_forward", [](const std::string& name, F x, F w, std::optional<F> b, float eps) {
         const zoo::NormBlock& norm = zoo::find_norm(name);
         int C = (int)w.size(), N = rows(x, C, "norm x");
-        if (norm.bias != (bool)b) throw std::invalid_argument("zoo: norm " + name + (norm.bias ? " needs" : " has no") + " bias");
+        check_norm_bias(norm, b, C);
         F y(shape_of(x)), stats({norm.stats_per_row, N});
         norm.forward({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, nullptr}, y.mutable_data(),
                      stats.mutable_data());
@@ -261,17 +277,42 @@ void bind_blocks(py::module_& parent) {
                               const std::string& backend) {
         const zoo::NormBlock& norm = zoo::find_norm(name);
         int C = (int)w.size(), N = rows(x, C, "norm x");
+        check_norm_bias(norm, b, C);
+        same_shape(dy, x, "norm dy");
+        if (stats.size() != (py::ssize_t)norm.stats_per_row * N)
+            throw std::invalid_argument("zoo: norm " + name + " stats must be (" + std::to_string(norm.stats_per_row) +
+                                        ", rows of x), as norm_forward returns them");
         const bool clad = backend == "clad";
-        if (!clad && backend != "manual") throw std::invalid_argument("zoo: backend is 'manual' or 'clad'");
-        const zoo::NormPullback pullback = clad ? norm.pullback_clad : norm.pullback;
-        if (!pullback) throw std::invalid_argument("zoo: norm " + name + " has no " + backend + " pullback in this build");
+        const zoo::NormPullback pullback = chosen_pullback(norm.pullback, norm.pullback_clad, backend, name);
         F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
-        std::vector<float> scratch((clad ? norm.clad_scratch_floats : norm.scratch_floats)(C, omp_get_max_threads()));
+        const zoo::ScratchFloats scratch_floats = clad ? norm.clad_scratch_floats : norm.scratch_floats;
+        std::vector<float> scratch(scratch_floats ? scratch_floats(C, omp_get_max_threads()) : 0);
         pullback({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats.data()}, dy.data(), dx.mutable_data(),
                  dw.mutable_data(), norm.bias ? db.mutable_data() : nullptr, scratch.data(), zoo::GradMode::add);
         return py::make_tuple(dx, dw, norm.bias ? py::object(db) : py::object(py::none()));
     }, py::arg("name"), py::arg("x"), py::arg("w"), py::arg("b"), py::arg("stats"), py::arg("dy"), py::arg("eps"),
        py::arg("backend") = "manual");
+    // x: rows of gate_width * F; y: rows of F.
+    m.def("activation_forward", [](const std::string& name, F x) {
+        const zoo::ActivationBlock& act = zoo::find_activation(name);
+        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        std::vector<py::ssize_t> shape = shape_of(x);
+        shape.back() = F_;
+        F y(shape);
+        act.forward(F_, x.data(), y.mutable_data(), N);
+        return y;
+    }, py::arg("name"), py::arg("x"));
+    m.def("activation_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
+        const zoo::ActivationBlock& act = zoo::find_activation(name);
+        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
+        const zoo::ActivationPullback pullback = chosen_pullback(act.pullback, act.pullback_clad, backend, name);
+        F dx(shape_of(x));
+        std::vector<float> scratch(backend == "clad" && act.clad_scratch_floats
+                                       ? act.clad_scratch_floats(F_, omp_get_max_threads()) : 0);
+        pullback(F_, x.data(), dy.data(), dx.mutable_data(), scratch.data(), N);
+        return dx;
+    }, py::arg("name"), py::arg("x"), py::arg("dy"), py::arg("backend") = "manual", "Writes dx.");
     // In place on p, m, v (float32 C-contiguous arrays).
     m.def("adamw_update", [](py::array_t<float, py::array::c_style> p, py::array_t<float, py::array::c_style> g,
                              py::array_t<float, py::array::c_style> mo,

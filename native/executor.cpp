@@ -78,14 +78,25 @@ void Executor::plan_grad_ranges(const std::vector<ParamBinding>& layout) {
     layer_grad_ranges_ = by_layer;
 }
 
-// Whether the dims call for a tensor in role: biases and the tensors a config may leave out.
-static bool role_needed(const Dims& d, const std::string& role) {
-    if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias;
-    if (role == "qkv_b" || role == "attn_out_b") return d.attention_bias;
-    if (role == "fc_b" || role == "proj_b") return d.mlp_bias;
-    if (role == "wpe") return !d.rope;
-    if (role == "lm_head_w") return !d.tied_embeddings;
-    return true;
+// Floats the kernels read through a role (0: the config has no such tensor). The layout
+// decides where each tensor is; this is what the executor's calls read from there, so a table
+// row that disagrees is refused instead of read past its end.
+static size_t kernel_floats(const Dims& d, const std::string& role) {
+    const size_t D = d.d_model, V = d.vocab_size;
+    if (role == "wte") return V * D;
+    if (role == "wpe") return d.rope ? 0 : (size_t)d.max_seq_len * D;
+    if (role == "lm_head_w") return d.tied_embeddings ? 0 : V * D;
+    if (role == "ln1_w" || role == "ln2_w" || role == "lnf_w") return D;
+    if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias ? D : 0;
+    if (role == "qkv_w") return (size_t)d.qkv_dim() * D;
+    if (role == "qkv_b") return d.attention_bias ? d.qkv_dim() : 0;
+    if (role == "attn_out_w") return D * d.attn_dim();
+    if (role == "attn_out_b") return d.attention_bias ? D : 0;
+    if (role == "fc_w") return (size_t)d.fc_dim() * D;
+    if (role == "fc_b") return d.mlp_bias ? d.fc_dim() : 0;
+    if (role == "proj_w") return D * d.d_ff;
+    if (role == "proj_b") return d.mlp_bias ? D : 0;
+    return 0;
 }
 
 // The layout table bound in one loop: each row's pointer goes to its role's field.
@@ -104,15 +115,19 @@ void Executor::bind(ModelTensors& t, float* base, const std::vector<ParamBinding
             ZOO_LAYER_ROLES(ZOO_MATCH_ROLE)
         }
 #undef ZOO_MATCH_ROLE
-        const std::string at = b.layer < 0 ? "" : " in layer " + std::to_string(b.layer);
-        if (!slot) throw std::invalid_argument("zoo: unknown parameter role " + b.role + at);
+        const std::string at = b.layer < 0 ? " outside the layers" : " in layer " + std::to_string(b.layer);
+        if (!slot) throw std::invalid_argument("zoo: no parameter role " + b.role + at);
         if (*slot) throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound twice");
-        if (!role_needed(d_, b.role))
+        const size_t read = kernel_floats(d_, b.role);
+        if (read == 0)
             throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound, but the config has no such tensor");
+        if (b.count != read)
+            throw std::invalid_argument("zoo: parameter role " + b.role + at + " has " + std::to_string(b.count) +
+                                        " floats in the layout; the kernels read " + std::to_string(read));
         *slot = base + b.offset;
     }
     auto need = [&](float* p, const char* role, int layer) {
-        if (!p && role_needed(d_, role))
+        if (!p && kernel_floats(d_, role))
             throw std::invalid_argument(std::string("zoo: parameter role ") + role + " is not bound" +
                                         (layer < 0 ? "" : " in layer " + std::to_string(layer)));
     };
@@ -168,9 +183,9 @@ static int head_chunk_rows(int N, int V, bool checkpointing, size_t dead_floats)
 // LM head's logits chunk is live and has its own.
 static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, int T, int threads) {
     const Attention attn{d.n_head, d.n_kv_head, d.head_dim};
-    size_t n = ad.on(d.norm->name) ? d.norm->clad_scratch_floats(d.d_model, threads)
-                                   : d.norm->scratch_floats(d.d_model, threads);
-    if (ad.on(d.mlp->name) || !d.mlp->pullback) n = std::max(n, d.mlp->clad_scratch_floats(d.d_ff, threads));
+    auto need = [&](ScratchFloats f, int C) { return f ? f(C, threads) : 0; };
+    size_t n = need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats, d.d_model);
+    if (ad.on(d.mlp->name)) n = std::max(n, need(d.mlp->clad_scratch_floats, d.d_ff));
     n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
     if (d.rope && ad.on("rope")) n = std::max(n, RoPE{d.head_dim}.clad_scratch_floats(threads));
     if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
@@ -266,13 +281,10 @@ void Executor::set_checkpointing(bool on) {
     }
 }
 
-// Picks every pullback of the model from the registry: Clad's for the blocks named, the
-// hand-written one for the others. A block with no hand-written pullback takes Clad's where it
-// is built (otherwise it stays null: check_trainable says so).
-void Executor::set_clad_blocks(const std::vector<std::string>& names) {
+AdChoice ad_choice(const Dims& d, const std::vector<std::string>& clad_blocks) {
     AdChoice ad;
     const auto infos = block_infos();
-    for (const auto& name : names) {
+    for (const auto& name : clad_blocks) {
         auto it = std::find_if(infos.begin(), infos.end(), [&](const BlockInfo& b) { return b.name == name; });
         if (it == infos.end()) throw std::invalid_argument("zoo: no block named " + name);
         if (!it->clad)
@@ -282,9 +294,16 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
                                                               "(docs/clad.md)"));
         ad.clad.insert(name);
     }
-    auto pick = [&](const auto& manual, const auto& clad, const char* name) {
-        return ad.on(name) || !manual ? clad : manual;
-    };
+    if (!d.norm->pullback && d.norm->pullback_clad) ad.clad.insert(d.norm->name);
+    if (!d.mlp->pullback && d.mlp->pullback_clad) ad.clad.insert(d.mlp->name);
+    return ad;
+}
+
+// Picks every pullback of the model from the registry, as the AD choice says. A block with no
+// pullback in this build stays null: check_trainable says so.
+void Executor::set_clad_blocks(const std::vector<std::string>& names) {
+    const AdChoice ad = ad_choice(d_, names);
+    auto pick = [&](const auto& manual, const auto& clad, const char* name) { return ad.on(name) ? clad : manual; };
     Pullbacks pb;
     pb.norm = pick(d_.norm->pullback, d_.norm->pullback_clad, d_.norm->name);
     pb.activation = pick(d_.mlp->pullback, d_.mlp->pullback_clad, d_.mlp->name);
@@ -293,9 +312,8 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.rope = pick(rope_block.pullback, rope_block.pullback_clad, "rope");
     pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
-    if (pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
+    if (pb.activation && pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
         pb.activation_fused = d_.mlp->recompute_and_pullback;
-    if (!d_.mlp->pullback && d_.mlp->pullback_clad) ad.clad.insert(d_.mlp->name);  // its only pullback
     ad_ = ad;
     pb_ = pb;
     cap_B_ = cap_T_ = 0;  // the scratch needs change: re-plan at the next step
@@ -372,7 +390,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
                     std::memcpy(kc + at, row + (d_.n_head + g) * hd, sizeof(float) * hd);
                     std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
                 }
-        attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_);
+        TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
         TIMED(forward, attention, attn.forward(a.qkv, a.lse, a.att, a_.attention_scratch, B, T));
     }
@@ -433,8 +451,7 @@ void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
     TIMED(forward, embedding, Embedding{d}.forward(tokens, w_.wte, w_.wpe, a_.residual, B, T));
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
-    TIMED(forward, norm, norm_forward(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf,
-                                      a_.lnf_stats, N));
+    TIMED(forward, norm, norm_forward(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf, a_.lnf_stats, N));
 }
 
 // LM head and cross-entropy, chunk by chunk of rows. With pullback, each chunk's logits turn
@@ -470,11 +487,27 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
     return n_valid ? total / n_valid : 0.0;
 }
 
+void Executor::poison_dead_buffers(unsigned phase) {
+    if (!poison_dead_) return;
+    std::vector<Range> live;
+    for (const auto& b : a_.buffers)
+        if (b.live & phase) live.push_back({b.offset, b.floats});
+    std::sort(live.begin(), live.end());
+    size_t at = 0;
+    for (const auto& r : live) {
+        if (r.first > at) std::fill(acts_.data + at, acts_.data + r.first, NAN);
+        at = std::max(at, r.first + r.second);
+    }
+    if (acts_.size > at) std::fill(acts_.data + at, acts_.data + acts_.size, NAN);
+}
+
 double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
     plan(B, T);
     const int N = B * T;
     check_ids(tokens, targets, N);
+    poison_dead_buffers(kForward);
     trunk_forward(tokens, B, T);
+    poison_dead_buffers(kHead);
     if (targets) return head(targets, N, false, 0.0f, GradMode::add);
     // Full logits only for callers that ask for them (inference): their own arena.
     const size_t need = (size_t)N * d_.vocab_size;
@@ -492,11 +525,14 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
     grads_.begin_pass();
+    poison_dead_buffers(kForward);
     trunk_forward(tokens, B, T);
+    poison_dead_buffers(kHead);
     double loss = head(targets, N, true, grad_scale, mode);
+    poison_dead_buffers(kPullback);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
-    TIMED(pullback, norm, norm_pullback(a_.residual + (size_t)d_.n_layer * N * d, w_.lnf_w, w_.lnf_b, a_.lnf_stats,
-                                        a_.d_norm, a_.d_res, g_.lnf_w, g_.lnf_b, N, mode));
+    TIMED(pullback, norm, norm_pullback(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf_stats, a_.d_norm, a_.d_res,
+                                        g_.lnf_w, g_.lnf_b, N, mode));
     // On a first pass each layer's squared norm is taken as soon as its pullback has written
     // the gradients, while they are still in cache: adamw_step's clipping then needs no pass
     // of its own over every gradient.

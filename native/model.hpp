@@ -84,8 +84,11 @@ struct AdChoice {
     std::set<std::string> clad;
     bool on(const char* block) const { return clad.count(block) > 0; }
 };
+// The choice for a model: the blocks named (each must have a Clad pullback in this build), and
+// the model's norm or activation where Clad's pullback is its only one.
+AdChoice ad_choice(const Dims& d, const std::vector<std::string>& clad_blocks);
 
-// The model's pullbacks, picked from the registry by the AD choice (Executor::set_ad). A null
+// The model's pullbacks, picked from the registry by the AD choice (Executor::set_clad_blocks). A null
 // one is a block with no pullback in this build: check_trainable names it.
 struct Pullbacks {
     NormPullback norm = nullptr;
@@ -165,6 +168,10 @@ public:
     void plan(int B, int T);
     size_t activation_floats(int B, int T) const { return zoo::activation_floats(d_, checkpointing_, B, T, ad_); }
     const ActivationPlan& activation_plan() const { return a_; }
+    // A test of the plan's live phases: at each phase boundary of a step, fill the activation
+    // memory no buffer live in the next phase covers with NaN. A buffer read in a phase its
+    // declaration leaves out then turns the results into NaN.
+    void set_poison_dead_buffers(bool on) { poison_dead_ = on; }
     // Keep only each layer's input; recompute its internals during the pullback.
     void set_checkpointing(bool on);
     bool checkpointing() const { return checkpointing_; }
@@ -212,6 +219,7 @@ private:
     Pullbacks pb_;
     int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0;
     ActivationPlan a_;
+    bool poison_dead_ = false;
     GradLifecycle grads_;
     Arena logits_arena_;  // full logits, for inference calls only
 
@@ -226,6 +234,7 @@ private:
     double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
     void check_trainable() const;
+    void poison_dead_buffers(unsigned phase);
     void trunk_forward(const int32_t* tokens, int B, int T);
     // The layer, written once: training, the recompute before a checkpointed pullback (which
     // stops before the output projection), and generation against the KV cache from pos0.

@@ -547,3 +547,38 @@ def test_adamw_matches_torch(steps, weight_decay, decay, grad_scale, eps, needs_
     assert err <= 1e-4, f"update rel err {err:.2e}"
     assert rel_err(m, st["exp_avg"].numpy()) <= 1e-5
     assert rel_err(v, st["exp_avg_sq"].numpy()) <= 1e-5
+
+
+# --- any registered block by name (registry.hpp): what a new block's tests call ----------------
+
+
+def test_registered_activations_by_name_match_their_own_bindings():
+    rng = np.random.default_rng(7)
+    x, dy = rng.standard_normal((5, 24)).astype(np.float32), rng.standard_normal((5, 24)).astype(np.float32)
+    np.testing.assert_array_equal(nb.activation_forward("gelu", x), nb.gelu_forward(x))
+    np.testing.assert_array_equal(nb.activation_pullback("gelu", x, dy), nb.gelu_pullback(x, dy))
+    gate_up = rng.standard_normal((5, 48)).astype(np.float32)
+    np.testing.assert_array_equal(nb.activation_forward("swiglu", gate_up), nb.swiglu_forward(gate_up))
+    np.testing.assert_array_equal(nb.activation_pullback("swiglu", gate_up, dy), nb.swiglu_pullback(gate_up, dy))
+    np.testing.assert_array_equal(nb.activation_forward("relu2", x), nb.relu2_forward(x))
+    with pytest.raises(ValueError, match="block relu2 has no manual pullback"):
+        nb.activation_pullback("relu2", x, dy)
+    with pytest.raises(ValueError, match="backend is 'manual' or 'clad'"):
+        nb.activation_pullback("gelu", x, dy, "autograd")
+    with pytest.raises(ValueError, match="mlp='geglu' is no registered block; registered: gelu, swiglu, relu2"):
+        nb.activation_forward("geglu", x)
+
+
+def test_registered_norms_by_name_check_their_arguments():
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((4, 16)).astype(np.float32), np.ones(16, np.float32)
+    y, stats = nb.norm_forward("layernorm", x, w, np.zeros(16, np.float32), 1e-5)
+    ref_y, mean, rstd = nb.layernorm_forward(x, w, np.zeros(16, np.float32), 1e-5)
+    np.testing.assert_array_equal(y, ref_y)
+    np.testing.assert_array_equal(stats, np.stack([mean, rstd]))
+    with pytest.raises(ValueError, match="norm rmsnorm has no bias"):
+        nb.norm_forward("rmsnorm", x, w, w, 1e-5)
+    with pytest.raises(ValueError, match=r"norm layernorm stats must be \(2, rows of x\)"):
+        nb.norm_pullback("layernorm", x, w, w * 0, stats[:1], x, 1e-5)
+    with pytest.raises(ValueError, match="norm dy must have the input's shape"):
+        nb.norm_pullback("layernorm", x, w, w * 0, stats, x[:2], 1e-5)

@@ -67,3 +67,89 @@ def test_a_built_model_steps_on_the_plan_it_checked():
     model.loss_and_grads(tok[:, :-1], tok[:, 1:])
     plan = model._exec.activation_plan()
     assert plan and overlapping_live_pairs(plan) == []
+
+
+def _configs():
+    from zoo import ModelConfig
+
+    return {
+        "gpt2_tied": preset("tiny-gpt2"),
+        "llama_untied": preset("tiny-llama"),
+        # a vocabulary large enough that the LM head runs in several chunks of rows
+        "chunked_head": ModelConfig(vocab_size=300_007, max_seq_len=16, d_model=16, n_layer=1, n_head=2, d_ff=32),
+    }
+
+
+@pytest.mark.parametrize("ad", ["manual", "clad"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("name", list(_configs()))
+def test_dead_buffers_hold_nothing_a_phase_reads(name, checkpointing, ad):
+    """With every byte that no live buffer covers set to NaN at each phase boundary, a step
+    gives the same loss and gradients: no buffer is read in a phase its declaration leaves out."""
+    if ad == "clad" and not zoo.build_info()["clad"]:
+        pytest.skip("this zoo was built without the Clad backend")
+    cfg = _configs()[name]
+    tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 13))
+    results = []
+    for poison in (False, True):
+        model = zoo.Model(cfg, seed=0, checkpointing=checkpointing, ad=ad)
+        model._exec.set_poison_dead_buffers(poison)
+        results.append(model.loss_and_grads(tok[:, :-1], tok[:, 1:]))
+        results[-1][1]["logits"] = model.logits(tok[:, :-1])
+    (loss, grads), (poisoned_loss, poisoned_grads) = results
+    assert np.isfinite(poisoned_loss) and poisoned_loss == loss
+    for k in grads:
+        np.testing.assert_array_equal(poisoned_grads[k], grads[k], err_msg=k)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+def test_a_smaller_batch_after_a_larger_one_uses_its_own_rows(checkpointing):
+    """The arena planned for a larger batch serves a smaller one: same results as a fresh model."""
+    cfg = preset("tiny-llama")
+    tok = np.random.default_rng(2).integers(0, cfg.vocab_size, (4, 11))
+    fresh = zoo.Model(cfg, seed=0, checkpointing=checkpointing)
+    small_loss, small_grads = fresh.loss_and_grads(tok[:2, :-1], tok[:2, 1:])
+    small_logits = fresh.logits(tok[:1, :-1])
+    model = zoo.Model(cfg, seed=0, checkpointing=checkpointing)
+    model.loss_and_grads(tok[:, :-1], tok[:, 1:])
+    loss, grads = model.loss_and_grads(tok[:2, :-1], tok[:2, 1:])
+    assert loss == small_loss
+    for k in grads:
+        np.testing.assert_array_equal(grads[k], small_grads[k], err_msg=k)
+    np.testing.assert_array_equal(model.logits(tok[:1, :-1]), small_logits)
+
+
+def test_a_layout_table_the_kernels_would_misread_is_refused():
+    from zoo.layout import layout_table, parameter_layout, parameter_offsets
+
+    cfg = preset("tiny-gpt2")
+    layout = parameter_layout(cfg)
+    _, n = parameter_offsets(layout)
+    table = layout_table(layout)
+    inv = []
+    _native.Executor(cfg.model_dump(), n, table, inv)  # the table as written binds
+    (r0, l0, o0, c0), (r1, l1, o1, c1) = table[2], table[3]  # two neighbours trade 16 floats: still tiles
+    traded = table[:2] + [(r0, l0, o0, c0 - 16), (r1, l1, o1 - 16, c1 + 16)] + table[4:]
+    with pytest.raises(ValueError, match=f"parameter role {r0} in layer 0 has {c0 - 16} floats in the layout; "
+                                         f"the kernels read {c0}"):
+        _native.Executor(cfg.model_dump(), n, traded, inv)
+    with pytest.raises(ValueError, match=f"leaves a gap at float {table[3][2]}"):
+        _native.Executor(cfg.model_dump(), n, table[:3] + table[4:], inv)
+    with pytest.raises(ValueError, match=f"covers {n - table[-1][3]} of {n} floats"):
+        _native.Executor(cfg.model_dump(), n, table[:-1], inv)
+    twice = table + [table[-1]]
+    with pytest.raises(ValueError, match="overlaps"):
+        _native.Executor(cfg.model_dump(), n, twice, inv)
+    misplaced = [("ln1_w", -1, *table[2][2:])] + [row for i, row in enumerate(table) if i != 2]
+    with pytest.raises(ValueError, match="no parameter role ln1_w outside the layers"):
+        _native.Executor(cfg.model_dump(), n, misplaced, inv)
+
+
+def test_the_layout_binds_only_roles_the_executor_has():
+    from zoo.layout import parameter_layout
+
+    roles = zoo.build_info()["roles"]
+    for name in ("tiny-gpt2", "tiny-llama"):
+        for p in parameter_layout(preset(name)):
+            if p.role:
+                assert p.role in (roles["layer"] if p.layer >= 0 else roles["model"]), p.name

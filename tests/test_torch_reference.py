@@ -46,6 +46,12 @@ def test_every_block_a_config_allows_is_implemented():
     assert set(ModelConfig.model_fields) <= tr.CONFIG_FIELDS
 
 
+def test_its_roles_are_the_executors():
+    roles = zoo.build_info()["roles"]
+    assert list(tr.GLOBAL_ROLES) == roles["model"]
+    assert list(tr.LAYER_ROLES) == roles["layer"]
+
+
 @pytest.mark.parametrize("field,value", [("norm", "groupnorm"), ("mlp", "geglu"), ("positions", "alibi")])
 def test_an_unknown_block_is_refused_by_name(field, value):
     cfg = RELU2_TINY.model_dump()

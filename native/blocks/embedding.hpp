@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include <cstring>
+#include <stdexcept>
 
 #include "../block.hpp"
 #include "../clad_backend.hpp"
@@ -68,6 +69,8 @@ struct Embedding {
                        float* dwte, float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) const;
 
     void clear_if_writing(float* dwte, float* dwpe, GradMode wte_mode, GradMode wpe_mode) const {
+        if ((wte_mode == GradMode::write && !vocab) || (dwpe && wpe_mode == GradMode::write && !max_pos))
+            throw std::logic_error("zoo: an Embedding pullback that writes its gradients needs vocab and max_pos");
         if (wte_mode == GradMode::write) std::memset(dwte, 0, sizeof(float) * vocab * C);
         if (dwpe && wpe_mode == GradMode::write) std::memset(dwpe, 0, sizeof(float) * max_pos * C);
     }

@@ -58,8 +58,9 @@ struct LayerNorm {
                                   C, eps);
     }
 
-    // Adds into dx; writes or adds dw, db per mode. One pass over x and dy: each thread takes a range of rows and sums its part of dw, db into its own
-    // slice of scratch (scratch_floats), added up at the end.
+    // Adds into dx; writes or adds dw, db per mode. One pass over x and dy: each thread takes a
+    // range of rows and sums its part of dw, db into its own slice of scratch (scratch_floats),
+    // added up at the end.
     size_t scratch_floats(int threads) const { return (size_t)threads * 2 * C; }
     void pullback(const float* x, const float* w, const float* mean, const float* rstd,
                   const float* dy, float* dx, float* dw, float* db, float* scratch, int N,

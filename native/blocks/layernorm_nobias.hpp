@@ -48,8 +48,7 @@ inline void layernorm_nobias_pullback_row(const float* __restrict__ x, const flo
     }
 }
 
-// stats: mean (N), then rstd (N). Adds into dx; writes or adds dw per mode, through per-thread
-// partial sums in scratch added in thread order (reproducible).
+// stats: mean (N), then rstd (N).
 inline void layernorm_nobias_forward(const NormArgs& a, float* y, float* stats) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < a.N; n++)
@@ -57,6 +56,8 @@ inline void layernorm_nobias_forward(const NormArgs& a, float* y, float* stats) 
                                      a.C, a.eps);
 }
 
+// Adds into dx; writes or adds dw per mode, through per-thread partial sums in scratch added in
+// thread order (reproducible).
 inline void layernorm_nobias_pullback(const NormArgs& a, const float* dy, float* dx, float* dw, float*,
                                       float* scratch, GradMode mode) {
     const int C = a.C;
