@@ -5,6 +5,7 @@ weights and data. One thread: fast and steady on a shared machine."""
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -162,3 +163,25 @@ def test_bench_weights_are_zoos_init(tmp_path, name):
     for p in params:
         got = weights[p["offset"]:p["offset"] + math.prod(p["shape"])].reshape(p["shape"])
         np.testing.assert_array_equal(got, expected[p["name"]], err_msg=p["name"])
+
+
+def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path):
+    """python -m zoo.tools.bench_ab: the base build is imported from its own root (here a copy of
+    this zoo), not through the editable install; both give the same losses."""
+    import shutil
+
+    from zoo._load_native import _native
+    from zoo.tools import bench_ab
+
+    root = tmp_path / "base"
+    shutil.copytree(Path(zoo.__file__).parent, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(_native.__file__, root / "zoo")
+    out = tmp_path / "ab.json"
+    assert bench_ab.main(["--base", str(root), "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "8",
+                          "--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    (r,) = result["rounds"]
+    assert r["same_losses"] and r["base_ms"] > 0 and r["current_ms"] > 0
+    assert r["base_zoo"] == str(root / "zoo") and r["current_zoo"] != r["base_zoo"]
+    with pytest.raises(SystemExit, match="no zoo package there"):
+        bench_ab.main(["--base", str(tmp_path / "nowhere")])

@@ -1,0 +1,134 @@
+"""Times zoo's training step in two builds side by side: the zoo this Python imports, and
+another build of zoo in a package root of its own (for example main before a change). Each
+round runs both in turn, one process each, so a drifting machine slows both alike; the step
+is zoo bench's (zero_grads, forward_backward, adamw_step with clipping) on zoo.Model(preset,
+seed=0) and a fixed token batch.
+
+    python -m zoo.tools.bench_ab --base /tmp/zoo-base --preset gpt2 --batch-size 4 --seq-len 64 \\
+        --steps 10 --rounds 3 --json ab.json
+
+The base root is a folder holding a `zoo/` package with its native module built in place
+(docs/benchmarks.md shows how to make one from a commit). It is imported with `python -S`, the
+root first on sys.path, so an editable install of this checkout cannot redirect `import zoo`.
+Only the API both builds share is used: zoo.preset, zoo.Model and its step methods.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Optional
+
+
+def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
+    """In the worker process: zoo's step times (seconds) and losses."""
+    import numpy as np
+
+    import zoo
+
+    cfg = zoo.preset(preset)
+    model = zoo.Model(cfg, seed=0)
+    data = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
+    x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+
+    def step() -> float:
+        model.zero_grads()
+        loss = model.forward_backward(x, y)
+        model.adamw_step(1e-4, 0.9, 0.95, 1e-8, 0.1, 1.0)
+        return loss
+
+    for _ in range(warmup):
+        step()
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    return {"step_s": times, "losses": losses, "zoo": str(Path(zoo.__file__).parent)}
+
+
+def _worker(argv: list[str]) -> int:
+    a = argparse.ArgumentParser()
+    a.add_argument("--root", default="")
+    a.add_argument("--preset")
+    a.add_argument("--batch-size", type=int)
+    a.add_argument("--seq-len", type=int)
+    a.add_argument("--steps", type=int)
+    a.add_argument("--warmup", type=int)
+    a.add_argument("--site-packages", default="")
+    args = a.parse_args(argv)
+    if args.root:  # started with -S: the root first, then this environment's packages (numpy ...)
+        sys.path.insert(0, args.root)
+        sys.path.append(args.site_packages)
+    print(json.dumps(step_times(args.preset, args.batch_size, args.seq_len, args.steps, args.warmup)))
+    return 0
+
+
+def _run(root: Optional[str], args, threads: int) -> dict:
+    cmd = [sys.executable] + (["-S"] if root else []) + [os.path.abspath(__file__), "--worker",
+                                                          "--root", root or "", "--preset", args.preset,
+                                                          "--batch-size", str(args.batch_size),
+                                                          "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+                                                          "--warmup", str(args.warmup),
+                                                          "--site-packages", sysconfig.get_paths()["purelib"]]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-10:])
+        raise SystemExit(f"bench_ab: the {'base' if root else 'current'} build failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return _worker(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_ab", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--base", required=True, help="package root of the other build (holds zoo/ with _native)")
+    p.add_argument("--preset", default="gpt2", help="a named architecture")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per process")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--rounds", type=int, default=3, help="processes per build, in turn")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for both")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
+    args = p.parse_args(argv)
+    base = os.path.abspath(args.base)
+    if not (Path(base) / "zoo" / "__init__.py").is_file():
+        raise SystemExit(f"bench_ab: --base {base}: no zoo package there (docs/benchmarks.md: making a base build)")
+    rounds = []
+    for r in range(args.rounds):
+        print(f"bench_ab: round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
+        before, after = _run(base, args, args.threads), _run(None, args, args.threads)
+        rounds.append({"base_ms": 1000 * statistics.median(before["step_s"]),
+                       "current_ms": 1000 * statistics.median(after["step_s"]),
+                       "same_losses": before["losses"] == after["losses"],
+                       "base_zoo": before["zoo"], "current_zoo": after["zoo"]})
+    print(f"\n{args.preset}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
+          f"median of {args.steps} steps per process\n")
+    print("| round | base ms | current ms | current / base | same losses |\n|---:|---:|---:|---:|---|")
+    for i, r in enumerate(rounds, 1):
+        print(f"| {i} | {r['base_ms']:,.1f} | {r['current_ms']:,.1f} | {r['current_ms'] / r['base_ms']:.3f}x | "
+              f"{'yes' if r['same_losses'] else 'NO'} |")
+    ratio = statistics.fmean(r["current_ms"] for r in rounds) / statistics.fmean(r["base_ms"] for r in rounds)
+    print(f"\ncurrent / base, mean of the round medians: {ratio:.3f}x")
+    print(f"base: {rounds[0]['base_zoo']}\ncurrent: {rounds[0]['current_zoo']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "batch": args.batch_size,
+                                               "seq_len": args.seq_len, "threads": args.threads,
+                                               "steps": args.steps, "rounds": rounds, "ratio": ratio}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
