@@ -98,7 +98,7 @@ def test_demo_generate_and_plot(tmp_path, capsys, cache):
 
     # generate: greedy through the CLI equals greedy through the API.
     rc, stdout, err = run(capsys, "generate", "--from", out, "--prompt", "The keeper", "--temperature", 0,
-                          "--max-new-tokens", 24, "--threads", 1)
+                          "--max-new-tokens", 24, "--threads", 1, "--no-echo")
     assert rc == 0, err
     from zoo.checkpoints import load_pretrained
     from zoo.generate import generate, prompt_tokens
@@ -228,3 +228,49 @@ def test_unwritable_out(tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
     rc, _, err = run(capsys, *small_run("--data", DEMO_DATA, "--out", tmp_path / "file" / "run"))
     assert rc == 1 and "--out" in err and "cannot write there" in err
+
+
+# --- extending a finished run; the run folder named in full -----------------------------
+
+
+def test_finetune_resume_with_more_steps_extends_the_run(tmp_path, capsys, cache):
+    base = tmp_path / "base"
+    rc, _, err = run(capsys, *small_run("--data", DEMO_DATA, "--out", base, "--cache-dir", cache))
+    assert rc == 0, err
+    out = tmp_path / "tuned"
+    rc, _, err = run(capsys, "finetune", "--from", base, "--data", DEMO_DATA, "--out", out, "--cache-dir", cache,
+                     "--steps", 4, "--batch-size", 2, "--seq-len", 16, *FAST)
+    assert rc == 0, err
+    rc, _, err = run(capsys, "finetune", "--out", out, "--resume", "--steps", 6, *FAST)
+    assert rc == 0, err
+    assert f"extending the run in {out} from 4 to 6 steps" in err
+    assert [s for s, _ in train_losses(out)] == list(range(1, 7))
+    assert (out / "checkpoints" / "step-00000006").is_dir()
+    assert err.splitlines()[-1].startswith("done: step 6") and err.splitlines()[-1].endswith(f"are in {out}")
+
+    rc, _, err = run(capsys, "finetune", "--out", out, "--resume", "--steps", 5, *FAST)
+    assert rc == 1 and "--steps 5 ends at or before step 6" in err and "cannot be shrunk" in err
+    rc, _, err = run(capsys, "finetune", "--out", out, "--resume", "--steps", 8, "--lr", 1e-2, *FAST)
+    assert rc == 1 and "lr: 0.0003 -> 0.01" in err  # other changes are refused as before
+
+
+def test_the_run_folder_is_named_in_full_at_start_and_end(tmp_path, capsys, cache, monkeypatch):
+    (tmp_path / "configs").mkdir()
+    cfg = tmp_path / "configs" / "run.yaml"
+    cfg.write_text(f"preset: tiny-gpt2\ndata: [{DEMO_DATA}]\nout: out\nsteps: 3\nbatch_size: 2\nseq_len: 16\n"
+                   f"cache_dir: {cache}\n")
+    monkeypatch.chdir(tmp_path)  # the relative out: is the config file's folder's, not the working directory's
+    rc, _, err = run(capsys, "train", "--config", Path("configs") / "run.yaml", *FAST)
+    assert rc == 0, err
+    out = tmp_path / "configs" / "out"
+    lines = err.splitlines()
+    assert [l for l in lines if l.startswith("starting:")][0].endswith(f"run folder {out}")
+    assert lines[-1].startswith("done: step 3") and lines[-1].endswith(f"are in {out}")
+    assert (out / "train.log").read_text() == err
+
+    # A run that fails says where it was too, and leaves its plot and log.
+    rc, _, err = run(capsys, "train", "--config", cfg, "--overwrite", "--steps", 10, "--lr", 1e30,
+                     "--max-grad-norm", 0, "--save-every", 1, *FAST)
+    assert rc == 1
+    assert err.splitlines()[-2] == f"stopped at step 1 (error): checkpoint step-00000001, loss.png, train.log in {out}"
+    assert (out / "loss.png").is_file() and "error: loss became nan at step 2" in (out / "train.log").read_text()

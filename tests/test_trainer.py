@@ -208,3 +208,159 @@ def test_activation_checkpointing_gives_the_same_losses(tmp_path):
     t.run()
     plain, ckpt = losses(tmp_path / "plain")[0], losses(tmp_path / "ckpt")[0]
     np.testing.assert_allclose([l for _, l in ckpt], [l for _, l in plain], rtol=1e-6)
+
+
+# --- extending a run with a larger budget ----------------------------------------------
+
+
+def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(tmp_path, capsys):
+    """A 100-step run extended to 150 equals, from step 100 on, a run that was at step 100 of a
+    150-step plan: the same weights and moments at 100, then lr_at(cfg, step, 150)."""
+    Trainer(config(tmp_path, "a", steps=100, eval_every=None, save_every=50)).run()
+    # The reference: the same step-100 checkpoint, its saved plan rewritten to 150 steps, resumed as is.
+    b_ckpt = tmp_path / "b" / "checkpoints" / "step-00000100"
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000100", b_ckpt)
+    state = read_state(b_ckpt)
+    state["total_steps"], state["config"]["steps"] = 150, 150
+    (b_ckpt / "trainer_state.json").write_text(json.dumps(state))
+
+    capsys.readouterr()
+    extended = Trainer(config(tmp_path, "a", steps=150, eval_every=None, save_every=50, resume=True))
+    err = capsys.readouterr().err
+    assert (extended.step, extended.total_steps) == (100, 150)
+    assert f"extending the run in {tmp_path / 'a'} from 100 to 150 steps" in err
+    extended.run()
+    capsys.readouterr()
+    reference = Trainer(config(tmp_path, "b", steps=150, eval_every=None, save_every=50, resume=True))
+    assert "extending the run" not in capsys.readouterr().err  # the plan says 150 already: an exact resume
+    reference.run()
+
+    train_a, val_a = losses(tmp_path / "a")
+    train_b, val_b = losses(tmp_path / "b")
+    assert [s for s, _ in train_a] == list(range(1, 151))
+    assert [r for r in train_a if r[0] > 100] == train_b and [s for s, _ in train_b] == list(range(101, 151))
+    assert [r for r in val_a if r[0] > 100] == val_b
+    for k, v in extended.model.parameters().items():
+        assert np.array_equal(v, reference.model.parameters()[k]), k
+    assert np.array_equal(extended.model.optimizer_state()["v"], reference.model.optimizer_state()["v"])
+
+    # The rule, in the records: metrics step n used lr_at(n - 1) of the plan in force.
+    cfg = config(tmp_path)
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, open(tmp_path / "a" / "metrics.jsonl")) if "lr" in r}
+    assert all(lrs[n] == lr_at(cfg, n - 1, 100) for n in range(1, 101))
+    assert all(lrs[n] == lr_at(cfg, n - 1, 150) for n in range(101, 151))
+    # The final model is published again, and the plot covers the whole run.
+    final = load_pretrained(tmp_path / "a")
+    for k, v in final.parameters().items():
+        assert np.array_equal(v, extended.model.parameters()[k]), k
+    assert read_state(checkpoint_dirs(tmp_path / "a")[-1])["total_steps"] == 150
+    assert (tmp_path / "a" / "loss.png").is_file()
+
+
+def test_a_resumed_budget_can_grow_but_not_shrink(tmp_path, capsys):
+    Trainer(config(tmp_path, steps=8)).run()
+    with pytest.raises(TrainError, match=r"--steps 6 ends at or before step 8.*cannot be shrunk"):
+        Trainer(config(tmp_path, steps=6, resume=True))
+    # Other settings that change the losses are still refused, the budget aside.
+    with pytest.raises(TrainError, match=r"differ .*lr: 0\.003 -> 0\.001"):
+        Trainer(config(tmp_path, steps=10, resume=True, lr=1e-3))
+
+    # An interrupted run: the same budget resumes it exactly; a smaller one is refused; a larger
+    # one extends it, the schedule of the new total taking over at the checkpoint.
+    with pytest.raises(TrainInterrupted):
+        Trainer(config(tmp_path, "cut", steps=12)).run(on_step=_interrupt_at(6))
+    with pytest.raises(TrainError, match=r"--steps 10 is fewer than the 12 steps .* can only grow"):
+        Trainer(config(tmp_path, "cut", steps=10, resume=True))
+    capsys.readouterr()
+    t = Trainer(config(tmp_path, "cut", steps=None, tokens=16 * 128, resume=True))  # 128 tokens a step
+    assert "from 12 to 16 steps" in capsys.readouterr().err
+    t.run()
+    lrs = [(r["step"], r["lr"]) for r in map(json.loads, open(tmp_path / "cut" / "metrics.jsonl")) if "lr" in r]
+    assert [s for s, _ in lrs] == list(range(1, 17))
+    assert [lr for s, lr in lrs if s > 6] == [lr_at(t.cfg, s - 1, 16) for s in range(7, 17)]
+
+    # A complete run resumed with its own budget has nothing to train: it says so and finishes.
+    capsys.readouterr()
+    done = Trainer(config(tmp_path, steps=8, resume=True)).run()
+    assert done["step"] == 8 and "complete at step 8: nothing to train" in capsys.readouterr().err
+
+
+# --- what a run leaves and says, however it stops -----------------------------------------
+
+
+def _sigint_at(step):
+    def hook(done, loss):
+        if done == step:
+            os.kill(os.getpid(), signal.SIGINT)
+    return hook
+
+
+@pytest.mark.parametrize("how", ["complete", "sigint", "diverged", "crash"])
+def test_plot_log_and_run_folder_however_the_run_stops(tmp_path, capsys, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(config(tmp_path).model_copy(update={"out": "runs/rel"}))  # a relative --out
+    out = tmp_path / "runs" / "rel"
+
+    def poison(done, loss):
+        if done == 5:
+            trainer.model.parameters()["model.norm.weight"][0] = np.nan
+
+    hooks = {"complete": None, "sigint": _sigint_at(5), "diverged": poison, "crash": _crash_at(5)}
+    raised = {"complete": None, "sigint": TrainInterrupted, "diverged": TrainError, "crash": RuntimeError}[how]
+    if raised is None:
+        trainer.run(on_step=hooks[how])
+    else:
+        with pytest.raises(raised):
+            trainer.run(on_step=hooks[how])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+
+    assert (out / "loss.png").stat().st_size > 1000
+    log = (out / "train.log").read_text()
+    # Quiet mode: the console is exactly train.log, but for the error, which the caller prints.
+    error_line = {"complete": None, "sigint": "interrupted at step 5; checkpoint saved to",
+                  "diverged": "error: loss became nan at step 6", "crash": "error: RuntimeError: simulated crash"}[how]
+    if error_line is None:
+        assert log == err
+    else:
+        assert log.startswith(err) and log[len(err):].startswith(error_line) and log.count("\n") == len(lines) + 1
+    # The run folder, in full, on the line that starts the run and on the one that ends it.
+    starting = [l for l in lines if l.startswith("starting:")]
+    assert len(starting) == 1 and starting[0].endswith(f"run folder {out}")
+    end = {"complete": f"done: step 12, train loss ", "sigint": "stopped at step 5 (Ctrl-C): checkpoint step-00000005, ",
+           "diverged": "stopped at step 5 (error): checkpoint step-00000004, ",
+           "crash": "stopped at step 5 (error): checkpoint step-00000004, "}[how]
+    assert lines[-1].startswith(end) and lines[-1].endswith(f"loss.png and train.log are in {out}"
+                                                            if how == "complete" else f"loss.png, train.log in {out}")
+
+
+# --- evaluation spacing and the quiet mode's lines ---------------------------------------
+
+
+def test_evaluations_are_spaced_to_the_run_by_default(tmp_path):
+    assert TrainConfig().eval_interval(100) == 10 and TrainConfig().eval_interval(1000) == 100
+    assert TrainConfig().eval_interval(7) == 1
+    assert TrainConfig(eval_every=0).eval_interval(1000) == 0 and TrainConfig(eval_every=30).eval_interval(100) == 30
+    assert Trainer(config(tmp_path, "long", steps=1000, eval_every=None)).eval_every == 100
+    Trainer(config(tmp_path, steps=100, eval_every=None)).run()
+    assert [s for s, _ in losses(tmp_path / "run")[1]] == list(range(0, 101, 10))
+    Trainer(config(tmp_path, "ends", steps=10, eval_every=0)).run()
+    assert [s for s, _ in losses(tmp_path / "ends")[1]] == [0, 10]
+
+
+def test_quiet_mode_prints_a_line_per_interval(tmp_path, capsys):
+    import re
+
+    line = re.compile(r"step (\d+)/40: loss \d+\.\d{4}, lr [0-9.e-]+, [\d,]+ tok/s, val loss \d+\.\d{4}$")
+    Trainer(config(tmp_path, steps=40, eval_every=None)).run()  # progress=False: --no-progress
+    printed = [int(m[1]) for m in map(line.match, capsys.readouterr().err.splitlines()) if m]
+    assert printed == list(range(2, 41, 2))  # default: every max(1, 40 // 20) steps
+
+    Trainer(config(tmp_path, "every5", steps=12, print_every=5)).run()
+    assert "step 5/12: loss" in capsys.readouterr().err
+
+    # With the progress bar the lines go to train.log only.
+    Trainer(config(tmp_path, "bar", steps=40, eval_every=None, progress=True)).run()
+    assert not [l for l in capsys.readouterr().err.splitlines() if line.match(l)]
+    logged = [int(m[1]) for m in map(line.match, (tmp_path / "bar" / "train.log").read_text().splitlines()) if m]
+    assert logged == list(range(2, 41, 2))

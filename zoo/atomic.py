@@ -2,15 +2,18 @@
 
 The new content goes to a temporary file in the same folder (so os.replace is a rename on
 one filesystem), is flushed and fsynced, then replaces the target; the folder is fsynced
-so the rename itself survives a power loss.
+so the rename itself survives a power loss. The temporary file is created as open() creates
+any file, mode 0666 less the umask, and the rename keeps that mode: files zoo writes are
+readable by others exactly when the user's other files are (tempfile.mkstemp would make
+every one of them 0600).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -20,7 +23,7 @@ from typing import BinaryIO, Iterator
 def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Open `path` for binary writing; the file appears only when the block ends without error."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = _create_temp(path)
     f = os.fdopen(fd, "wb")
     try:
         yield f
@@ -36,6 +39,19 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
             pass
         raise
     fsync_dir(path.parent)
+
+
+def _create_temp(path: Path) -> tuple[int, Path]:
+    """A new empty file beside `path`, open for writing. The kernel applies the umask (and a
+    folder's default ACL) to the 0666 asked for here, as for any other new file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:  # a name another writer holds: draw again
+            continue
+    raise FileExistsError(f"{path.parent}: no free temporary file name for {path.name}")
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -4,6 +4,7 @@ its flags, `_cmd_<verb>(args)` runs it. Add a verb by writing both and listing i
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import typing
 from pathlib import Path
@@ -16,10 +17,42 @@ _USER_ERRORS = (ValueError, OSError, KeyError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _run_verb(argv)
+        finally:  # after --help's SystemExit too
+            sys.stdout.flush()  # so that a closed pipe shows here, not at interpreter exit
+    except BrokenPipeError:
+        # The reader has all it wanted (`zoo inspect DIR | head -n 1`): end quietly with 0, like
+        # other Unix tools. Stdout goes to /dev/null so that the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zoo", description="GPT-2 and Llama models: train, finetune, generate.")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for add in VERBS:
         add(sub)
+    for verb_parser in sub.choices.values():
+        verb_parser.formatter_class = _HelpFormatter
+    return parser
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with "(default X)" after each option whose default is a value, unless its
+    help already names the default. None (unset, or off) and on/off switches are left alone."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None
+                or action.default is argparse.SUPPRESS or isinstance(action.default, bool)):
+            return text
+        return f"{text} (default %(default)s)".lstrip()
+
+
+def _run_verb(argv: list[str] | None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb is None:
         parser.print_help()
@@ -28,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.run(args) or 0
+    except BrokenPipeError:
+        raise  # an OSError, but no error: main() ends quietly
     except TrainInterrupted as e:
         print(f"zoo: {e}; continue with the same command and --resume", file=sys.stderr)
         return 130
@@ -43,8 +78,12 @@ def main(argv: list[str] | None = None) -> int:
 # --- train, finetune, demo ------------------------------------------------------------
 
 
-def _add_train_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field (--batch-size for batch_size, --from for from_dir)."""
+def _add_train_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
+    """One flag per TrainConfig field (--batch-size for batch_size, --from for from_dir).
+
+    Flags default to SUPPRESS, so that only the flags given override a config file or a resumed
+    run; argparse cannot show such a default, so the help text states it: `defaults` (the
+    verb's own, as DEMO for the demo) over the field's."""
     p.add_argument("--config", metavar="FILE", help="YAML or JSON file of training settings; flags override it")
     for name, field in TrainConfig.model_fields.items():
         if name == "model":  # a whole ModelConfig: config files only
@@ -53,7 +92,7 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         kind = field.annotation
         if typing.get_origin(kind) is typing.Union:  # Optional[X] -> X
             kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        kw = {"dest": name, "default": argparse.SUPPRESS, "help": field.description}
+        kw = {"dest": name, "default": argparse.SUPPRESS, "help": _help_with_default(name, field, defaults)}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is list:
@@ -65,6 +104,32 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             kw["type"] = kind
             kw["metavar"] = "DIR" if name in PATH_FIELDS else {int: "N", float: "X"}.get(kind, "TEXT")
         p.add_argument(flag, **kw)
+
+
+def _help_with_default(name: str, field, defaults: dict) -> str:
+    """The field's description with "(default X)": the verb's default if it has one (replacing a
+    default the description names), else the field's, unless the description already names it."""
+    text = field.description
+    if name in defaults:
+        cut = text.find(" (default")
+        return f"{text[:cut] if cut >= 0 and text.endswith(')') else text} (default {_shown(defaults[name])})"
+    value = field.get_default(call_default_factory=True)
+    if "default" in text or value is None or value == []:  # unset: the description says what happens
+        return text
+    return f"{text} (default {_shown(value)})"
+
+
+def _shown(value) -> str:
+    """A default as a flag would take it: on/off for switches, 3e-4 as 0.0003, '' for no text."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    if isinstance(value, str) and (not value or value != value.strip()):
+        return repr(value)
+    return str(value)
 
 
 def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
@@ -106,11 +171,7 @@ def _run_training(cfg: TrainConfig) -> int:
     from .trainer import Trainer, sample_text
 
     trainer = Trainer(cfg)
-    result = trainer.run()
-    print(f"done: step {result['step']}"
-          + (f", train loss {result['loss']:.4f}" if result["loss"] is not None else "")
-          + (f", val loss {result['val_loss']:.4f}" if result["val_loss"] is not None else "")
-          + f"; model in {cfg.out}" + (f", plot {result['plot']}" if result["plot"] else ""), file=sys.stderr)
+    trainer.run()  # its last line ("done: ...") names the run folder in full
     if cfg.sample_tokens:
         print("--- sample ---", file=sys.stderr)
         sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
@@ -118,9 +179,16 @@ def _run_training(cfg: TrainConfig) -> int:
 
 
 def _add_train(sub) -> None:
+    demo = ", ".join(("--" if v else "--no-") + k.replace("_", "-") if isinstance(v, bool)
+                     else f"--{k.replace('_', '-')} {_shown(v)}" for k, v in DEMO.items() if k != "data")
     p = sub.add_parser("train", help="train from scratch (--preset or --config); "
-                                     "with no model and data, the embedded demo")
-    _add_train_flags(p)
+                                     "with no model and data, the embedded demo",
+                       epilog="With none of --preset, --from, --data, --config and --resume, zoo train runs the "
+                              "embedded demo (as zoo demo does): a tiny Llama learns the stories in zoo/assets/demo, "
+                              f"with settings of its own over the defaults above: {demo} "
+                              "(DEMO in zoo/train_config.py; zoo demo --help lists them in place). Any flag given "
+                              "overrides them.")
+    _add_train_flags(p, {})
     p.set_defaults(run=_cmd_train)
 
 
@@ -135,7 +203,7 @@ def _cmd_train(args) -> int:
 
 def _add_finetune(sub) -> None:
     p = sub.add_parser("finetune", help="finetune a checkpoint folder (--from) on text (--data)")
-    _add_train_flags(p)
+    _add_train_flags(p, {})
     p.set_defaults(run=_cmd_finetune)
 
 
@@ -148,7 +216,7 @@ def _cmd_finetune(args) -> int:
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the embedded demo: a tiny model trained from scratch in a few minutes")
-    _add_train_flags(p)
+    _add_train_flags(p, DEMO)
     p.set_defaults(run=lambda args: _run_training(_train_config(args, DEMO)))
 
 
@@ -159,12 +227,16 @@ def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
     p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
     p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-echo", dest="echo", action="store_false",
+                   help="print only the continuation, not the prompt before it")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                   help="tokens to add at most (fewer at an end-of-text token or the model's context length)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="X", help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the likeliest tokens that together reach probability p (default: 1, all)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
     p.set_defaults(run=_cmd_generate)
 
@@ -188,6 +260,8 @@ def _cmd_generate(args) -> int:
                          f"model's vocab_size {model.config.vocab_size}")
     ids = prompt_tokens(tokenizer, args.prompt)
     stream = TextStream(tokenizer, ids)
+    if args.echo:  # as the trainer's sample: the continuation reads on from the prompt
+        sys.stdout.write(args.prompt)
     generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
              stop_ids=tokenizer.eos_ids, on_token=stream)
     stream.finish()
@@ -213,8 +287,8 @@ def _cmd_plot(args) -> int:
 def _add_inspect(sub) -> None:
     p = sub.add_parser("inspect", help="a checkpoint folder: architecture, parameters, dtypes, memory to finetune")
     p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors)")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch size for the memory estimate")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: min(context, 1024))")
+    p.add_argument("--batch", type=int, default=1, metavar="N", help="micro-batch size for the memory estimate")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: min(context, 1024))")
     p.set_defaults(run=_cmd_inspect)
 
 
@@ -229,8 +303,9 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="rewrite a checkpoint folder: storage dtype, shard size")
     p.add_argument("src", metavar="SRC", help="checkpoint folder to read")
     p.add_argument("dst", metavar="DST", help="folder to write (tokenizer files are copied along)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    p.add_argument("--max-shard-gb", type=float, default=2.0, help="shard the weights above this size")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="how the weights are stored")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB", help="shard the weights above this size")
     p.set_defaults(run=_cmd_convert)
 
 

@@ -7,13 +7,15 @@ Python touches parameters inside a step.
 A run folder (--out) holds:
   checkpoints/step-NNNNNNNN/  model (Hugging Face layout) + optimizer.safetensors + trainer_state.json
   metrics.jsonl               one JSON record per logged step and per evaluation
-  loss.png                    train and validation loss
+  loss.png                    train and validation loss, written whenever the run stops
+  train.log                   what the console showed (progress lines even under the bar), and the error
   config.json, model.safetensors, tokenizer files: the final model, when the run completes
 
 Checkpoints are written to a temporary folder and renamed into place, so a step-* folder is
 always complete; older ones are removed only after a newer one exists. Resuming is exact:
 the data order is a function of (seed, step), the schedule a function of step, and the
-optimizer moments are saved bit for bit.
+optimizer moments are saved bit for bit. A resume with a larger budget extends the run: from
+the checkpoint on, the schedule is the one of the new total, as if the run had been planned so.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from .data import DataError, Windows, tokenize_files
 from .memory import finetune_memory_bytes, human_bytes
 from .plot import METRICS_FILE, PLOT_FILE
 from .safetensors_io import SafetensorsFile, write_file
-from .train_config import TrainConfig
+from .train_config import BUDGET_FIELDS, TrainConfig
 
 CHECKPOINTS = "checkpoints"
+LOG_FILE = "train.log"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 # Checkpoint files that are not part of the Hugging Face model (not published to --out).
@@ -134,7 +137,11 @@ class Trainer:
         import zoo
 
         self.cfg = cfg
-        self.out = Path(cfg.out)
+        # Absolute, so the messages name the run folder in full: a relative `out:` in a config
+        # file resolves against the file's folder, which may not be where the user looks.
+        self.out = Path(os.path.abspath(cfg.out))
+        self.log_path: Optional[Path] = None  # train.log, set once this run owns the folder
+        self._early_lines: list[str] = []  # what was said before that
         if cfg.threads is not None:
             zoo.set_threads(cfg.threads)
         self.threads = zoo.get_threads()
@@ -152,6 +159,8 @@ class Trainer:
                                cfg.eval_batches, cfg.seed, source=f"data {', '.join(cfg.data)}")
         self.total_steps = cfg.total_steps(self.windows.n_train)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        self.eval_every = cfg.eval_interval(self.total_steps)
+        self.print_every = cfg.print_interval(self.total_steps)
 
         self.step = 0
         self.last_checkpoint: Optional[Path] = None
@@ -160,14 +169,39 @@ class Trainer:
             self._restore(resume_from)
         else:
             self._clear_run()  # only now that everything above has been checked
+        self._start_log()
 
     def _clear_run(self) -> None:
         """A fresh run: drop what an earlier run left (checkpoints only with --overwrite)."""
         if latest_checkpoint(self.out) is not None:
-            _log(f"--overwrite: replacing the run in {self.out}")
+            self.say(f"--overwrite: replacing the run in {self.out}")
             shutil.rmtree(self.out / CHECKPOINTS)
-        for name in (METRICS_FILE, PLOT_FILE):
+        for name in (METRICS_FILE, PLOT_FILE, LOG_FILE):
             (self.out / name).unlink(missing_ok=True)
+
+    # --- what the console shows, and train.log ----------------------------------------
+
+    def say(self, msg: str) -> None:
+        """A console line (above the progress bar), also written to train.log."""
+        _log(msg)
+        self._record(msg)
+
+    def _record(self, line: str) -> None:
+        """A line for train.log only; held back until the run owns its folder (see _start_log),
+        so a refused run never writes into another run's log."""
+        if self.log_path is None:
+            self._early_lines.append(line)
+            return
+        with open(self.log_path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def _start_log(self) -> None:
+        """From here on lines go to train.log: appended for a resumed run (one log for the
+        whole run, like metrics.jsonl), a new file for a fresh one (_clear_run removed the old)."""
+        self.log_path = self.out / LOG_FILE
+        early, self._early_lines = self._early_lines, []
+        for line in early:
+            self._record(line)
 
     # --- setup ------------------------------------------------------------------------
 
@@ -182,7 +216,8 @@ class Trainer:
         if ckpt is None:
             raise TrainError(f"--resume: no checkpoint in {self.out / CHECKPOINTS} to resume from")
         saved = TrainConfig.model_validate(read_state(ckpt)["config"])
-        changed = self.cfg.trajectory_diff(saved)
+        # A larger budget extends the run; _check_budget decides once the step count is known.
+        changed = [k for k in self.cfg.trajectory_diff(saved) if k not in BUDGET_FIELDS]
         if changed:
             a, b = self.cfg.model_dump(), saved.model_dump()
             detail = "; ".join(f"{k}: {b[k]!r} -> {a[k]!r}" for k in changed)
@@ -228,9 +263,10 @@ class Trainer:
         if state.get("data_key") != self.token_file.key:
             raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
                              "resume needs the same data (or start a new run)")
+        self._check_budget(state)
         if state.get("threads") != self.threads:
-            _log(f"note: the run used {state.get('threads')} threads, this one {self.threads}: "
-                 "losses may differ from an uninterrupted run in the last bits")
+            self.say(f"note: the run used {state.get('threads')} threads, this one {self.threads}: "
+                     "losses may differ from an uninterrupted run in the last bits")
         opt = self.model.optimizer_state()
         path = ckpt / OPTIMIZER_FILE
         try:
@@ -245,17 +281,62 @@ class Trainer:
         self.last_val_loss = state.get("val_loss")
         self._truncate_metrics(self.step)
 
+    def _check_budget(self, state: dict) -> None:
+        """A resumed run's budget: the one it was planned with (an exact resume), or a larger one
+        (the run is extended: from the checkpoint on, the learning rate follows the schedule of
+        the new total, as if the run had been planned with it). It cannot shrink."""
+        step, planned, total = state["step"], state["total_steps"], self.total_steps
+        given = next((name for name in BUDGET_FIELDS if getattr(self.cfg, name) is not None), None)
+        budget = f"--{given} {getattr(self.cfg, given)}" if given else f"the default {total} steps"
+        if given in ("epochs", "tokens"):
+            budget += f" ({total} steps)"
+        if total == planned:
+            if step == planned:  # finished (or stopped after its last step): publish and plot again
+                self.say(f"note: the run in {self.out} is complete at step {step}: nothing to train; "
+                         "give a larger --steps, --epochs or --tokens to extend it")
+            return
+        if total <= step:
+            raise TrainError(f"--resume: {budget} ends at or before step {step}, where the run in {self.out} "
+                             "already is; a run cannot be shrunk (give a larger budget to extend it)")
+        if total < planned:
+            raise TrainError(f"--resume: {budget} is fewer than the {planned} steps the run in {self.out} was "
+                             "planned for; a run's budget can only grow")
+        # Steps counted from 1 as on the console and in metrics.jsonl: step n uses lr_at(n - 1).
+        self.say(f"extending the run in {self.out} from {planned} to {total} steps: the learning rate follows "
+                 f"the schedule for {total} steps from here on (step {step + 1}: lr {lr_at(self.cfg, step, total):.3g}; "
+                 f"step {step} had {lr_at(self.cfg, step - 1, planned):.3g})")
+
     # --- the loop ---------------------------------------------------------------------
 
     def run(self, on_step: Optional[Callable[[int, float], None]] = None) -> dict:
         """Train to the end of the budget. on_step(step, loss) runs after each step (tests, notebooks).
-        Raises TrainInterrupted after Ctrl-C (checkpoint saved) and TrainError on divergence."""
-        from tqdm import tqdm
-
-        cfg, model, windows = self.cfg, self.model, self.windows
+        Raises TrainInterrupted after Ctrl-C (checkpoint saved) and TrainError on divergence.
+        However it stops, loss.png and train.log are written and the last line names the run folder."""
         self._print_header()
         interrupted = threading.Event()
         old_handler = self._catch_sigint(interrupted)
+        try:
+            loss = self._train(interrupted, on_step)
+            self._publish(self.last_checkpoint)
+        except BaseException as e:
+            self._stopped(e)
+            raise
+        finally:
+            if old_handler is not None:
+                signal.signal(signal.SIGINT, old_handler)
+        plot = self._plot()
+        self.say(f"done: step {self.step}"
+                 + (f", train loss {loss:.4f}" if loss is not None else "")
+                 + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else "")
+                 + f"; the final model{', ' + PLOT_FILE if plot else ''} and {LOG_FILE} are in {self.out}")
+        return {"step": self.step, "loss": loss,
+                "val_loss": self.last_val_loss, "checkpoint": self.last_checkpoint, "plot": plot}
+
+    def _train(self, interrupted: threading.Event, on_step) -> Optional[float]:
+        """The steps from self.step to the end of the budget; the last step's loss."""
+        from tqdm import tqdm
+
+        cfg, model, windows = self.cfg, self.model, self.windows
         metrics = open(self.out / METRICS_FILE, "a", encoding="utf-8")
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not cfg.progress, file=sys.stderr)
@@ -284,16 +365,24 @@ class Trainer:
 
                 elapsed = time.perf_counter() - start_time
                 tok_s = (done - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
-                if done % cfg.log_every == 0 or done == self.total_steps:
+                last = done == self.total_steps
+                if done % cfg.log_every == 0 or last:
                     self._write(metrics, {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                           "tokens": done * self.tokens_per_step, "tokens_per_s": round(tok_s, 1)})
                 bar.set_postfix_str(f"loss {loss:.4f}  {tok_s:,.0f} tok/s"
                                     + (f"  val {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""),
                                     refresh=False)
                 bar.update(1)
-                if done == self.total_steps or (cfg.eval_every and done % cfg.eval_every == 0):
+                if last or (self.eval_every and done % self.eval_every == 0):
                     self._evaluate(metrics)
-                if done == self.total_steps or (cfg.save_every and done % cfg.save_every == 0):
+                if done % self.print_every == 0 or last:
+                    line = (f"step {done}/{self.total_steps}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} tok/s"
+                            + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""))
+                    if cfg.progress:
+                        self._record(line)  # the bar shows the same on the console
+                    else:
+                        self.say(line)
+                if last or (cfg.save_every and done % cfg.save_every == 0):
                     self.save_checkpoint()
                 if on_step is not None:
                     on_step(done, loss)
@@ -303,12 +392,27 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
-        self._publish(self.last_checkpoint)
-        plot = self._plot()
-        return {"step": self.step, "loss": loss,
-                "val_loss": self.last_val_loss, "checkpoint": self.last_checkpoint, "plot": plot}
+        return loss
+
+    def _stopped(self, e: BaseException) -> None:
+        """A run that stops early still gets its plot, its log and a last line naming the run folder."""
+        try:
+            plot = self._plot()
+            kept = [f"checkpoint {self.last_checkpoint.name}" if self.last_checkpoint else "no checkpoint",
+                    *([PLOT_FILE] if plot else []), LOG_FILE]
+            why = "Ctrl-C" if isinstance(e, (TrainInterrupted, KeyboardInterrupt)) else "error"
+            self.say(f"stopped at step {self.step} ({why}): {', '.join(kept)} in {self.out}")
+            # The caller shows the error itself (zoo's one-line message, or a traceback): the log keeps it too.
+            if isinstance(e, TrainInterrupted):
+                self._record(str(e))
+            elif isinstance(e, KeyboardInterrupt):
+                self._record("interrupted (a second Ctrl-C stops at once)")
+            elif isinstance(e, (TrainError, ValueError, OSError)):
+                self._record(f"error: {e}")
+            else:
+                self._record(f"error: {type(e).__name__}: {e}")
+        except Exception:
+            pass  # the error that stopped the run matters more than its plot or log
 
     def _catch_sigint(self, flag: threading.Event):
         """First Ctrl-C: finish the step, save, stop. A second one stops at once."""
@@ -317,7 +421,7 @@ class Trainer:
 
         def handler(signum, frame):
             flag.set()
-            _log("Ctrl-C: saving a checkpoint after this step (press again to stop at once)")
+            self.say("Ctrl-C: saving a checkpoint after this step (press again to stop at once)")
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
         return signal.signal(signal.SIGINT, handler)
@@ -334,7 +438,7 @@ class Trainer:
             return
         self.last_val_loss = float(np.mean(losses))
         self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss})
-        _log(f"step {self.step}: val loss {self.last_val_loss:.4f}")
+        self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}")
 
     @staticmethod
     def _write(metrics, record: dict) -> None:
@@ -346,15 +450,17 @@ class Trainer:
         # The same estimator as zoo inspect and the model cards.
         mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing)
         tf = self.token_file
-        _log(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads")
-        _log(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
-             f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
-             f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
-             f"{' with activation checkpointing' if m.checkpointing else ''}")
-        _log(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
-             f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
+        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads")
+        self.say(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
+                 f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
+                 f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
+                 f"{' with activation checkpointing' if m.checkpointing else ''}")
+        self.say(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
+                 f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
-        _log(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens; run folder {self.out}")
+        evals = f"evaluation every {self.eval_every} steps" if self.eval_every else "evaluation at start and end"
+        self.say(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens, {evals}; "
+                 f"run folder {self.out}")
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -435,7 +541,7 @@ class Trainer:
         try:
             return plot_run(self.out)
         except (OSError, ValueError) as e:
-            _log(f"note: no loss plot ({e})")
+            self.say(f"note: no loss plot ({e})")
             return None
 
 

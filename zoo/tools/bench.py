@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chart of step times and zoo's per-block times (default: next to --json)")
     p.add_argument("--ad", default="manual", help="zoo's differentiation backend (default: manual pullbacks)")
     p.add_argument("--checkpointing", action="store_true", help="zoo with activation checkpointing")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token batch")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token batch (default 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
