@@ -189,3 +189,29 @@ def test_inspect_into_head(checkpoint):
                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
         assert proc.stdout == f"{checkpoint}\n"
+
+
+def test_a_run_whose_console_closes_trains_to_the_end(tmp_path):
+    """`zoo train 2>&1 | head`: the console's reader goes away, the run does not. It finishes,
+    publishes its model and keeps every line in train.log."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    out = tmp_path / "run"
+    try:
+        proc = subprocess.run([*ZOO, "demo", "--steps", "30", "--out", str(out), "--cache-dir", str(tmp_path / "c"),
+                               *FAST], stdout=write_end, stderr=write_end)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0
+    assert (out / "model.safetensors").is_file() and (out / "loss.png").is_file()
+    log = (out / "train.log").read_text()
+    assert "step 30/30" in log and log.rstrip().splitlines()[-1].startswith("done: step 30")
+
+
+def test_the_demo_spaces_its_evaluations_to_its_length(tmp_path):
+    out = tmp_path / "run"
+    assert main(["demo", "--steps", "20", "--out", str(out), "--cache-dir", str(tmp_path / "c"), *FAST]) == 0
+    import json
+
+    evals = [r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    assert evals == list(range(0, 21, 2))

@@ -170,12 +170,50 @@ def _layer(*layers: dict) -> dict:
 def _run_training(cfg: TrainConfig) -> int:
     from .trainer import Trainer, sample_text
 
-    trainer = Trainer(cfg)
-    trainer.run()  # its last line ("done: ...") names the run folder in full
-    if cfg.sample_tokens:
-        print("--- sample ---", file=sys.stderr)
-        sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
+    real_stderr = sys.stderr
+    sys.stderr = _ConsoleThatOutlivesItsReader(real_stderr)
+    try:
+        trainer = Trainer(cfg)
+        trainer.run()  # its last line ("done: ...") names the run folder in full
+        if cfg.sample_tokens:
+            print("--- sample ---", file=sys.stderr)
+            sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
+    finally:
+        sys.stderr = real_stderr
     return 0
+
+
+class _ConsoleThatOutlivesItsReader:
+    """stderr during a training run. If its reader goes away (`zoo train 2>&1 | head`), the run
+    goes on without a console, train.log keeping every line, instead of dying at the next
+    progress update: a closed console is no reason to lose hours of training."""
+
+    def __init__(self, stream):
+        self._stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._lose()
+
+    def _lose(self) -> None:
+        self.gone = True
+        # The real stream's buffer still holds what could not be written: point its descriptor at
+        # /dev/null so that flushing it (here, or at interpreter exit) succeeds.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+
+    def __getattr__(self, name):  # isatty, fileno, encoding ... of the real stream
+        return getattr(self._stream, name)
 
 
 def _add_train(sub) -> None:
@@ -215,7 +253,7 @@ def _cmd_finetune(args) -> int:
 
 
 def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the embedded demo: a tiny model trained from scratch in a few minutes")
+    p = sub.add_parser("demo", help="the embedded demo: a tiny model trained from scratch (about 15 s on 2 cores)")
     _add_train_flags(p, DEMO)
     p.set_defaults(run=lambda args: _run_training(_train_config(args, DEMO)))
 
@@ -262,6 +300,7 @@ def _cmd_generate(args) -> int:
     stream = TextStream(tokenizer, ids)
     if args.echo:  # as the trainer's sample: the continuation reads on from the prompt
         sys.stdout.write(args.prompt)
+        sys.stdout.flush()  # shown while the model reads the prompt
     generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
              stop_ids=tokenizer.eos_ids, on_token=stream)
     stream.finish()

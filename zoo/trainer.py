@@ -182,9 +182,10 @@ class Trainer:
     # --- what the console shows, and train.log ----------------------------------------
 
     def say(self, msg: str) -> None:
-        """A console line (above the progress bar), also written to train.log."""
-        _log(msg)
+        """A console line (above the progress bar), also written to train.log (first: the log
+        keeps it whatever happens to the console)."""
         self._record(msg)
+        _log(msg)
 
     def _record(self, line: str) -> None:
         """A line for train.log only; held back until the run owns its folder (see _start_log),
@@ -287,7 +288,7 @@ class Trainer:
         the new total, as if the run had been planned with it). It cannot shrink."""
         step, planned, total = state["step"], state["total_steps"], self.total_steps
         given = next((name for name in BUDGET_FIELDS if getattr(self.cfg, name) is not None), None)
-        budget = f"--{given} {getattr(self.cfg, given)}" if given else f"the default {total} steps"
+        budget = f"--{given} {getattr(self.cfg, given):g}" if given else f"the default {total} steps"
         if given in ("epochs", "tokens"):
             budget += f" ({total} steps)"
         if total == planned:
