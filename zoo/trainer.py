@@ -459,7 +459,8 @@ class Trainer:
         self.say(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
                  f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
-        evals = f"evaluation every {self.eval_every} steps" if self.eval_every else "evaluation at start and end"
+        evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
+                 else "evaluation at start and end")
         self.say(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens, {evals}; "
                  f"run folder {self.out}")
 
