@@ -79,18 +79,13 @@ class ModelConfig(BaseModel):
             data["d_ff"] = 4 * data["d_model"]
         return data
 
-    @field_validator("norm")
+    @field_validator("norm", "mlp")
     @classmethod
-    def _registered_norm(cls, v: str) -> str:
-        if v not in blocks.norms():
-            raise ValueError(f"{v!r} is no norm of this zoo; registered: {', '.join(blocks.norms())}")
-        return v
-
-    @field_validator("mlp")
-    @classmethod
-    def _registered_activation(cls, v: str) -> str:
-        if v not in blocks.activations():
-            raise ValueError(f"{v!r} is no MLP activation of this zoo; registered: {', '.join(blocks.activations())}")
+    def _registered_block(cls, v: str, info) -> str:
+        registered, what = (blocks.norms(), "norm") if info.field_name == "norm" else (blocks.activations(),
+                                                                                       "MLP activation")
+        if v not in registered:
+            raise ValueError(f"{v!r} is no {what} of this zoo; registered: {', '.join(registered)}")
         return v
 
     @model_validator(mode="after")

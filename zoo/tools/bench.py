@@ -141,7 +141,9 @@ def matmul_params(cfg) -> int:
     """Parameters that take part in a matrix multiply: every layer's q/k/v, attention output,
     MLP in (gate and up for SwiGLU) and out weights, and the LM head (the embedding matrix
     again when tied). Embedding lookups, norms and biases are not matmuls."""
-    fc_out = 2 * cfg.d_ff if cfg.mlp == "swiglu" else cfg.d_ff
+    from .. import blocks
+
+    fc_out = blocks.activations()[cfg.mlp]["gate_width"] * cfg.d_ff
     per_layer = cfg.d_model * cfg.qkv_dim + cfg.n_head * cfg.head_dim * cfg.d_model \
         + cfg.d_model * fc_out + cfg.d_ff * cfg.d_model
     return cfg.n_layer * per_layer + cfg.d_model * cfg.vocab_size
