@@ -5,7 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "blas.hpp"
+#include "gemm.hpp"
 #include "model.hpp"
 
 namespace py = pybind11;
@@ -75,8 +75,49 @@ PYBIND11_MODULE(_native, m) {
     m.def("set_threads", [](int n) {
         if (n < 1) throw std::invalid_argument("zoo: threads must be >= 1");
         omp_set_num_threads(n);
-        zoo::blas::set_threads(n);
+        zoo::gemm::set_threads(n);
     });
+    // The GEMM libraries (gemm.hpp): which fp32 products run on, and what bf16 can do here.
+    m.def("set_gemm_library", &zoo::gemm::set_fp32_library, py::arg("name"),
+          "The library fp32 products run on in this process: openblas, mkl or onednn where built in; auto: "
+          "the measured fastest for this CPU.");
+    m.def("gemm_info", []() {
+        std::vector<std::string> built;
+        for (auto l : zoo::gemm::built_in()) built.push_back(zoo::gemm::name(l));
+        return py::dict(py::arg("fp32") = zoo::gemm::name(zoo::gemm::fp32_library()),
+                        py::arg("fp32_default") = zoo::gemm::name(zoo::gemm::default_fp32_library()),
+                        py::arg("bf16") = zoo::gemm::bf16_built() ? py::object(py::str("onednn")) : py::object(py::none()),
+                        py::arg("built_in") = built, py::arg("bf16_native") = zoo::gemm::bf16_native(),
+                        py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa());
+    });
+    // One product through gemm.hpp, for tests and zoo.tools.bench_gemm: A and B as stored
+    // (A (M,K), or (K,M) with trans_a; B (K,N), or (N,K) with trans_b); C = op(A) op(B), or
+    // added into c (returned) when given.
+    using F32 = py::array_t<float, py::array::c_style | py::array::forcecast>;
+    m.def("gemm", [](F32 A, F32 B, bool trans_a, bool trans_b, const std::string& precision, std::optional<F32> c,
+                     bool allow_emulated) {
+        if (A.ndim() != 2 || B.ndim() != 2) throw std::invalid_argument("zoo: gemm takes 2-D operands");
+        const int M = (int)(trans_a ? A.shape(1) : A.shape(0)), K = (int)(trans_a ? A.shape(0) : A.shape(1));
+        const int N = (int)(trans_b ? B.shape(0) : B.shape(1));
+        if ((trans_b ? B.shape(1) : B.shape(0)) != K) throw std::invalid_argument("zoo: gemm operands do not match");
+        F32 C = c ? *c : F32({M, N});
+        if (C.ndim() != 2 || C.shape(0) != M || C.shape(1) != N) throw std::invalid_argument("zoo: gemm c has the wrong shape");
+        const zoo::Precision p = zoo::precision_named(precision);
+        if (!allow_emulated || !zoo::gemm::bf16_built()) zoo::gemm::require_precision(p);
+        {
+            py::gil_scoped_release nogil;
+            zoo::gemm::gemm(p, trans_a, trans_b, M, N, K, A.data(), (int)A.shape(1), B.data(), (int)B.shape(1),
+                            c ? 1.0f : 0.0f, C.mutable_data(), N);
+        }
+        return C;
+    }, py::arg("a"), py::arg("b"), py::arg("trans_a") = false, py::arg("trans_b") = false,
+       py::arg("precision") = "fp32", py::arg("c") = py::none(), py::arg("allow_emulated") = false,
+       "allow_emulated: run bf16 on a CPU without bf16 dot products too (oneDNN emulates them), to measure it.");
+    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K) {
+        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K);
+    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"));
+    m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
+          "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });
     m.def("build_info", []() {
         py::dict info;
@@ -86,7 +127,6 @@ PYBIND11_MODULE(_native, m) {
         info["compiler"] = std::string("gcc ") + __VERSION__;
 #endif
         info["openmp"] = _OPENMP;
-        info["blas"] = ZOO_BLAS_NAME;
         // The Clad backend: which blocks can take Clad's pullback (zoo.Model(ad=...)).
         info["clad"] = zoo::clad_built;
 #ifdef ZOO_CLAD
@@ -210,6 +250,8 @@ PYBIND11_MODULE(_native, m) {
              })
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
+        .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })
+        .def("precision", [](Executor& e) { return zoo::precision_name(e.precision()); })
         .def("set_clad_blocks", &Executor::set_clad_blocks)
         .def("clad_blocks", &Executor::clad_blocks)
         .def("checkpointing", &Executor::checkpointing)

@@ -332,6 +332,11 @@ void Executor::check_trainable() const {
     }
 }
 
+void Executor::set_precision(Precision p) {
+    gemm::require_precision(p);
+    precision_ = p;
+}
+
 void Executor::plan(int B, int T) {
     if (B <= 0 || T <= 0) throw std::invalid_argument("zoo: batch and sequence length must be positive");
     if (T > d_.max_seq_len)
@@ -371,7 +376,8 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
-    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
+    const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
+                 proj = linear(d_.d_ff, d);
     TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
     TIMED(forward, linear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
@@ -412,7 +418,8 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     LayerTensors& g = g_.layers[i];
     const LayerActs& a = a_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
-    const Linear qkv{d, d_.qkv_dim()}, attn_out{d_.attn_dim(), d}, fc{d, d_.fc_dim()}, proj{d_.d_ff, d};
+    const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
+                 proj = linear(d_.d_ff, d);
     float* scratch = a_.pullback_scratch;
     // The norm outputs and the activation output live in buffers every layer shares: recompute
     // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks the MLP
@@ -460,7 +467,7 @@ void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
 double Executor::head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode) {
     const int d = d_.d_model, V = d_.vocab_size;
     const CrossEntropy ce{V};
-    const Linear lm{d, V};
+    const Linear lm = linear(d, V);
     int n_valid = 0;
     for (int n = 0; n < N; n++) n_valid += targets[n] != CrossEntropy::ignore_index;
     double total = 0.0;
@@ -513,7 +520,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
     const size_t need = (size_t)N * d_.vocab_size;
     if (logits_arena_.size < need) logits_arena_.reset(need);
     TIMED(forward, linear,
-          Linear{d_.d_model, d_.vocab_size}.forward(a_.lnf, head_weight(), nullptr, logits_arena_.data, N));
+          linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_weight(), nullptr, logits_arena_.data, N));
     return NAN;
 }
 
@@ -633,7 +640,7 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
     for (int b = 0; b < B; b++)
         std::memcpy(c_last_ + (size_t)b * d, x + ((size_t)b * T + T - 1) * d, sizeof(float) * d);
     norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, B);
-    Linear{d, V}.forward(cached_.ln1, head_weight(), nullptr, c_logits_, B);
+    linear(d, V).forward(cached_.ln1, head_weight(), nullptr, c_logits_, B);
     return c_logits_;
 }
 

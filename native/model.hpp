@@ -175,6 +175,10 @@ public:
     // Keep only each layer's input; recompute its internals during the pullback.
     void set_checkpointing(bool on);
     bool checkpointing() const { return checkpointing_; }
+    // The precision of every matrix product (gemm.hpp); the rest of the step stays fp32:
+    // weights, gradients, AdamW moments, norms, softmax, cross-entropy and the residual stream.
+    void set_precision(Precision p);
+    Precision precision() const { return precision_; }
     // Blocks (by registry name) whose pullback is Clad's; the others use the hand-written one.
     void set_clad_blocks(const std::vector<std::string>& names);
     std::vector<std::string> clad_blocks() const { return {ad_.clad.begin(), ad_.clad.end()}; }
@@ -215,6 +219,7 @@ private:
 
     Arena acts_;
     bool checkpointing_ = false;
+    Precision precision_ = Precision::fp32;
     AdChoice ad_;
     Pullbacks pb_;
     int cap_B_ = 0, cap_T_ = 0, cap_threads_ = 0;
@@ -246,6 +251,7 @@ private:
                        float* dx, float* dw, float* db, int N, GradMode mode) const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head_w; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head_w; }
+    Linear linear(int in, int out) const { return Linear{in, out, precision_}; }
 };
 
 }  // namespace zoo

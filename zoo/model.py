@@ -49,6 +49,24 @@ class ADError(ValueError):
     """A pullback backend this build of zoo, or this block, does not have."""
 
 
+PRECISIONS = ("fp32", "bf16")
+
+
+class PrecisionError(ValueError):
+    """A precision this build of zoo, or this CPU, cannot run well."""
+
+
+def check_precision(precision: str) -> None:
+    """Raises PrecisionError, naming what is missing, if precision cannot run here: bf16 needs
+    oneDNN in the build and a CPU with bf16 dot products (docs/training.md)."""
+    if precision not in PRECISIONS:
+        raise PrecisionError(f"precision {precision!r} is unknown: choose {' or '.join(PRECISIONS)}")
+    try:
+        _native.require_precision(precision)
+    except RuntimeError as e:
+        raise PrecisionError(str(e).removeprefix("zoo: ")) from None
+
+
 def model_blocks(cfg: ModelConfig) -> list[str]:
     """The blocks whose pullbacks a training step of cfg runs: the config's norm and activation
     and the blocks every model has (rope only with RoPE positions). The residual adds are fused
@@ -130,10 +148,16 @@ class Model:
     ad: which pullbacks a training step runs (resolve_ad): "manual", the hand-written ones;
     "clad", the ones Clad generated from each block's forward (a Clad build, docs/clad.md); or a
     mapping {block: "manual" | "clad"} that puts any subset of blocks on Clad.
+    precision: of the matrix products, "fp32" or "bf16" (operands rounded to bf16, products
+    summed in fp32, on CPUs with bf16 dot products); weights, gradients, AdamW moments, norms,
+    softmax, cross-entropy and the residual stream stay fp32 either way.
     """
 
     def __init__(self, config: ModelConfig, seed: Optional[int] = 0, checkpointing: bool = False,
-                 ad: AdSpec = "manual"):
+                 ad: AdSpec = "manual", precision: str = "fp32"):
+        from . import apply_gemm_environment
+
+        apply_gemm_environment()
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
         self._offsets, self.n_params = parameter_offsets(self.layout)
@@ -147,6 +171,7 @@ class Model:
         self._exec.set_checkpointing(bool(checkpointing))
         self.ad = resolve_ad(ad, config)
         self._exec.set_clad_blocks([b for b, v in self.ad.items() if v == "clad"])
+        self.set_precision(precision)
         if seed is not None:
             self.init_weights(seed)
 
@@ -281,6 +306,15 @@ class Model:
         """Turn activation checkpointing on or off (re-plans the activation arena)."""
         self._exec.set_checkpointing(bool(on))
 
+    @property
+    def precision(self) -> str:
+        return str(self._exec.precision())
+
+    def set_precision(self, precision: str) -> None:
+        """The precision of the matrix products from the next call on (see the class doc)."""
+        check_precision(precision)
+        self._exec.set_precision(precision)
+
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes of the activation arena for a training step at (batch_size, seq_len)."""
         return activation_bytes(self.config, batch_size, seq_len, self.checkpointing,
@@ -302,4 +336,5 @@ class Model:
     def __repr__(self) -> str:
         c = self.config
         return (f"Model({c.family}-named, {self.n_params:,} parameters, d_model={c.d_model}, "
-                f"n_layer={c.n_layer}, norm={c.norm}, mlp={c.mlp}, positions={c.positions})")
+                f"n_layer={c.n_layer}, norm={c.norm}, mlp={c.mlp}, positions={c.positions}, "
+                f"precision={self.precision})")

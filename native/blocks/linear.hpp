@@ -1,4 +1,5 @@
-// Linear layer through BLAS: y = x W^T + b, W stored (out, in) like torch.nn.Linear.
+// Linear layer: y = x W^T + b, W stored (out, in) like torch.nn.Linear; its products in the
+// layer's precision (gemm.hpp: fp32, or bf16 operands with fp32 accumulation).
 #pragma once
 #include <cstddef>
 #include <cstring>
@@ -6,14 +7,15 @@
 #include "../block.hpp"
 #include "../clad_backend.hpp"
 #include "../columns.hpp"
-#include "../blas.hpp"
+#include "../gemm.hpp"
 
 namespace zoo {
 
 // y += x W^T, x (N, in), W (out, in), y (N, out): the layer's GEMM as a function of its own,
-// so Clad can be handed its derivative (the hand-written one, below).
-inline void linear_gemm(const float* x, const float* W, float* y, int N, int in, int out) {
-    blas::gemm(false, true, N, out, in, 1.0f, x, in, W, in, 1.0f, y, out);
+// so Clad can be handed its derivative (the hand-written one, below). precision is a
+// Precision as an int: Clad passes integers through.
+inline void linear_gemm(const float* x, const float* W, float* y, int N, int in, int out, int precision) {
+    gemm::gemm((Precision)precision, false, true, N, out, in, x, in, W, in, 1.0f, y, out);
 }
 
 // y[n] += b, row n of y. The row index is an argument, not an offset of y: Clad (master
@@ -26,18 +28,19 @@ inline void linear_bias_row(const float* b, float* y, int n, int out) {
 // arithmetic as Linear::forward with residual = y, which runs the bias rows in parallel.
 // Bias first: after the GEMM, Clad would tape y for the GEMM's derivative.
 inline void linear_forward_rows(const float* x, const float* W, const float* b, float* y, int N,
-                                int in, int out) {
+                                int in, int out, int precision) {
     for (int n = 0; n < N; n++) linear_bias_row(b, y, n, out);
-    linear_gemm(x, W, y, N, in, out);
+    linear_gemm(x, W, y, N, in, out, precision);
 }
 
 inline void linear_forward_rows_nobias(const float* x, const float* W, float* y, int N, int in,
-                                       int out) {
-    linear_gemm(x, W, y, N, in, out);
+                                       int out, int precision) {
+    linear_gemm(x, W, y, N, in, out, precision);
 }
 
 struct Linear {
     int in, out;
+    Precision precision = Precision::fp32;
 
     // x: (N, in); y: (N, out); b may be null. With residual (which may be y itself):
     // y = residual + x W^T + b, the residual add fused into the GEMM: one pass writes
@@ -59,7 +62,7 @@ struct Linear {
             }
             beta = 1.0f;
         }
-        blas::gemm(false, true, N, out, in, 1.0f, x, in, W, in, beta, y, out);
+        gemm::gemm(precision, false, true, N, out, in, x, in, W, in, beta, y, out);
     }
 
     // dx = dy W (added into dx when accumulate_dx, else written; dx may be null),
@@ -75,12 +78,12 @@ struct Linear {
     // pullback recomputes act, its output projection's input, in the same pass that turns
     // that projection's dx into the activation's adjoint.
     void pullback_input(const float* W, const float* dy, float* dx, int N, bool accumulate_dx = false) const {
-        blas::gemm(false, false, N, in, out, 1.0f, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
+        gemm::gemm(precision, false, false, N, in, out, dy, out, W, in, accumulate_dx ? 1.0f : 0.0f, dx, in);
     }
 
     void pullback_params(const float* x, const float* dy, float* dW, float* db, int N, GradMode mode) const {
         const bool add = mode == GradMode::add;
-        blas::gemm(true, false, out, in, N, 1.0f, dy, out, x, in, add ? 1.0f : 0.0f, dW, in);
+        gemm::gemm(precision, true, false, out, in, N, dy, out, x, in, add ? 1.0f : 0.0f, dW, in);
         if (db) {
             const int block = column_block(out);
 #pragma omp parallel for schedule(static)
@@ -126,14 +129,14 @@ namespace clad::custom_derivatives::zoo {
 // Clad's pullback first replays the forward. A reverse_forw that carries a pullback_state
 // replaces the GEMM in that replay; this one does nothing: the GEMM's output is already in
 // the activation arena and no adjoint reads it, so the replay costs no GEMM.
-inline void linear_gemm_reverse_forw(const float*, const float*, float*, int, int, int,
-                                     const float*, const float*, float*, int, int, int,
+inline void linear_gemm_reverse_forw(const float*, const float*, float*, int, int, int, int,
+                                     const float*, const float*, float*, int, int, int, int,
                                      clad::pullback_state<>&) {}
 // The GEMM's derivative: the hand-written pullback without its bias part.
 inline void linear_gemm_pullback(const float* x, const float* W, float* y, int N, int in, int out,
-                                 float* d_x, float* d_W, float* d_y, int*, int*, int*,
-                                 clad::pullback_state<>) {
-    ::zoo::Linear{in, out}.pullback(x, W, d_y, d_x, d_W, nullptr, N, /*accumulate_dx=*/true, ::zoo::GradMode::add);
+                                 int precision, float* d_x, float* d_W, float* d_y, int*, int*, int*,
+                                 int*, clad::pullback_state<>) {
+    ::zoo::Linear{in, out, (::zoo::Precision)precision}.pullback(x, W, d_y, d_x, d_W, nullptr, N, /*accumulate_dx=*/true, ::zoo::GradMode::add);
 }
 }  // namespace clad::custom_derivatives::zoo
 
@@ -150,10 +153,10 @@ void zoo::Linear::pullback_clad(const float* x, const float* W, const float* b, 
     float* d_y = const_cast<float*>(dy);
     if (b)
         clad::gradient(linear_forward_rows, "x, W, b, y")
-            .execute(x, W, b, y_scratch, N, in, out, dx, dW, db, d_y);
+            .execute(x, W, b, y_scratch, N, in, out, (int)precision, dx, dW, db, d_y);
     else
         clad::gradient(linear_forward_rows_nobias, "x, W, y")
-            .execute(x, W, y_scratch, N, in, out, dx, dW, d_y);
+            .execute(x, W, y_scratch, N, in, out, (int)precision, dx, dW, d_y);
 }
 
 void zoo::linear_pullback_clad(const Linear& l, const float* x, const float* W, const float* b, const float* dy,

@@ -21,6 +21,7 @@ its single-tensor for-loop implementation: foreach kernels are not the CPU defau
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -66,7 +67,7 @@ def load_weights(model, weights_path: str) -> tuple[list, list]:
     return decay, no_decay
 
 
-def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int) -> dict:
+def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int, precision: str = "fp32") -> dict:
     rss_start = _rss_now_mib()
     import numpy as np
     import torch
@@ -93,9 +94,15 @@ def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int) -> 
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     clip = opt_cfg["max_grad_norm"]
 
+    # bf16 as PyTorch users write it: autocast around the forward; weights, gradients and
+    # AdamW stay fp32.
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16"
+                else contextlib.nullcontext())
+
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        loss = model(x, y)
+        with autocast:
+            loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
@@ -112,7 +119,8 @@ def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int) -> 
         "step_s": times, "losses": losses,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,
         "threads": torch.get_num_threads(),
-        "implementation": f"PyTorch {torch.__version__} eager, AdamW("
+        "implementation": f"PyTorch {torch.__version__} eager"
+                          + (", autocast bf16" if precision == "bf16" else "") + ", AdamW("
                           + ("fused=True" if optimizer == "fused" else "defaults") + ")",
         "torch_version": torch.__version__,
         "median_s": statistics.median(times),
@@ -126,10 +134,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--out", required=True, help="where to write the result (JSON)")
     a = ap.parse_args(argv)
     try:
-        result = run(a.workdir, a.optimizer, a.steps, a.warmup, a.threads)
+        result = run(a.workdir, a.optimizer, a.steps, a.warmup, a.threads, a.precision)
     except NotImplementedError as e:  # a block the reference lacks: one line for zoo bench to show
         print(f"bench_torch: {e}", file=sys.stderr)
         return 3

@@ -1,0 +1,296 @@
+#include "gemm.hpp"
+
+#include <cpuid.h>
+#include <omp.h>
+
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+
+#include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
+#ifdef ZOO_GEMM_MKL
+// oneMKL's two entry points, declared here: its cblas.h clashes with OpenBLAS's. CBLAS enums
+// are ints with the same values in both.
+extern "C" {
+void cblas_sgemm(int layout, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A, int lda,
+                 const float* B, int ldb, float beta, float* C, int ldc);
+void MKL_Set_Num_Threads(int n);
+}
+#endif
+#ifdef ZOO_GEMM_ONEDNN
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
+namespace zoo {
+
+Precision precision_named(const std::string& name) {
+    if (name == "fp32") return Precision::fp32;
+    if (name == "bf16") return Precision::bf16;
+    throw std::invalid_argument("zoo: precision '" + name + "' is unknown (fp32 or bf16)");
+}
+
+namespace gemm {
+
+namespace {
+
+Library chosen = Library::openblas;
+bool chosen_set = false;
+
+#ifdef ZOO_GEMM_ONEDNN
+// One oneDNN matmul primitive per product shape, made on first use and kept: a step makes the
+// same few products every time, so after the first step no call creates or allocates anything.
+// Operands are bound to the cached memory objects and executed through the C API, whose
+// argument list lives on the stack.
+struct Key {
+    int precision, trans_a, trans_b, M, N, K, lda, ldb, ldc, accumulate;
+    bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
+};
+struct KeyHash {
+    size_t operator()(const Key& k) const {
+        size_t h = 1469598103934665603ull;
+        const int* f = &k.precision;
+        for (size_t i = 0; i < sizeof(Key) / sizeof(int); i++) h = (h ^ (size_t)(unsigned)f[i]) * 1099511628211ull;
+        return h;
+    }
+};
+struct Matmul {
+    dnnl::matmul primitive;
+    dnnl::memory a, b, c;
+    std::string kernel;  // oneDNN's name for the implementation it picked
+};
+
+dnnl::engine& engine() {
+    static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+    return e;
+}
+
+Matmul make_matmul(const Key& k) {
+    using dt = dnnl::memory::data_type;
+    using dims = dnnl::memory::dims;
+    // A (M,K) and B (K,N) described by strides, so a transposed operand is read in place.
+    const dnnl::memory::desc a({k.M, k.K}, dt::f32, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
+    const dnnl::memory::desc b({k.K, k.N}, dt::f32, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
+    const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
+    dnnl::primitive_attr attr;
+    // bf16: oneDNN rounds both operands to bf16 (round to nearest even) and accumulates the
+    // products in fp32, on the CPU's bf16 dot-product instructions (AVX512_BF16, AMX).
+    if (k.precision == (int)Precision::bf16) attr.set_fpmath_mode(dnnl::fpmath_mode::bf16);
+    if (k.accumulate) {
+        dnnl::post_ops ops;
+        ops.append_sum(1.0f);
+        attr.set_post_ops(ops);
+    }
+    const dnnl::matmul::primitive_desc pd(engine(), a, b, c, attr);
+    return {dnnl::matmul(pd), dnnl::memory(a, engine(), nullptr), dnnl::memory(b, engine(), nullptr),
+            dnnl::memory(c, engine(), nullptr), pd.impl_info_str()};
+}
+
+std::string onednn_kernel(const Key& k) { return make_matmul(k).kernel; }
+
+void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
+                 int ldb, float beta, float* C, int ldc) {
+    static std::mutex mutex;  // the cached memory objects are rebound on every call
+    static std::unordered_map<Key, Matmul, KeyHash> cache;
+    static dnnl::stream stream(engine());
+    const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f};
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, make_matmul(key)).first;
+    Matmul& m = it->second;
+    dnnl_memory_set_data_handle(m.a.get(), const_cast<float*>(A));
+    dnnl_memory_set_data_handle(m.b.get(), const_cast<float*>(B));
+    dnnl_memory_set_data_handle(m.c.get(), C);
+    const dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
+    if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+        throw std::runtime_error("zoo: oneDNN matmul failed");
+    stream.wait();
+}
+#endif
+
+void check_beta(float beta) {
+    if (beta != 0.0f && beta != 1.0f) throw std::invalid_argument("zoo: gemm takes beta 0 or 1");
+}
+
+}  // namespace
+
+void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+          float beta, float* C, int ldc) {
+    check_beta(beta);
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {  // an empty sum: C = beta C
+        if (beta == 0.0f)
+            for (int m = 0; m < M; m++) std::memset(C + (size_t)m * ldc, 0, sizeof(float) * N);
+        return;
+    }
+    if (p == Precision::bf16) {
+#ifdef ZOO_GEMM_ONEDNN
+        onednn_gemm(p, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+        return;
+#else
+        require_precision(p);  // throws
+#endif
+    }
+    switch (fp32_library()) {
+#ifdef ZOO_GEMM_MKL
+        case Library::mkl:
+            cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
+                        A, lda, B, ldb, beta, C, ldc);
+            return;
+#endif
+#ifdef ZOO_GEMM_ONEDNN
+        case Library::onednn:
+            onednn_gemm(p, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc);
+            return;
+#endif
+        default:
+            scipy_cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, M, N, K,
+                              1.0f, A, lda, B, ldb, beta, C, ldc);
+    }
+}
+
+std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K) {
+    const bool dnnl = p == Precision::bf16 || fp32_library() == Library::onednn;
+#ifdef ZOO_GEMM_ONEDNN
+    if (dnnl) return std::string("onednn:") + onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0});
+#endif
+    require_precision(p);
+    (void)dnnl;
+    return name(fp32_library());
+}
+
+const char* name(Library lib) {
+    switch (lib) {
+        case Library::mkl: return "mkl";
+        case Library::onednn: return "onednn";
+        default: return "openblas";
+    }
+}
+
+std::vector<Library> built_in() {
+    std::vector<Library> libs{Library::openblas};
+#ifdef ZOO_GEMM_MKL
+    libs.push_back(Library::mkl);
+#endif
+#ifdef ZOO_GEMM_ONEDNN
+    libs.push_back(Library::onednn);
+#endif
+    return libs;
+}
+
+std::string cpu_vendor() {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return "unknown";
+    char v[13];
+    std::memcpy(v, &b, 4);
+    std::memcpy(v + 4, &d, 4);
+    std::memcpy(v + 8, &c, 4);
+    v[12] = 0;
+    return v;
+}
+
+// Measured (docs/benchmarks.md, `python -m zoo.tools.bench_gemm`): on Intel Xeons oneMKL's
+// sgemm runs GPT-2's products 0-10% faster than OpenBLAS; on AMD EPYC (Zen 4) it runs them
+// 20-40% slower. oneDNN's fp32 matmul trailed both on each.
+Library default_fp32_library() {
+#ifdef ZOO_GEMM_MKL
+    if (cpu_vendor() == "GenuineIntel") return Library::mkl;
+#endif
+    return Library::openblas;
+}
+
+Library fp32_library() {
+    if (!chosen_set) {
+        chosen = default_fp32_library();
+        chosen_set = true;
+    }
+    return chosen;
+}
+
+void set_fp32_library(const std::string& lib) {
+    if (lib == "auto") {
+        chosen = default_fp32_library();
+        chosen_set = true;
+        return;
+    }
+    std::string have;
+    for (Library l : built_in()) {
+        if (lib == name(l)) {
+            chosen = l;
+            chosen_set = true;
+            return;
+        }
+        have += std::string(have.empty() ? "" : ", ") + name(l);
+    }
+    const bool known = lib == "openblas" || lib == "mkl" || lib == "onednn";
+    throw std::invalid_argument("zoo: GEMM library '" + lib + "' " +
+                                (known ? "is not built into this zoo" : "is unknown") + " (built in: " + have +
+                                "; auto picks for the CPU)" +
+                                (lib == "mkl" ? ": install the mkl wheel (pip install mkl) and rebuild zoo" : "") +
+                                (lib == "onednn" ? ": install onednn-devel-cpu-gomp and rebuild zoo" : ""));
+}
+
+bool bf16_built() {
+#ifdef ZOO_GEMM_ONEDNN
+    return true;
+#else
+    return false;
+#endif
+}
+
+std::string cpu_isa() {
+#ifdef ZOO_GEMM_ONEDNN
+    switch (dnnl_get_effective_cpu_isa()) {
+        case dnnl_cpu_isa_sse41: return "sse41";
+        case dnnl_cpu_isa_avx: return "avx";
+        case dnnl_cpu_isa_avx2: return "avx2";
+        case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
+        case dnnl_cpu_isa_avx2_vnni_2: return "avx2_vnni_2";
+        case dnnl_cpu_isa_avx512_core: return "avx512_core";
+        case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
+        case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
+        case dnnl_cpu_isa_avx512_core_fp16: return "avx512_core_fp16";
+        case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
+        case dnnl_cpu_isa_avx512_core_amx_fp16: return "avx512_core_amx_fp16";
+        default: return "other";
+    }
+#else
+    return "";
+#endif
+}
+
+bool bf16_native() {
+#ifdef ZOO_GEMM_ONEDNN
+    // The ISA values are bit sets: each one contains the sets below it.
+    const unsigned isa = dnnl_get_effective_cpu_isa();
+    auto has = [&](unsigned set) { return (isa & set) == set; };
+    return has(dnnl_cpu_isa_avx512_core_bf16) || has(dnnl_cpu_isa_avx2_vnni_2);
+#else
+    return false;
+#endif
+}
+
+void require_precision(Precision p) {
+    if (p != Precision::bf16) return;
+    if (!bf16_built())
+        throw std::runtime_error(
+            "zoo: precision bf16 needs oneDNN, which this zoo was built without (install the onednn-cpu-gomp and "
+            "onednn-devel-cpu-gomp wheels, x86_64 only, and rebuild zoo); use precision fp32");
+    if (!bf16_native())
+        throw std::runtime_error(
+            "zoo: precision bf16 needs a CPU with bf16 dot products (AVX512_BF16 or AMX-BF16, or AVX-NE-CONVERT), "
+            "and this one has none (oneDNN's instruction set here: " + cpu_isa() +
+            "): oneDNN would run the products in fp32 on slower kernels than zoo's fp32 library, so bf16 "
+            "would gain nothing and lose speed (PyTorch users see the same: pytorch#86270). Use precision fp32");
+}
+
+void set_threads(int n) {
+#ifdef ZOO_GEMM_MKL
+    MKL_Set_Num_Threads(n);
+#endif
+    scipy_openblas_set_num_threads(n);
+    (void)n;  // oneDNN (GNU OpenMP) runs on zoo's own OpenMP threads
+}
+
+}  // namespace gemm
+}  // namespace zoo

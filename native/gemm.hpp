@@ -1,0 +1,47 @@
+// The matrix products, row-major, float32 in and out: every GEMM of every block goes through
+// gemm() here. fp32 products run on one of the libraries built in (OpenBLAS from the
+// scipy-openblas32 wheel always; oneMKL and oneDNN where their wheels were installed at build
+// time), chosen once per process (set_fp32_library; the default is the measured fastest for
+// the CPU, docs/benchmarks.md). bf16 products (mixed precision: operands rounded to bf16,
+// products accumulated in fp32) run on oneDNN, on CPUs with bf16 dot products only.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace zoo {
+
+enum class Precision : int { fp32 = 0, bf16 = 1 };
+inline const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
+Precision precision_named(const std::string& name);  // throws on an unknown name
+
+namespace gemm {
+
+enum class Library : int { openblas, mkl, onednn };
+
+// C[M,N] = op(A) op(B) + beta C, beta 0 or 1. trans_a/trans_b say whether A is stored (K,M)
+// and B stored (N,K).
+void gemm(Precision p, bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
+          int ldb, float beta, float* C, int ldc);
+
+// What would run op(A) op(B) of this shape, densely stored: the library, and for oneDNN its
+// kernel (e.g. "onednn:brg:avx512_core_amx"). For tests and reports.
+std::string kernel(Precision p, bool trans_a, bool trans_b, int M, int N, int K);
+const char* name(Library lib);
+std::vector<Library> built_in();          // the libraries this build links
+Library fp32_library();                   // the one fp32 products run on now
+void set_fp32_library(const std::string& name);  // "auto" restores the default
+Library default_fp32_library();           // the measured fastest built in, for this CPU's vendor
+
+// bf16: whether this build can run bf16 products at all, and whether this CPU (as oneDNN sees
+// it: DNNL_MAX_CPU_ISA lowers it) has native bf16 dot products. require_precision throws a
+// message naming what is missing when a precision cannot run well here.
+bool bf16_built();
+bool bf16_native();
+std::string cpu_isa();     // oneDNN's name for the instruction set it uses ("" without oneDNN)
+std::string cpu_vendor();  // from CPUID: GenuineIntel, AuthenticAMD, ...
+void require_precision(Precision p);
+
+void set_threads(int n);  // the threads a GEMM takes (OpenBLAS keeps a pool of its own)
+
+}  // namespace gemm
+}  // namespace zoo
