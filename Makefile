@@ -23,7 +23,7 @@ $(VENV)/bin/python:
 # The native core is built once here (no build isolation, so rebuilds reuse these tools).
 $(VENV)/.installed: $(VENV)/bin/python $(NATIVE)
 	$(PY) -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "scipy-openblas32>=0.3.27" ninja cmake \
-	    "mkl>=2025; platform_machine == 'x86_64'" "mkl-include>=2025; platform_machine == 'x86_64'"
+	    "onednn-cpu-gomp>=2023.2; platform_machine == 'x86_64'" "onednn-devel-cpu-gomp>=2023.2; platform_machine == 'x86_64'"
 	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 

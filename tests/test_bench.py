@@ -5,6 +5,9 @@ weights and data. One thread: fast and steady on a shared machine."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,11 @@ from zoo.presets import preset
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
+FP32_SYSTEMS = {"zoo", "torch_fused", "torch_default"}
+BF16_SYSTEMS = {"zoo", "zoo_bf16", "torch_fused", "torch_fused_bf16", "torch_default"}
+GEMM = zoo.gemm_info()
+needs_bf16 = pytest.mark.skipif(not (GEMM["bf16_native"] and GEMM["bf16"]),
+                                reason="bf16 products cannot run here (no bf16 dot products, or no oneDNN)")
 
 
 def check_system(s: dict, tokens: int, steps: int) -> None:
@@ -30,11 +38,13 @@ def check_system(s: dict, tokens: int, steps: int) -> None:
     assert math.isfinite(s["loss_first"]) and s["loss_first"] > 0
 
 
-def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2) -> None:
+def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precision: str = "fp32") -> None:
     tokens = batch * seq_len
+    assert r["schema"] == "zoo-bench/2" and r["precision"] == precision
+    assert f"--precision {precision}" in r["command"]
     assert r["batch"] == batch and r["seq_len"] == seq_len and r["tokens_per_step"] == tokens
     assert r["threads"] == 1 and r["steps"] == steps
-    assert set(r["systems"]) == {"zoo", "torch_fused", "torch_default"}
+    assert set(r["systems"]) == (BF16_SYSTEMS if precision == "bf16" else FP32_SYSTEMS)
     check_system(r["systems"]["zoo"], tokens, steps)
     assert r["flops_per_step"] == bench.step_flops(cfg, batch, seq_len)["total"] > 0
     for k in ("sgemm_gflops", "zoo_step_gflops"):
@@ -48,9 +58,47 @@ def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2) -> None
         assert b["forward_ms"] >= 0 and b["pullback_ms"] >= 0
         assert b["total_ms"] == pytest.approx(b["forward_ms"] + b["pullback_ms"])
     assert r["blocks"]["linear"]["forward_ms"] > 0 and r["blocks"]["linear"]["pullback_ms"] > 0
-    assert r["blocks_profile"]["in_blocks_ms"] > 0
+    assert r["blocks_profile"]["in_blocks_ms"] > 0 and r["blocks_profile"]["precision"] == precision
     assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == cfg.num_parameters()
     assert r["command"].startswith("zoo bench ")
+    # The GEMM libraries and the CPU, as the zoo workers reported them.
+    g = r["gemm"]
+    assert g["fp32_library"] in GEMM["built_in"]
+    assert g["lm_head_kernel"]["fp32"].split(":")[0] == g["fp32_library"]
+    assert g["lm_head_shape"] == {"m": tokens, "k": cfg.d_model, "n": cfg.vocab_size}
+    assert g["cpu_vendor"] == GEMM["cpu_vendor"] and g["onednn_isa"] == GEMM["onednn_isa"]
+    assert g["bf16_native"] == GEMM["bf16_native"]
+    assert isinstance(g["cpu"], str) and g["cpu"]
+    assert set(g["cpu_flags"]) <= {"avx512_bf16", "amx_bf16", "amx_tile", "avx_ne_convert", "avx512f", "avx2"}
+
+
+def check_bf16(r: dict, cfg, batch: int, seq_len: int) -> None:
+    """zoo_bf16 ran with bf16 products through oneDNN, and the report says so."""
+    from zoo._load_native import _native
+
+    tokens = batch * seq_len
+    check_common(r, cfg, batch, seq_len, precision="bf16")
+    zoo_s, bf16_s = r["systems"]["zoo"], r["systems"]["zoo_bf16"]
+    check_system(bf16_s, tokens, 2)
+    assert zoo_s["precision"] == "fp32" and bf16_s["precision"] == "bf16"
+    assert "bf16" in bf16_s["implementation"] and "fp32" in zoo_s["implementation"]
+    # bf16 operands change the loss a little, never much: a zoo_bf16 that ran fp32 fails the first.
+    assert bf16_s["loss_first"] != zoo_s["loss_first"]
+    assert bf16_s["loss_first"] == pytest.approx(zoo_s["loss_first"], abs=1e-2)
+    assert bf16_s["loss_last"] < bf16_s["loss_first"]
+    g = r["gemm"]
+    assert g["bf16_library"] == "onednn" and g["bf16_native"] is True
+    assert g["lm_head_kernel"]["bf16"].startswith("onednn:")
+    assert g["lm_head_kernel"]["bf16"] == _native.gemm_kernel("bf16", False, True, tokens, cfg.vocab_size, cfg.d_model)
+    assert set(g["cpu_flags"]) & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
+    bg = r["bf16_gemm"]
+    assert bg["precision"] == "bf16" and (bg["m"], bg["k"], bg["n"]) == (tokens, cfg.d_model, cfg.vocab_size)
+    assert r["sgemm"]["precision"] == "fp32"  # the fp32 rate is still there, from zoo's own worker
+    assert isinstance(r["bf16_gemm_gflops"], float) and r["bf16_gemm_gflops"] > 0
+    assert r["zoo_bf16_step_gflops"] == pytest.approx(r["flops_per_step"] / (bf16_s["step_ms_median"] / 1000) / 1e9,
+                                                      rel=1e-9)
+    assert r["zoo_bf16_step_fraction_of_bf16_gemm"] == pytest.approx(
+        r["zoo_bf16_step_gflops"] / r["bf16_gemm_gflops"], rel=1e-9)
 
 
 @pytest.mark.parametrize("name,batch,seq_len", [("tiny-gpt2", 2, 32), ("tiny-llama", 2, 48)])
@@ -100,6 +148,10 @@ def test_bench_zoo_alone_from_config_file(tmp_path, capsys):
     assert r["vs"] == "none" and r["model"]["config_file"] == str(cfg_file)
     assert r["systems"]["torch_fused"] is None and r["systems"]["torch_default"] is None
     assert r["ratios"] == {"zoo_over_torch_fused": None, "zoo_over_torch_default": None}
+    # fp32 alone: no bf16 system, rate or library in the report.
+    assert "zoo_bf16" not in table and "bf16 GEMM" not in table and "GEMM as zoo's workers ran it" in table
+    assert r["bf16_gemm"] is None and r["bf16_gemm_gflops"] is None
+    assert r["gemm"]["bf16_library"] is None and r["gemm"]["lm_head_kernel"]["bf16"] is None
     assert png.read_bytes()[:4] == b"\x89PNG" and not out.with_suffix(".png").exists()
 
 
@@ -126,6 +178,70 @@ def test_bench_rounds_pool_the_steps_and_report_each_round(tmp_path, capsys):
     assert r["zoo_step_fraction_of_sgemm"] == pytest.approx(r["zoo_step_gflops"] / r["sgemm_gflops"], rel=1e-9)
     assert main(["bench", "--preset", "tiny-gpt2", "--rounds", "0", *FAST]) == 1
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+@needs_bf16
+def test_bench_bf16_zoo_alone(tmp_path, capsys):
+    cfg = preset("tiny-gpt2")
+    out = tmp_path / "bf16.json"
+    assert main(["bench", "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "16", "--vs", "none",
+                 "--precision", "bf16", "--json", str(out), *FAST]) == 0
+    table = capsys.readouterr().out
+    for row in ("| zoo: fp32 |", "| zoo_bf16: bf16 matmuls |", "bf16 GEMM", "bf16 on onednn", "bf16 matmuls, ms per step"):
+        assert row in table, row
+    assert "torch_fused" not in table
+    r = json.loads(out.read_text())
+    check_bf16(r, cfg, 2, 16)
+    assert r["vs"] == "none"
+    assert {k for k, v in r["systems"].items() if v is not None} == {"zoo", "zoo_bf16"}
+    assert r["ratios"] == {"zoo_over_torch_fused": None, "zoo_bf16_over_torch_fused_bf16": None,
+                           "zoo_over_torch_default": None}
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@needs_bf16
+def test_bench_bf16_vs_torch_autocast(tmp_path, capsys):
+    pytest.importorskip("torch")
+    cfg = preset("tiny-llama")
+    out = tmp_path / "bf16.json"
+    assert main(["bench", "--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "16",
+                 "--precision", "bf16", "--json", str(out), *FAST]) == 0
+    table = capsys.readouterr().out
+    for row in ("| torch_fused_bf16: eager, autocast bf16, AdamW(fused=True) |", "| torch_fused: eager fp32",
+                "- zoo_bf16 / torch_fused_bf16: step time", "- zoo / torch_fused: step time"):
+        assert row in table, row
+    r = json.loads(out.read_text())
+    check_bf16(r, cfg, 2, 16)
+    for name in BF16_SYSTEMS:
+        check_system(r["systems"][name], 2 * 16, 2)
+    zoo_s, bf16_s, torch_bf16 = r["systems"]["zoo"], r["systems"]["zoo_bf16"], r["systems"]["torch_fused_bf16"]
+    assert torch_bf16["precision"] == "bf16" and "autocast bf16" in torch_bf16["implementation"]
+    # Same weights and data: PyTorch's autocast and zoo's bf16 products agree to bf16's precision,
+    # and autocast really ran (the fp32 PyTorch loss is another number).
+    assert torch_bf16["loss_first"] == pytest.approx(bf16_s["loss_first"], abs=1e-2)
+    assert torch_bf16["loss_first"] != r["systems"]["torch_fused"]["loss_first"]
+    assert r["systems"]["torch_fused"]["loss_first"] == pytest.approx(zoo_s["loss_first"], rel=1e-4)
+    ratio = r["ratios"]["zoo_bf16_over_torch_fused_bf16"]
+    assert ratio["step_time"] == pytest.approx(bf16_s["step_ms_median"] / torch_bf16["step_ms_median"], rel=1e-9)
+    assert ratio["peak_rss"] == pytest.approx(bf16_s["peak_rss_mib"] / torch_bf16["peak_rss_mib"], rel=1e-9)
+    assert r["ratios"]["zoo_over_torch_fused"]["step_time"] == pytest.approx(
+        zoo_s["step_ms_median"] / r["systems"]["torch_fused"]["step_ms_median"], rel=1e-9)
+    (e,) = r["by_round"]
+    assert e["zoo_bf16_over_torch_fused_bf16"] == pytest.approx(e["zoo_bf16_step_ms"] / e["torch_fused_bf16_step_ms"])
+
+
+def test_bench_bf16_without_bf16_dot_products_fails_in_one_line(tmp_path):
+    """oneDNN capped below bf16 (DNNL_MAX_CPU_ISA): zoo bench refuses before any work, in one line."""
+    out = tmp_path / "never.json"
+    env = dict(os.environ, DNNL_MAX_CPU_ISA="AVX512_CORE")
+    proc = subprocess.run([sys.executable, "-m", "zoo.cli", "bench", "--preset", "tiny-gpt2", "--seq-len", "8",
+                           "--vs", "none", "--precision", "bf16", "--json", str(out), *FAST],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr  # no "writing weights", no worker started
+    assert lines[0].startswith("zoo bench: error:") and "bf16" in lines[0]
+    assert "Traceback" not in proc.stderr and proc.stdout == "" and not out.exists()
 
 
 def test_bench_bad_settings(tmp_path, capsys, monkeypatch):

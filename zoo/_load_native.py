@@ -1,10 +1,12 @@
-"""Imports the compiled core. Its BLAS is oneMKL from the mkl wheel, or OpenBLAS from the
-scipy-openblas32 wheel (CMakeLists.txt chooses): the extension finds either through its
-run path; should OpenBLAS not be found there (a build moved elsewhere), it is loaded first,
-globally, from its package."""
+"""Imports the compiled core. Its GEMM libraries come from wheels (CMakeLists.txt): OpenBLAS
+from scipy-openblas32, oneDNN from onednn-cpu-gomp on x86_64, oneMKL from mkl where it was
+installed at build time. The extension finds them through its run path; should one not be
+found there (a build moved elsewhere), it is loaded first, globally, from its wheel."""
 
 import ctypes
+import fnmatch
 import os
+from importlib.metadata import PackageNotFoundError, distribution
 
 # OpenMP threads that spin at barriers steal the cores OpenBLAS's workers (and anything else
 # running) need: on a 2-core machine a step ran 1.6x slower with spinning (OpenBLAS), and tiny
@@ -15,14 +17,32 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # the OpenMP loops that follow: 2^4 cycles made a GPT-2 step about 10% faster here.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
-try:
-    from . import _native
-except ImportError as e:
-    if "libscipy_openblas" not in str(e):
-        raise
-    import scipy_openblas32
+# The libraries the extension may miss, by the wheel that ships each.
+_WHEEL_LIBRARIES = {"libscipy_openblas": "scipy-openblas32", "libdnnl": "onednn-cpu-gomp",
+                    "libmkl_": "mkl"}
 
-    ctypes.CDLL(os.path.join(scipy_openblas32.get_lib_dir(), "libscipy_openblas.so"), mode=ctypes.RTLD_GLOBAL)
-    from . import _native
+
+def _load_from_wheel(missing: str) -> bool:
+    """Loads, globally, every library of the wheel that ships `missing` (a name prefix)."""
+    dist = next(d for prefix, d in _WHEEL_LIBRARIES.items() if missing.startswith(prefix))
+    try:
+        files = [f for f in distribution(dist).files or [] if fnmatch.fnmatch(f.name, missing + "*.so*")]
+    except PackageNotFoundError:
+        return False
+    for f in files:
+        ctypes.CDLL(str(f.locate()), mode=ctypes.RTLD_GLOBAL)
+    return bool(files)
+
+
+for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
+    try:
+        from . import _native
+
+        break
+    except ImportError as e:
+        missing = next((p for p in _WHEEL_LIBRARIES if p in str(e)), None)
+        if missing is None or _attempt == len(_WHEEL_LIBRARIES) or not _load_from_wheel(
+                str(e)[str(e).index(missing):].split(".so")[0]):
+            raise
 
 __all__ = ["_native"]

@@ -276,6 +276,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
     p.set_defaults(run=_cmd_generate)
 
 
@@ -292,6 +294,7 @@ def _cmd_generate(args) -> int:
     if not src.is_dir():
         raise ValueError(f"--from {src}: no such checkpoint folder")
     model = load_pretrained(src)
+    model.set_precision(args.precision)
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "

@@ -36,6 +36,7 @@ import numpy as np
 from .atomic import fsync_dir, write_json
 from .data import DataError, Windows, tokenize_files
 from .memory import finetune_memory_bytes, human_bytes
+from .model import check_precision
 from .plot import METRICS_FILE, PLOT_FILE
 from .safetensors_io import SafetensorsFile, write_file
 from .train_config import BUDGET_FIELDS, TrainConfig
@@ -146,10 +147,12 @@ class Trainer:
             zoo.set_threads(cfg.threads)
         self.threads = zoo.get_threads()
 
+        check_precision(cfg.precision)  # before any weights are read
         _check_writable(self.out)
         resume_from = self._check_run_folder()
         self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
+        self.model.set_precision(cfg.precision)  # bf16 where the CPU cannot: refused here, too
         self._check_fit()
         if cfg.checkpointing:
             self.model.set_checkpointing(True)
@@ -451,7 +454,12 @@ class Trainer:
         # The same estimator as zoo inspect and the model cards.
         mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing)
         tf = self.token_file
-        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads")
+        import zoo
+
+        gemm = zoo.gemm_info()
+        products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
+                    else f"fp32 products on {gemm['fp32']}")
+        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads; {products}")
         self.say(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
                  f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
                  f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"

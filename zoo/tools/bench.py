@@ -5,10 +5,16 @@ stepped by zoo/tools/bench_torch.py), side by side, with the same weights and th
 Every system runs in a process of its own, one after the other, so each one's peak resident
 memory is its own (getrusage's ru_maxrss, read in the child) and no two compete for the cores:
 
-  zoo            python -m zoo.tools.bench_worker --mode time        timed, unprofiled
-  torch_fused    python zoo/tools/bench_torch.py --optimizer fused   AdamW(fused=True)
-  torch_default  python zoo/tools/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
-  (profile)      python -m zoo.tools.bench_worker --mode profile     per-block times, then sgemm
+  zoo               python -m zoo.tools.bench_worker --mode time        timed, unprofiled, then sgemm
+  zoo_bf16          ... bench_worker --mode time --precision bf16       bf16 matmuls, then a bf16 GEMM
+  torch_fused       python zoo/tools/bench_torch.py --optimizer fused   AdamW(fused=True)
+  torch_fused_bf16  ... bench_torch.py --optimizer fused --precision bf16
+                                                                        autocast bf16, AdamW(fused=True)
+  torch_default     python zoo/tools/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
+  (profile)         python -m zoo.tools.bench_worker --mode profile     per-block times, zoo's precision
+                                                                        under test
+
+The *_bf16 systems run with --precision bf16 only, next to the fp32 ones, in every round.
 
 This process writes the weights (zoo's init, zoo.layout.initial_value), the token batch and
 zoo's parameter layout into a temporary work folder that every worker reads. The FLOP count of
@@ -33,8 +39,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-SCHEMA = "zoo-bench/1"
-SYSTEMS = ("zoo", "torch_fused", "torch_default")
+SCHEMA = "zoo-bench/2"
+# The systems each --precision runs, in the order each round runs them.
+SYSTEMS = {"fp32": ("zoo", "torch_fused", "torch_default"),
+           "bf16": ("zoo", "zoo_bf16", "torch_fused", "torch_fused_bf16", "torch_default")}
+SYSTEM_PRECISION = {"zoo": "fp32", "zoo_bf16": "bf16", "torch_fused": "fp32", "torch_fused_bf16": "bf16",
+                    "torch_default": "fp32"}
+TORCH_OPTIMIZER = {"torch_fused": "fused", "torch_fused_bf16": "fused", "torch_default": "default"}
+# zoo in each precision: the system every other one of that precision is compared with.
+ZOO_OF_PRECISION = {"fp32": "zoo", "bf16": "zoo_bf16"}
 # The optimizer both sides run: AdamW, weight decay on 2-D matmul weights, global-norm clipping.
 OPTIMIZER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}
 BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "cross_entropy", "adamw")
@@ -75,6 +88,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="chart of step times and zoo's per-block times (default: next to --json)")
     p.add_argument("--ad", default="manual", help="zoo's differentiation backend (default: manual pullbacks)")
     p.add_argument("--checkpointing", action="store_true", help="zoo with activation checkpointing")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: also zoo with bf16 matmuls and PyTorch with autocast bf16, next to the fp32 "
+                        "systems; needs a CPU with bf16 dot products (default fp32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the token batch (default 0)")
 
 
@@ -95,7 +111,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         results = run_bench(
             cfg, preset_name=args.preset or (None if args.config else "gpt2"), config_file=args.config,
             batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
-            rounds=args.rounds, threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing, seed=args.seed)
+            rounds=args.rounds, threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing,
+            seed=args.seed, precision=args.precision)
     except (BenchError, ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"zoo bench: error: {msg}", file=sys.stderr)
@@ -229,10 +246,37 @@ def _summary(runs: list[dict], tokens: int, flops: float) -> dict:
     return out
 
 
+def _gemm_rate(runs: list[dict], what: str) -> dict:
+    """The GEMM rate a zoo worker measured after its timed steps: the median over the rounds,
+    the best call of any round."""
+    out = {"what": what, **runs[0]["sgemm"]}
+    out["gflops_median"] = statistics.median(run["sgemm"]["gflops_median"] for run in runs)
+    out["gflops_best"] = max(run["sgemm"]["gflops_best"] for run in runs)
+    return out
+
+
+def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: int) -> dict:
+    """The GEMM libraries, the LM head's kernels and the CPU, as the zoo workers ran them (each
+    precision from the worker that ran it)."""
+    under_test = zoo_bf16 or zoo_fp32
+    return {
+        "fp32_library": zoo_fp32["gemm"]["fp32"],
+        "bf16_library": zoo_bf16["gemm"]["bf16"] if zoo_bf16 else None,
+        "lm_head_kernel": {"fp32": zoo_fp32["gemm_kernel"], "bf16": zoo_bf16["gemm_kernel"] if zoo_bf16 else None},
+        "lm_head_shape": {"m": m, "k": k, "n": n},
+        "built_in": under_test["gemm"]["built_in"],
+        "cpu_vendor": under_test["gemm"]["cpu_vendor"],
+        "onednn_isa": under_test["gemm"]["onednn_isa"],
+        "bf16_native": under_test["gemm"]["bf16_native"],
+        "cpu": under_test["cpu"]["model"],
+        "cpu_flags": under_test["cpu"]["flags"],
+    }
+
+
 def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[str] = None, batch: int = 4,
               seq_len: int = 64, steps: int = 10, warmup: int = 3, rounds: int = 1, threads: Optional[int] = None,
               vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
-              seed: int = 0) -> dict:
+              seed: int = 0, precision: str = "fp32") -> dict:
     """Runs every worker and returns the results (the --json document)."""
     for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
                          ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
@@ -247,9 +291,17 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         vs = "torch" if torch_available() else "none"
     elif vs == "torch" and not torch_available():
         raise ValueError("--vs torch: PyTorch is not installed here (pip install torch), or use --vs none")
+    if precision not in SYSTEMS:
+        raise ValueError(f"--precision {precision!r}: choose fp32 or bf16")
+    if precision == "bf16":
+        from ..model import check_precision
+
+        check_precision("bf16")  # a PrecisionError (a ValueError) names what is missing, before any work
 
     tokens = batch * seq_len
     flops = step_flops(cfg, batch, seq_len)
+    names = SYSTEMS[precision]
+    to_run = [n for n in names if vs == "torch" or n not in TORCH_OPTIMIZER]
     common = ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
     zoo_flags = ["--ad", ad] + (["--checkpointing"] if checkpointing else [])
     raw: dict[str, list[dict]] = {}  # system -> one result per round
@@ -262,27 +314,35 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         script = str(Path(__file__).with_name("bench_torch.py"))
         for r in range(rounds):
             of = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
-            raw.setdefault("zoo", []).append(
-                _run_worker(f"zoo: {steps} steps after {warmup} warm-up, then sgemm{of}",
-                            zoo_cmd + ["--mode", "time"], work / "zoo.json", threads))
-            if vs == "torch":
-                for name, opt in (("torch_fused", "fused"), ("torch_default", "default")):
-                    raw.setdefault(name, []).append(
-                        _run_worker(f"{name}: {steps} steps after {warmup} warm-up{of}",
-                                    [sys.executable, script, "--workdir", tmp, "--optimizer", opt] + common,
-                                    work / f"{name}.json", threads))
-        profile = _run_worker("zoo, profiled per block", zoo_cmd + ["--mode", "profile"],
+            for name in to_run:
+                p = SYSTEM_PRECISION[name]
+                if name in TORCH_OPTIMIZER:
+                    what = f"{name}: {steps} steps after {warmup} warm-up{of}"
+                    cmd = [sys.executable, script, "--workdir", tmp, "--optimizer", TORCH_OPTIMIZER[name],
+                           "--precision", p] + common
+                else:
+                    what = f"{name}: {steps} steps after {warmup} warm-up, then the {p} GEMM{of}"
+                    cmd = zoo_cmd + ["--mode", "time", "--precision", p]
+                raw.setdefault(name, []).append(_run_worker(what, cmd, work / f"{name}.json", threads))
+        profile = _run_worker(f"zoo ({precision}), profiled per block",
+                              zoo_cmd + ["--mode", "profile", "--precision", precision],
                               work / "profile.json", threads)
 
-    systems = {name: (_summary(raw[name], tokens, flops["total"]) if name in raw else None) for name in SYSTEMS}
-    zoo_ms = systems["zoo"]["step_ms_median"]
+    systems = {}
+    for name in names:
+        systems[name] = None
+        if name in raw:
+            systems[name] = _summary(raw[name], tokens, flops["total"])
+            systems[name]["precision"] = SYSTEM_PRECISION[name]
+    # Every system against zoo in the same precision: zoo_over_torch_fused, zoo_bf16_over_torch_fused_bf16, ...
+    pairs = [(ZOO_OF_PRECISION[SYSTEM_PRECISION[n]], n) for n in names if n in TORCH_OPTIMIZER]
     ratios = {}
-    for name in SYSTEMS[1:]:
-        s = systems[name]
-        ratios[f"zoo_over_{name}"] = None if s is None else {
-            "step_time": zoo_ms / s["step_ms_median"],
-            "tokens_per_s": systems["zoo"]["tokens_per_s"] / s["tokens_per_s"],
-            "peak_rss": systems["zoo"]["peak_rss_mib"] / s["peak_rss_mib"]}
+    for a, b in pairs:
+        sa, sb = systems[a], systems[b]
+        ratios[f"{a}_over_{b}"] = None if sb is None else {
+            "step_time": sa["step_ms_median"] / sb["step_ms_median"],
+            "tokens_per_s": sa["tokens_per_s"] / sb["tokens_per_s"],
+            "peak_rss": sa["peak_rss_mib"] / sb["peak_rss_mib"]}
 
     prof_ms = [1000.0 * s for s in profile["step_s"]]
     blocks = {}
@@ -292,29 +352,41 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
                         "total_ms": 1000.0 * (fwd + back) / steps}
     in_blocks = sum(b["total_ms"] for b in blocks.values())
     prof_mean = statistics.fmean(prof_ms)
-    # Each round pairs zoo's median step with the sgemm rate measured right after it.
+    # Each round pairs zoo's median step with the GEMM rate measured right after it, in each precision.
     by_round = []
     for r in range(rounds):
-        zoo_r = statistics.median(raw["zoo"][r]["step_s"])
-        entry = {"zoo_step_ms": 1000.0 * zoo_r, "sgemm_gflops": raw["zoo"][r]["sgemm"]["gflops_median"],
-                 "zoo_step_fraction_of_sgemm": flops["total"] / zoo_r / 1e9 / raw["zoo"][r]["sgemm"]["gflops_median"]}
-        for name in SYSTEMS[1:]:
-            if name in raw:
-                other = statistics.median(raw[name][r]["step_s"])
-                entry[f"{name}_step_ms"] = 1000.0 * other
-                entry[f"zoo_over_{name}"] = zoo_r / other
+        ms = {name: 1000.0 * statistics.median(raw[name][r]["step_s"]) for name in raw}
+        sgemm_r = raw["zoo"][r]["sgemm"]["gflops_median"]
+        entry = {"zoo_step_ms": ms["zoo"], "sgemm_gflops": sgemm_r,
+                 "zoo_step_fraction_of_sgemm": flops["total"] / (ms["zoo"] / 1000.0) / 1e9 / sgemm_r}
+        if "zoo_bf16" in raw:
+            bf16_r = raw["zoo_bf16"][r]["sgemm"]["gflops_median"]
+            entry.update({"zoo_bf16_step_ms": ms["zoo_bf16"], "bf16_gemm_gflops": bf16_r,
+                          "zoo_bf16_step_fraction_of_bf16_gemm":
+                              flops["total"] / (ms["zoo_bf16"] / 1000.0) / 1e9 / bf16_r})
+        for a, b in pairs:
+            if b in raw:
+                entry[f"{b}_step_ms"] = ms[b]
+                entry[f"{a}_over_{b}"] = ms[a] / ms[b]
         by_round.append(entry)
-    sgemm = dict(raw["zoo"][0]["sgemm"])
-    sgemm["gflops_median"] = statistics.median(e["sgemm_gflops"] for e in by_round)
-    sgemm["gflops_best"] = max(run["sgemm"]["gflops_best"] for run in raw["zoo"])
+    sgemm = _gemm_rate(raw["zoo"], "zoo._native.blocks.linear_forward: (m, k) x (k, n), the LM head forward, "
+                                   "in zoo's timing process right after its timed steps (median over rounds)")
     zoo_gflops = systems["zoo"]["gflops"]
-    sgemm_gflops = sgemm["gflops_median"]
+    bf16_gemm = zoo_bf16_gflops = None
+    if "zoo_bf16" in raw:
+        bf16_gemm = _gemm_rate(raw["zoo_bf16"], "zoo._native.gemm(x, w, False, True, 'bf16'): x (m, k) times W (n, k) "
+                                                "transposed, the LM head forward in bf16, in zoo_bf16's timing "
+                                                "process right after its timed steps (median over rounds)")
+        zoo_bf16_gflops = systems["zoo_bf16"]["gflops"]
+    gemm = _gemm_report(raw["zoo"][0], raw["zoo_bf16"][0] if "zoo_bf16" in raw else None,
+                        sgemm["m"], sgemm["k"], sgemm["n"])
     return {
         "schema": SCHEMA,
         "command": shlex.join(
             ["zoo", "bench", *(["--config", config_file] if config_file else ["--preset", preset_name or "?"]),
              "--batch-size", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--warmup", str(warmup),
-             "--rounds", str(rounds), "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed)]
+             "--rounds", str(rounds), "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed),
+             "--precision", precision]
             + (["--checkpointing"] if checkpointing else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
@@ -322,21 +394,25 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
         "rounds": rounds,
         "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,
+        "precision": precision,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm",
                           decay_on="2-D matmul weights (zoo's decay mask)"),
         "flops_per_step": flops["total"],
         "flops": {k: flops[k] for k in ("matmul", "attention", "formula")},
         "systems": systems,
         "ratios": ratios,
-        "sgemm_gflops": sgemm_gflops,
+        "sgemm_gflops": sgemm["gflops_median"],
         "zoo_step_gflops": zoo_gflops,
-        "zoo_step_fraction_of_sgemm": zoo_gflops / sgemm_gflops,
+        "zoo_step_fraction_of_sgemm": zoo_gflops / sgemm["gflops_median"],
+        "bf16_gemm_gflops": bf16_gemm["gflops_median"] if bf16_gemm else None,
+        "zoo_bf16_step_gflops": zoo_bf16_gflops,
+        "zoo_bf16_step_fraction_of_bf16_gemm": zoo_bf16_gflops / bf16_gemm["gflops_median"] if bf16_gemm else None,
         "by_round": by_round,
-        "sgemm": {"what": "zoo._native.blocks.linear_forward: (m, k) x (k, n), the LM head forward, "
-                          "in zoo's timing process right after its timed steps (median over rounds)",
-                  **sgemm},
+        "sgemm": sgemm,
+        "bf16_gemm": bf16_gemm,
+        "gemm": gemm,
         "blocks": blocks,
-        "blocks_profile": {"norm": cfg.norm, "activation": cfg.mlp, "steps": steps,
+        "blocks_profile": {"precision": precision, "norm": cfg.norm, "activation": cfg.mlp, "steps": steps,
                            "step_ms_mean": prof_mean, "step_ms_median": statistics.median(prof_ms),
                            "in_blocks_ms": in_blocks, "outside_blocks_ms": max(prof_mean - in_blocks, 0.0)},
         "machine": machine_info(),
@@ -382,6 +458,7 @@ def _f(x: float, digits: int = 1) -> str:
 
 def markdown(r: dict) -> str:
     m, cfg = r["model"], r["model"]["config"]
+    bf16 = r["precision"] == "bf16"
     name = m["preset"] or m["config_file"] or "model"
     lines = [
         f"## zoo bench: {name} ({m['n_params']:,} parameters), batch {r['batch']} x seq {r['seq_len']} "
@@ -393,24 +470,31 @@ def markdown(r: dict) -> str:
         f"grads, forward, cross-entropy, backward, clip to norm {r['optimizer']['max_grad_norm']}, AdamW "
         f"(weight decay {r['optimizer']['weight_decay']}).",
         "",
-        "| system | step ms (median) | min | max | tokens/s | GFLOP/s | peak RSS MiB | zoo step / this step |",
+        "| system | step ms (median) | min | max | tokens/s | GFLOP/s | peak RSS MiB | zoo step / this step"
+        + (" (zoo in this precision)" if bf16 else "") + " |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    labels = {"zoo": "zoo" + (" (checkpointing)" if r["checkpointing"] else ""),
-              "torch_fused": "torch_fused: eager, AdamW(fused=True)", "torch_default": "torch_default: eager, AdamW()"}
-    zoo_ms = r["systems"]["zoo"]["step_ms_median"]
-    for key in SYSTEMS:
+    # With bf16 the fp32 systems say so: both precisions share the table.
+    fp32 = " fp32" if bf16 else ""
+    checkpointing = " (checkpointing)" if r["checkpointing"] else ""
+    labels = {"zoo": ("zoo: fp32" if bf16 else "zoo") + checkpointing,
+              "zoo_bf16": "zoo_bf16: bf16 matmuls" + checkpointing,
+              "torch_fused": f"torch_fused: eager{fp32}, AdamW(fused=True)",
+              "torch_fused_bf16": "torch_fused_bf16: eager, autocast bf16, AdamW(fused=True)",
+              "torch_default": f"torch_default: eager{fp32}, AdamW()"}
+    for key in SYSTEMS[r["precision"]]:
         s = r["systems"][key]
         if s is None:
             continue
+        zoo_ms = r["systems"][ZOO_OF_PRECISION[SYSTEM_PRECISION[key]]]["step_ms_median"]
         lines.append(f"| {labels[key]} | {_f(s['step_ms_median'])} | {_f(s['step_ms_min'])} | {_f(s['step_ms_max'])} "
                      f"| {_f(s['tokens_per_s'], 0)} | {_f(s['gflops'])} | {_f(s['peak_rss_mib'], 0)} "
                      f"| {zoo_ms / s['step_ms_median']:.3f}x |")
     lines.append("")
     for key, ratio in r["ratios"].items():
         if ratio:
-            other = key.removeprefix("zoo_over_")
-            lines.append(f"- zoo / {other}: step time {ratio['step_time']:.3f}x, peak RSS {ratio['peak_rss']:.3f}x")
+            this, other = key.split("_over_")
+            lines.append(f"- {this} / {other}: step time {ratio['step_time']:.3f}x, peak RSS {ratio['peak_rss']:.3f}x")
     if r["vs"] == "none":
         lines.append("- zoo alone (--vs none)")
     act = r["systems"]["zoo"].get("activation_mib")
@@ -428,18 +512,42 @@ def markdown(r: dict) -> str:
         f"- zoo's whole step: {r['zoo_step_gflops']:,.1f} GFLOP/s = {100 * r['zoo_step_fraction_of_sgemm']:.0f}% "
         "of that sgemm rate",
     ]
+    if bf16:
+        bg = r["bf16_gemm"]
+        lines += [
+            f"- bf16 GEMM, zoo _native.gemm in bf16 at the same shape, right after zoo_bf16's timed steps: "
+            f"{r['bf16_gemm_gflops']:,.1f} GFLOP/s (median of {bg['reps']} calls"
+            + (" per round, over the rounds" if r["rounds"] > 1 else "") + f"; best {bg['gflops_best']:,.1f})",
+            f"- zoo_bf16's whole step: {r['zoo_bf16_step_gflops']:,.1f} GFLOP/s = "
+            f"{100 * r['zoo_bf16_step_fraction_of_bf16_gemm']:.0f}% of that bf16 rate",
+        ]
+    g = r["gemm"]
+    libraries = f"fp32 on {g['fp32_library']} (LM head kernel {g['lm_head_kernel']['fp32']})"
+    if g["bf16_library"]:
+        libraries += f", bf16 on {g['bf16_library']} (LM head kernel {g['lm_head_kernel']['bf16']})"
+    lines.append(f"- GEMM as zoo's workers ran it: {libraries}; CPU {g['cpu'] or 'unknown'} ({g['cpu_vendor']}), "
+                 f"flags {' '.join(g['cpu_flags']) or 'none of avx2/avx512f/bf16'}, oneDNN ISA "
+                 f"{g['onednn_isa'] or 'none'}, bf16 dot products {'yes' if g['bf16_native'] else 'no'}")
     if r["rounds"] > 1:
-        lines += ["", "| round | zoo ms | sgemm GFLOP/s | zoo / sgemm rate |"
-                  + "".join(f" {n} ms | zoo / {n} |" for n in SYSTEMS[1:] if r["systems"][n]),
-                  "|---:|---:|---:|---:|" + "---:|---:|" * sum(1 for n in SYSTEMS[1:] if r["systems"][n])]
+        # Each compared system next to the zoo of its precision (the ratios' pairs).
+        pairs = [key.split("_over_") for key, ratio in r["ratios"].items() if ratio]
+        head = "| round | zoo ms | sgemm GFLOP/s | zoo / sgemm rate |"
+        if bf16:
+            head += " zoo_bf16 ms | bf16 GEMM GFLOP/s | zoo_bf16 / bf16 rate |"
+        head += "".join(f" {b} ms | {a} / {b} |" for a, b in pairs)
+        lines += ["", head, "|---:" * head[1:].count("|") + "|"]
         for i, e in enumerate(r["by_round"], 1):
-            lines.append(f"| {i} | {_f(e['zoo_step_ms'])} | {_f(e['sgemm_gflops'])} | "
-                         f"{100 * e['zoo_step_fraction_of_sgemm']:.0f}% |"
-                         + "".join(f" {_f(e[f'{n}_step_ms'])} | {e[f'zoo_over_{n}']:.3f}x |"
-                                   for n in SYSTEMS[1:] if r["systems"][n]))
+            row = (f"| {i} | {_f(e['zoo_step_ms'])} | {_f(e['sgemm_gflops'])} | "
+                   f"{100 * e['zoo_step_fraction_of_sgemm']:.0f}% |")
+            if bf16:
+                row += (f" {_f(e['zoo_bf16_step_ms'])} | {_f(e['bf16_gemm_gflops'])} | "
+                        f"{100 * e['zoo_bf16_step_fraction_of_bf16_gemm']:.0f}% |")
+            row += "".join(f" {_f(e[f'{b}_step_ms'])} | {e[f'{a}_over_{b}']:.3f}x |" for a, b in pairs)
+            lines.append(row)
     lines += [
         "",
-        f"### zoo per block (a separate profiled run, ms per step, mean of {r['blocks_profile']['steps']})",
+        f"### zoo per block (a separate profiled run{', bf16 matmuls' if bf16 else ''}, ms per step, "
+        f"mean of {r['blocks_profile']['steps']})",
         "",
         "| block | forward | pullback | total | share |",
         "|---|---:|---:|---:|---:|",
@@ -465,13 +573,18 @@ def write_png(r: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.5]})
-    names = [k for k in SYSTEMS if r["systems"][k] is not None]
+    bf16 = r["precision"] == "bf16"
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14 if bf16 else 12, 4.8),
+                                   gridspec_kw={"width_ratios": [1.4 if bf16 else 1, 1.5]})
+    names = [k for k in SYSTEMS[r["precision"]] if r["systems"][k] is not None]
     med = [r["systems"][k]["step_ms_median"] for k in names]
     lo = [m - r["systems"][k]["step_ms_min"] for k, m in zip(names, med)]
     hi = [r["systems"][k]["step_ms_max"] - m for k, m in zip(names, med)]
-    colors = ["tab:green", "tab:blue", "tab:gray"][:len(names)]
-    bars = ax1.bar(names, med, yerr=[lo, hi], capsize=6, color=colors)
+    # The bf16 bars in a lighter shade of their fp32 system's colour.
+    colors = {"zoo": "tab:green", "zoo_bf16": "yellowgreen", "torch_fused": "tab:blue",
+              "torch_fused_bf16": "lightskyblue", "torch_default": "tab:gray"}
+    bars = ax1.bar(names, med, yerr=[lo, hi], capsize=6, color=[colors[k] for k in names])
+    ax1.tick_params(axis="x", labelsize=8 if len(names) > 3 else 10)
     for b, k in zip(bars, names):
         ax1.annotate(f"{r['systems'][k]['step_ms_median']:,.0f} ms\n{r['systems'][k]['peak_rss_mib']:,.0f} MiB",
                      (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8,
@@ -487,8 +600,12 @@ def write_png(r: dict, path) -> None:
     ax2.barh(kinds, back, left=fwd, color="tab:purple", label="pullback")
     ax2.invert_yaxis()
     ax2.set_xlabel("ms per step")
-    ax2.set_title(f"zoo per block (profiled); sgemm {r['sgemm_gflops']:,.0f} GFLOP/s, "
-                  f"step {r['zoo_step_gflops']:,.0f} GFLOP/s")
+    if bf16:
+        ax2.set_title(f"zoo per block (profiled, bf16); bf16 GEMM {r['bf16_gemm_gflops']:,.0f} GFLOP/s, "
+                      f"step {r['zoo_bf16_step_gflops']:,.0f} GFLOP/s", fontsize=10)
+    else:
+        ax2.set_title(f"zoo per block (profiled); sgemm {r['sgemm_gflops']:,.0f} GFLOP/s, "
+                      f"step {r['zoo_step_gflops']:,.0f} GFLOP/s")
     ax2.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

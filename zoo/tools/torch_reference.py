@@ -223,9 +223,14 @@ class Reference:
     """zoo's parameters by name in (numpy arrays, e.g. zoo.Model.parameters()); logits, loss,
     and gradients by zoo's tensor names out. cfg: a dict of ModelConfig fields, or anything
     with model_dump() (a zoo ModelConfig); layout: records in arena order, or None for zoo's
-    own (zoo_layout). dtype: torch.float32 or torch.float64."""
+    own (zoo_layout). dtype: torch.float32 or torch.float64. precision "bf16" runs the forward
+    under torch.autocast("cpu", dtype=torch.bfloat16), as PyTorch users write mixed precision."""
 
-    def __init__(self, cfg, params: dict, dtype: torch.dtype = torch.float32, layout: list[dict] | None = None):
+    def __init__(self, cfg, params: dict, dtype: torch.dtype = torch.float32, layout: list[dict] | None = None,
+                 precision: str = "fp32"):
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"torch reference: precision {precision!r} is not fp32 or bf16")
+        self.autocast = precision == "bf16"
         cfg = cfg if isinstance(cfg, dict) else cfg.model_dump()
         self.model = Decoder(cfg, zoo_layout(cfg) if layout is None else layout, dtype)
         with torch.no_grad():
@@ -234,10 +239,14 @@ class Reference:
                 self.model.parameter_of(s).copy_(torch.cat(rows, dim=0))
 
     def logits(self, tokens) -> torch.Tensor:
-        return self.model.logits(torch.tensor(tokens, dtype=torch.long))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model.logits(torch.tensor(tokens, dtype=torch.long))
+        return out.float() if self.autocast else out
 
     def loss(self, tokens, targets) -> torch.Tensor:
-        return self.model(torch.tensor(tokens, dtype=torch.long), torch.tensor(targets, dtype=torch.long))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            out = self.model(torch.tensor(tokens, dtype=torch.long), torch.tensor(targets, dtype=torch.long))
+        return out.float() if self.autocast else out
 
     def loss_and_grads(self, tokens, targets) -> tuple[float, dict]:
         """The loss and every tensor's gradient by zoo's name (fused roles split back)."""
