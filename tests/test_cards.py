@@ -129,7 +129,8 @@ def test_card_picks_up_benchmarks(tmp_path, capsys):
     assert "Not measured yet" not in md
     assert r["command"] in md and vs_torch["command"] in md
     zoo = r["systems"]["zoo"]
-    assert f"| 1 | 16 | 1 | no | {round(zoo['step_ms_median'], 2):,.1f} | {round(zoo['tokens_per_s'], 1):,.0f} |" in md
+    assert (f"| 1 | 16 | 1 | no | fp32 | {round(zoo['step_ms_median'], 2):,.1f} | "
+            f"{round(zoo['tokens_per_s'], 1):,.0f} |") in md
     assert "| 0.812x | 0.500x |" in md and "[tiny-gpt2-b1-t16.json](../benchmarks/tiny-gpt2-b1-t16.json)" in md
     assert md.index("| 1 | 16 |") < md.index("| 2 | 16 |")  # rows by (B, T, ...)
 
@@ -139,6 +140,16 @@ def test_card_picks_up_benchmarks(tmp_path, capsys):
     assert d["benchmarks"][1]["step_time_over_torch_fused"] == 0.812
     other = cards.card_data(cards.find_preset("tiny-llama"), cards.read_benchmarks(bench))
     assert [b["file"] for b in other["benchmarks"]] == ["benchmarks/other-preset.json"]
+
+    # A --precision bf16 run: a bf16 row beside its fp32 one, against autocast.
+    bf16 = tmp_path / "bench-bf16"
+    bf16.mkdir()
+    (bf16 / "b.json").write_text(json.dumps(dict(
+        r, systems=dict(r["systems"], zoo_bf16=dict(zoo, step_ms_median=1.5)),
+        ratios={"zoo_bf16_over_torch_fused_bf16": {"step_time": 0.4, "tokens_per_s": 2.5, "peak_rss": 0.7}})))
+    rows = cards.card_data(cards.find_preset("tiny-gpt2"), cards.read_benchmarks(bf16))["benchmarks"]
+    assert [(b["precision"], b["step_time_over_torch_fused"]) for b in rows] == [("bf16", 0.4), ("fp32", None)]
+    assert rows[0]["step_ms_median"] == 1.5
 
     # The whole set: the index counts the runs; regenerating is byte-identical; --check sees new results.
     out = tmp_path / "cards"

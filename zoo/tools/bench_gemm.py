@@ -55,6 +55,7 @@ import os
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 
 import numpy as np
 
@@ -211,6 +212,7 @@ def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emula
     fastest = max(fp32_columns, key=lambda c: step[c]["gflops"])
     default = zoo.gemm_info()["fp32_default"]
     return {
+        "schema": "zoo-bench-gemm/1", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "preset": preset_name, "batch_size": batch, "seq_len": seq_len, "rows": rows, "threads": threads,
         "min_seconds": min_seconds, "zoo_version": zoo.__version__,
         "cpu": {**cpu, "cpuid_vendor": info["cpu_vendor"], "onednn_isa": info["onednn_isa"],

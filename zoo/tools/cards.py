@@ -195,24 +195,31 @@ def benchmark_rows(p: Preset, files: list[BenchFile]) -> list[dict]:
         d = f.data
         if not _matches(p, d):
             continue
-        try:
-            zoo = d["systems"]["zoo"]
-            row = {"file": f.path, "batch": int(d["batch"]), "seq_len": int(d["seq_len"]),
-                   "threads": int(d["threads"]), "checkpointing": bool(d.get("checkpointing", False)),
-                   "ad": d.get("ad", "manual"), "steps": d.get("steps"),
-                   "step_ms_median": _rounded(zoo["step_ms_median"], 2),
-                   "tokens_per_s": _rounded(zoo["tokens_per_s"], 1),
-                   "peak_rss_mib": _rounded(zoo.get("peak_rss_mib"), 1)}
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"benchmark file {f.path}: not a zoo bench result (missing or bad {e})") from None
+        # One row per precision the file measured zoo in: fp32 (zoo) and, with --precision bf16,
+        # bf16 (zoo_bf16), each compared with PyTorch in the same precision.
         ratios = d.get("ratios") or {}
-        for other in ("torch_fused", "torch_default"):
-            r = ratios.get(f"zoo_over_{other}")
-            row[f"step_time_over_{other}"] = _rounded(r["step_time"], 3) if r else None
-        machine = d.get("machine") or {}
-        row.update({"cpu": machine.get("cpu"), "date": d.get("date"), "command": d.get("command")})
-        rows.append(row)
-    rows.sort(key=lambda r: (r["batch"], r["seq_len"], r["threads"], r["checkpointing"], r["file"]))
+        systems = d.get("systems") or {}
+        for precision, name in (("fp32", "zoo"), ("bf16", "zoo_bf16")):
+            if name == "zoo_bf16" and not systems.get(name):
+                continue
+            try:
+                zoo = systems[name]
+                row = {"file": f.path, "precision": precision, "batch": int(d["batch"]), "seq_len": int(d["seq_len"]),
+                       "threads": int(d["threads"]), "checkpointing": bool(d.get("checkpointing", False)),
+                       "ad": d.get("ad", "manual"), "steps": d.get("steps"),
+                       "step_ms_median": _rounded(zoo["step_ms_median"], 2),
+                       "tokens_per_s": _rounded(zoo["tokens_per_s"], 1),
+                       "peak_rss_mib": _rounded(zoo.get("peak_rss_mib"), 1)}
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"benchmark file {f.path}: not a zoo bench result (missing or bad {e})") from None
+            for other in ("torch_fused", "torch_default"):
+                key = f"{name}_over_{other}" + ("_bf16" if precision == "bf16" else "")
+                r = ratios.get(key)
+                row[f"step_time_over_{other}"] = _rounded(r["step_time"], 3) if r else None
+            machine = d.get("machine") or {}
+            row.update({"cpu": machine.get("cpu"), "date": d.get("date"), "command": d.get("command")})
+            rows.append(row)
+    rows.sort(key=lambda r: (r["batch"], r["seq_len"], r["threads"], r["checkpointing"], r["precision"], r["file"]))
     return rows
 
 
@@ -376,13 +383,14 @@ def card_markdown(d: dict) -> str:
     L += ["## Measured speed", ""]
     if d["benchmarks"]:
         L += [
-            "One full training step (forward, loss, backward, clipping, AdamW), float32, from the committed "
-            "`zoo bench --json` results; ratio: zoo's median step time / PyTorch eager's (fused AdamW, "
+            "One full training step (forward, loss, backward, clipping, AdamW) from the committed "
+            "`zoo bench --json` results, with the matrix products in fp32 or bf16 (`--precision`); ratio: "
+            "zoo's median step time / PyTorch eager's in the same precision (bf16: autocast) (fused AdamW, "
             "default AdamW), below 1 means zoo is faster.",
             "",
-            "| B | T | threads | checkpointing | step ms (median) | tokens/s | peak RSS MiB | vs PyTorch fused | "
-            "vs PyTorch default | file |",
-            "|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+            "| B | T | threads | checkpointing | precision | step ms (median) | tokens/s | peak RSS MiB | "
+            "vs PyTorch fused | vs PyTorch default | file |",
+            "|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---|",
         ]
         for r in d["benchmarks"]:
             def ratio(x):
@@ -390,11 +398,11 @@ def card_markdown(d: dict) -> str:
 
             rss = "-" if r["peak_rss_mib"] is None else f"{r['peak_rss_mib']:,.1f}"
             L.append(f"| {r['batch']} | {r['seq_len']} | {r['threads']} | {_yes(r['checkpointing'])} "
-                     f"| {r['step_ms_median']:,.1f} | {r['tokens_per_s']:,.0f} | {rss} "
+                     f"| {r['precision']} | {r['step_ms_median']:,.1f} | {r['tokens_per_s']:,.0f} | {rss} "
                      f"| {ratio(r['step_time_over_torch_fused'])} | {ratio(r['step_time_over_torch_default'])} "
                      f"| [{r['file'].split('/')[-1]}](../{r['file']}) |")
         L += ["", "Commands and machines:", ""]
-        for r in d["benchmarks"]:
+        for r in {r["file"]: r for r in d["benchmarks"]}.values():  # one command per file
             where = ", ".join(x for x in (r["cpu"], r["date"]) if x)
             L.append(f"- `{r['file']}`" + (f" ({where})" if where else "") + ":")
             L += ["", "  ```sh", f"  {r['command'] or '(no command recorded)'}", "  ```", ""]
