@@ -1,5 +1,6 @@
-"""The one error type for files zoo reads or writes: it always names the file and, where
-there is one, the tensor or key, so a user can find the problem without a debugger."""
+"""zoo's error types and the exit statuses of the `zoo` command. Every error names what is at
+fault (the file and, where there is one, the tensor, key or field; the flag; the numbers), so
+a user can find the problem without a debugger."""
 
 from __future__ import annotations
 
@@ -14,3 +15,18 @@ class CheckpointError(ValueError):
         self.key = key
         where = f"{self.path}: {key!r}" if key is not None else self.path
         super().__init__(f"{where}: {message}")
+
+
+class ResourceError(RuntimeError):
+    """The machine lacks the memory or disk space something needs; the message gives both numbers
+    (what is needed, what there is) and what would make it fit."""
+
+
+# Exit statuses of the `zoo` command (cli.main): one per class of failure, so that scripts can
+# tell them apart. docs/troubleshooting.md lists them.
+EXIT_INPUT = 1  # a file, config, flag value or data set zoo cannot use as it is
+EXIT_USAGE = 2  # the command line itself (unknown flag, missing argument: argparse)
+EXIT_RESOURCES = 3  # not enough memory or disk space
+EXIT_FILESYSTEM = 4  # a file or folder that cannot be read or written (permissions, read-only)
+EXIT_INTERNAL = 70  # a bug in zoo: a one-line summary and the path of a file with the traceback
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM; the run can --resume

@@ -1,0 +1,86 @@
+"""Reading the files zoo reads: regular files only (a FIFO or a device in place of config.json
+would block or never end), within a size bound, and JSON parsed into a typed model whose errors
+name the file and the field. Every reader of a config, tokenizer, index or state file goes
+through here, so these rules live in one place."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any, Optional, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import CheckpointError
+
+# A JSON or text file zoo reads whole: far above any real config, tokenizer or state file
+# (a Llama 3 tokenizer.json is 9 MB), far below what would exhaust memory.
+MAX_TEXT_FILE_BYTES = 1 << 30
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
+    """path, if it names a regular file (symbolic links followed); else CheckpointError naming it.
+    Checked with stat, which never blocks, before anything opens the file."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise CheckpointError(p, f"no such {what}") from None
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read this {what} ({e.strerror or e})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device")
+        raise CheckpointError(p, f"this {what} is {kind}, not a regular file")
+    return p
+
+
+def read_text(path: str | os.PathLike, what: str = "file", max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
+    """The UTF-8 text of a regular file of at most max_bytes."""
+    p = regular_file(path, what)
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise CheckpointError(p, f"this {what} is {size:,} bytes, more than the {max_bytes:,} zoo reads")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(p, f"not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise CheckpointError(p, f"cannot read this {what} ({e.strerror or e})") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """The parsed JSON of a regular file; a syntax error names the line and column."""
+    p = Path(path)
+    text = read_text(p, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(p, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+
+
+def field_errors(e: ValidationError) -> str:
+    """pydantic's errors as 'field.path: message; ...', the field named as a dotted path."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
+
+
+def parse_model(path: str | os.PathLike, model: type[M], data: Any, what: Optional[str] = None) -> M:
+    """data (already parsed from path) validated as model; errors name the file and the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise CheckpointError(path, f"{what or 'this file'} does not hold what zoo expects: {field_errors(e)}") from None
+
+
+def read_json_model(path: str | os.PathLike, model: type[M], what: str = "JSON file") -> M:
+    """A JSON file parsed into a typed model: regular file, size bound, syntax and every field
+    checked, each error naming the file (and the line or the field)."""
+    return parse_model(path, model, read_json(path, what), what)
