@@ -96,7 +96,12 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float
     const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f};
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
-    if (it == cache.end()) it = cache.emplace(key, make_matmul(key)).first;
+    if (it == cache.end()) {
+        // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
+        // a long-lived process that sees many lengths does not keep every primitive forever.
+        if (cache.size() >= 512) cache.clear();
+        it = cache.emplace(key, make_matmul(key)).first;
+    }
     Matmul& m = it->second;
     dnnl_memory_set_data_handle(m.a.get(), const_cast<float*>(A));
     dnnl_memory_set_data_handle(m.b.get(), const_cast<float*>(B));
