@@ -6,10 +6,17 @@
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
 namespace zoo {
+
+// An arena the system would not map: Python sees a MemoryError (bindings.cpp), so the CLI
+// reports it as a lack of memory, with the size and the arena named.
+struct AllocationError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
 
 struct Arena {
     float* data = nullptr;
@@ -22,15 +29,19 @@ struct Arena {
 
     // Anonymous pages: page-aligned, zero, and resident only once touched, so an arena
     // costs memory for what a step really uses.
-    void reset(size_t n_floats) {
+    // what names the arena in the error (the parameter arena, the activation arena...).
+    void reset(size_t n_floats, const char* what) {
         release();
         if (n_floats == 0) return;
+        if (n_floats > SIZE_MAX / sizeof(float))
+            throw AllocationError(std::string("zoo: cannot allocate ") + what + ": " + std::to_string(n_floats) +
+                                  " floats do not fit in the address space");
         bytes_ = n_floats * sizeof(float);
         void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
         if (p == MAP_FAILED) {
             bytes_ = 0;
-            throw std::runtime_error("zoo: cannot allocate " + std::to_string((n_floats * 4) >> 20) +
-                                     " MiB for the arena");
+            throw AllocationError(std::string("zoo: cannot allocate ") + std::to_string((n_floats * 4) >> 20) +
+                                  " MiB for the " + what + " (the system refused the mapping)");
         }
         // Transparent huge pages where the kernel offers them on request (the common
         // "madvise" setting): a step streams over gigabytes of weights, gradients and moments,

@@ -30,16 +30,34 @@ py::array_t<float> view(py::object owner, float* data, std::vector<py::ssize_t> 
     return py::array_t<float>(shape, strides, data, owner);
 }
 
+// A size field of a config as an int, refused (naming it) unless an integer within [1, bound]:
+// read as a Python int first, so a value too large for an int is named, not a cast error.
+int size_field(const py::dict& c, const char* field, int64_t bound) {
+    const py::object v = c[field];
+    if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v))
+        throw std::invalid_argument(std::string("zoo: config field ") + field + " must be an integer, got " +
+                                    py::str(py::repr(v)).cast<std::string>());
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+    if (overflow)
+        throw std::invalid_argument(std::string("zoo: ") + field + " = " + py::str(v).cast<std::string>() +
+                                    " is above zoo's bound of " + std::to_string(bound));
+    zoo::limits::check_size(field, value, bound);
+    return (int)value;
+}
+
+// The config's sizes, each within limits.hpp, and their products (check_dims).
 zoo::Dims dims_from(const py::dict& c) {
+    using namespace zoo::limits;
     zoo::Dims d;
-    d.vocab_size = c["vocab_size"].cast<int>();
-    d.max_seq_len = c["max_seq_len"].cast<int>();
-    d.d_model = c["d_model"].cast<int>();
-    d.n_layer = c["n_layer"].cast<int>();
-    d.n_head = c["n_head"].cast<int>();
-    d.n_kv_head = c["n_kv_head"].cast<int>();
-    d.head_dim = c["head_dim"].cast<int>();
-    d.d_ff = c["d_ff"].cast<int>();
+    d.vocab_size = size_field(c, "vocab_size", max_vocab);
+    d.max_seq_len = size_field(c, "max_seq_len", max_seq_len);
+    d.d_model = size_field(c, "d_model", max_width);
+    d.n_layer = size_field(c, "n_layer", max_layers);
+    d.n_head = size_field(c, "n_head", max_width);
+    d.n_kv_head = size_field(c, "n_kv_head", max_width);
+    d.head_dim = size_field(c, "head_dim", max_width);
+    d.d_ff = size_field(c, "d_ff", max_width);
     d.norm = &zoo::find_norm(c["norm"].cast<std::string>());
     d.mlp = &zoo::find_activation(c["mlp"].cast<std::string>());
     d.rope = c["positions"].cast<std::string>() == "rope";
@@ -47,11 +65,20 @@ zoo::Dims dims_from(const py::dict& c) {
     d.attention_bias = c["attention_bias"].cast<bool>();
     d.mlp_bias = c["mlp_bias"].cast<bool>();
     d.tied_embeddings = c["tied_embeddings"].cast<bool>();
+    zoo::check_dims(d);
     return d;
 }
 
-void check_tokens(const Tokens& t, const char* what) {
+// A (B, T) from Python, checked in 64 bits (limits::check_batch) before it becomes two ints.
+std::pair<int, int> batch_shape(int64_t B, int64_t T, const char* what) {
+    zoo::limits::check_batch(B, T, what);
+    return {(int)B, (int)T};
+}
+
+// tokens (B, T), and their shape as checked ints.
+std::pair<int, int> check_tokens(const Tokens& t, const char* what) {
     if (t.ndim() != 2) throw std::invalid_argument(std::string("zoo: ") + what + " must be 2-D (B, T)");
+    return batch_shape(t.shape(0), t.shape(1), what);
 }
 
 // A plan as Python sees it: one dict per buffer.
@@ -67,6 +94,15 @@ py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zoo's native core: blocks, executor, optimizer";
+    // An arena the system would not map is a MemoryError (with the arena and its size named).
+    py::register_exception<zoo::AllocationError>(m, "AllocationError", PyExc_MemoryError);
+    // The bounds of limits.hpp, which zoo/config.py and zoo/train_config.py check first.
+    m.attr("limits") = py::dict(
+        py::arg("max_layers") = zoo::limits::max_layers, py::arg("max_width") = zoo::limits::max_width,
+        py::arg("max_row_floats") = zoo::limits::max_row_floats, py::arg("max_vocab") = zoo::limits::max_vocab,
+        py::arg("max_seq_len") = zoo::limits::max_seq_len,
+        py::arg("max_tensor_floats") = zoo::limits::max_tensor_floats,
+        py::arg("max_tokens") = zoo::limits::max_tokens);
     bind_blocks(m);
 #ifdef ZOO_CLAD
     bind_clad_blocks(m.attr("blocks").cast<py::module_>());
@@ -163,13 +199,17 @@ PYBIND11_MODULE(_native, m) {
         return info;
     });
 
-    m.def("activation_floats", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
+    m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
+                                  std::vector<std::string> clad_blocks) {
         const zoo::Dims d = dims_from(cfg);
+        const auto [B, T] = batch_shape(batch, seq, "activation_floats");
         return zoo::activation_floats(d, checkpointing, B, T, zoo::ad_choice(d, clad_blocks));
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{});
-    m.def("activation_plan", [](py::dict cfg, int B, int T, bool checkpointing, std::vector<std::string> clad_blocks) {
+    m.def("activation_plan", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
+                                std::vector<std::string> clad_blocks) {
         const zoo::Dims d = dims_from(cfg);
+        const auto [B, T] = batch_shape(batch, seq, "activation_plan");
         return plan_list(zoo::plan_activations(d, checkpointing, zoo::ad_choice(d, clad_blocks), B, T, nullptr,
                                                nullptr).buffers);
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
@@ -216,13 +256,15 @@ PYBIND11_MODULE(_native, m) {
             auto& e = self.cast<Executor&>();
             return view(self, e.adam_v(), {(py::ssize_t)e.n_params()});
         })
-        .def("activation_floats", &Executor::activation_floats)
+        .def("activation_floats", [](Executor& e, int64_t batch, int64_t seq) {
+            const auto [B, T] = batch_shape(batch, seq, "activation_floats");
+            return e.activation_floats(B, T);
+        })
         .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
         .def("set_poison_dead_buffers", &Executor::set_poison_dead_buffers)
         .def("forward",
              [](Executor& e, Tokens tokens, std::optional<Tokens> targets) {
-                 check_tokens(tokens, "tokens");
-                 int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
+                 const auto [B, T] = check_tokens(tokens, "tokens");
                  const int32_t* tg = nullptr;
                  if (targets) {
                      check_tokens(*targets, "targets");
@@ -234,17 +276,20 @@ PYBIND11_MODULE(_native, m) {
                  return e.forward(tokens.data(), tg, B, T);
              },
              py::arg("tokens"), py::arg("targets") = py::none())
-        .def("logits", [](py::object self, int B, int T) {
+        .def("logits", [](py::object self, int64_t B, int64_t T) {
             auto& e = self.cast<Executor&>();
-            return view(self, const_cast<float*>(e.logits()), {B, T, e.dims().vocab_size});
+            batch_shape(B, T, "logits");
+            if ((size_t)(B * T) * e.dims().vocab_size > e.logits_floats())
+                throw std::invalid_argument("zoo: logits(" + std::to_string(B) + ", " + std::to_string(T) +
+                                            ") is larger than the last forward's logits");
+            return view(self, const_cast<float*>(e.logits()), {(py::ssize_t)B, (py::ssize_t)T, e.dims().vocab_size});
         })
         .def("forward_backward",
              [](Executor& e, Tokens tokens, Tokens targets, float grad_scale) {
-                 check_tokens(tokens, "tokens");
+                 const auto [B, T] = check_tokens(tokens, "tokens");
                  check_tokens(targets, "targets");
                  if (targets.shape(0) != tokens.shape(0) || targets.shape(1) != tokens.shape(1))
                      throw std::invalid_argument("zoo: targets must have the shape of tokens");
-                 int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
                  py::gil_scoped_release nogil;
                  return e.forward_backward(tokens.data(), targets.data(), B, T, grad_scale);
              })
@@ -274,17 +319,19 @@ PYBIND11_MODULE(_native, m) {
 #undef ZOO_PROFILE_ENTRY
             return out;
         })
-        .def("reset_cache", &Executor::reset_cache)
+        .def("reset_cache", [](Executor& e, int64_t batch, int64_t max_len) {
+            const auto [B, T] = batch_shape(batch, max_len, "reset_cache");
+            e.reset_cache(B, T);
+        })
         .def("forward_cached", [](Executor& e, Tokens tokens, int pos0) {
-            check_tokens(tokens, "tokens");
-            int B = (int)tokens.shape(0), T = (int)tokens.shape(1);
+            const auto [B, T] = check_tokens(tokens, "tokens");
             const float* out;
             {
                 py::gil_scoped_release nogil;
                 out = e.forward_cached(tokens.data(), B, T, pos0);
             }
             py::array_t<float> logits({B, e.dims().vocab_size});
-            std::memcpy(logits.mutable_data(), out, sizeof(float) * B * e.dims().vocab_size);
+            std::memcpy(logits.mutable_data(), out, sizeof(float) * B * e.dims().vocab_size);  // size_t first
             return logits;
         });
 }

@@ -19,8 +19,9 @@ namespace zoo {
 Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
                    const std::vector<float>& inv_freq)
     : d_(dims), n_params_(n_params) {
+    check_dims(d_);            // before any table is sized from the config
     plan_grad_ranges(layout);  // checks the table before anything is bound
-    store_.reset(4 * n_params_);
+    store_.reset(4 * n_params_, "parameter arena (weights, gradients, AdamW moments)");
     bind(w_, params(), layout);
     bind(g_, grads(), layout);
     if (d_.rope) {
@@ -171,11 +172,11 @@ double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
 // 512, 872-904 ms in one chunk, for 98 MiB more arena; docs/benchmarks.md). With activation
 // checkpointing the chunk takes no memory of its own beyond a 4M-float budget. Evened out
 // so the last chunk is not a sliver.
-static int head_chunk_rows(int N, int V, bool checkpointing, size_t dead_floats) {
-    const long budget = std::max<long>(checkpointing ? 4L << 20 : 8L << 20, (long)dead_floats);
-    const long max_rows = std::max<long>(checkpointing ? 16 : 1024, budget / V);
-    const long chunks = (N + max_rows - 1) / max_rows;
-    return (int)((N + chunks - 1) / chunks);
+static int head_chunk_rows(size_t N, int V, bool checkpointing, size_t dead_floats) {
+    const size_t budget = std::max<size_t>(checkpointing ? 4u << 20 : 8u << 20, dead_floats);
+    const size_t max_rows = std::max<size_t>(checkpointing ? 16 : 1024, budget / V);
+    const size_t chunks = (N + max_rows - 1) / max_rows;
+    return (int)((N + chunks - 1) / chunks);  // at most N, which limits::max_tokens keeps an int
 }
 
 // The pullbacks the AD choice picks for the model's blocks: scratch needs, in floats. Layers'
@@ -192,7 +193,7 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
         int widest = 0;
         if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
         if (d.mlp_bias) widest = std::max({widest, d.fc_dim(), d.d_model});
-        n = std::max(n, Linear{0, widest}.clad_scratch_floats(B * T));
+        n = std::max(n, Linear{0, widest}.clad_scratch_floats(B * T));  // B * T: check_batch bounds it
     }
     return n;
 }
@@ -202,6 +203,7 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
 // head runs (the layers' adjoints and scratch; with checkpointing the shared internals).
 ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoice& ad, int B, int T, float* base,
                                 size_t* total_floats) {
+    limits::check_batch(B, T, "activation plan");  // N = B * T below is an int in the kernels
     const size_t N = (size_t)B * T, D = d.d_model;
     const int threads = omp_get_max_threads();
     const int stats = d.norm->stats_per_row;
@@ -248,7 +250,7 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoic
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
-    p.head_rows = head_chunk_rows((int)N, d.vocab_size, checkpointing, pl.total() - pl.end_of(kHead));
+    p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, pl.total() - pl.end_of(kHead));
     take(&p.head_logits, "head_logits", (size_t)p.head_rows * d.vocab_size, kHead);
     if (ad.on("cross_entropy"))
         take(&p.head_scratch, "head_scratch", CrossEntropy{d.vocab_size}.clad_scratch_floats(threads), kHead);
@@ -338,13 +340,13 @@ void Executor::set_precision(Precision p) {
 }
 
 void Executor::plan(int B, int T) {
-    if (B <= 0 || T <= 0) throw std::invalid_argument("zoo: batch and sequence length must be positive");
+    limits::check_batch(B, T, "batch");
     if (T > d_.max_seq_len)
         throw std::invalid_argument("zoo: sequence length " + std::to_string(T) + " exceeds max_seq_len " +
                                     std::to_string(d_.max_seq_len));
     // Attention tiles are laid out for T; per-thread scratch for the threads planned.
     if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
-    acts_.reset(activation_floats(B, T));
+    acts_.reset(activation_floats(B, T), "activation arena");
     a_ = plan_activations(d_, checkpointing_, ad_, B, T, acts_.data, nullptr);
     cap_B_ = B;
     cap_T_ = T;
@@ -518,7 +520,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
     if (targets) return head(targets, N, false, 0.0f, GradMode::add);
     // Full logits only for callers that ask for them (inference): their own arena.
     const size_t need = (size_t)N * d_.vocab_size;
-    if (logits_arena_.size < need) logits_arena_.reset(need);
+    if (logits_arena_.size < need) logits_arena_.reset(need, "logits");
     TIMED(forward, linear,
           linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_weight(), nullptr, logits_arena_.data, N));
     return NAN;
@@ -599,20 +601,23 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
 }
 
 void Executor::reset_cache(int B, int max_len) {
-    if (B <= 0 || max_len <= 0) throw std::invalid_argument("zoo: cache shape must be positive");
+    limits::check_batch(B, max_len, "reset_cache");
     if (max_len > d_.max_seq_len)
         throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) + " exceeds max_seq_len " +
                                     std::to_string(d_.max_seq_len));
     const size_t d = d_.d_model, kv = (size_t)d_.n_layer * B * d_.n_kv_head * max_len * d_.head_dim;
     const size_t N = (size_t)B * max_len;  // the prompt may fill the cache in one call
     // Every buffer is live for the whole call: one after the other.
+    // B x n_head x max_len^2 is the one product the bounds do not keep inside 64 bits.
+    const size_t probs = limits::product_floats("the KV cache's attention probabilities",
+                                                {(uint64_t)B, (uint64_t)d_.n_head, (uint64_t)max_len, (uint64_t)max_len});
     ArenaPlanner pl;
     size_t o_k = pl.take(kv), o_v = pl.take(kv), o_x = pl.take(N * d), o_n = pl.take(N * d),
            o_s = pl.take(d_.norm->stats_per_row * N), o_qkv = pl.take(N * d_.qkv_dim()),
-           o_p = pl.take((size_t)B * d_.n_head * max_len * max_len), o_att = pl.take(N * d_.attn_dim()),
+           o_p = pl.take(probs), o_att = pl.take(N * d_.attn_dim()),
            o_fc = pl.take(N * d_.fc_dim()), o_act = pl.take(N * d_.d_ff), o_last = pl.take((size_t)B * d),
            o_lg = pl.take((size_t)B * d_.vocab_size);
-    cache_.reset(pl.used);
+    cache_.reset(pl.used, "KV cache");
     float* a = cache_.data;
     k_cache_ = a + o_k;
     v_cache_ = a + o_v;

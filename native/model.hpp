@@ -11,6 +11,7 @@
 
 #include "arena.hpp"
 #include "blocks/adamw.hpp"
+#include "limits.hpp"
 #include "plan.hpp"
 #include "registry.hpp"
 
@@ -24,10 +25,36 @@ struct Dims {
     float norm_eps;
     bool attention_bias, mlp_bias, tied_embeddings;
 
+    // ints: check_dims keeps them within limits::max_row_floats.
     int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
     int attn_dim() const { return n_head * head_dim; }
     int fc_dim() const { return mlp->gate_width * d_ff; }
 };
+
+// Throws std::invalid_argument, naming the field or product, if a size of d is outside the
+// bounds of limits.hpp (or the heads do not group): before anything is sized from d.
+inline void check_dims(const Dims& d) {
+    using namespace limits;
+    check_size("n_layer", d.n_layer, max_layers);
+    check_size("d_model", d.d_model, max_width);
+    check_size("n_head", d.n_head, max_width);
+    check_size("n_kv_head", d.n_kv_head, max_width);
+    check_size("head_dim", d.head_dim, max_width);
+    check_size("d_ff", d.d_ff, max_width);
+    check_size("vocab_size", d.vocab_size, max_vocab);
+    check_size("max_seq_len", d.max_seq_len, max_seq_len);
+    if (d.n_head % d.n_kv_head != 0)
+        throw std::invalid_argument("zoo: n_head = " + std::to_string(d.n_head) + " is not a multiple of n_kv_head = " +
+                                    std::to_string(d.n_kv_head));
+    const int64_t D = d.d_model, qkv = (int64_t(d.n_head) + 2 * int64_t(d.n_kv_head)) * d.head_dim,
+                  fc = int64_t(d.mlp->gate_width) * d.d_ff;
+    check_size("(n_head + 2 n_kv_head) x head_dim", qkv, max_row_floats);
+    check_size("gate width x d_ff", fc, max_row_floats);
+    check_size("vocab_size x d_model", int64_t(d.vocab_size) * D, max_tensor_floats);
+    check_size("max_seq_len x d_model", int64_t(d.max_seq_len) * D, max_tensor_floats);
+    check_size("(n_head + 2 n_kv_head) x head_dim x d_model", qkv * D, max_tensor_floats);
+    check_size("gate width x d_ff x d_model", fc * D, max_tensor_floats);
+}
 
 // The roles a parameter binds to: the names zoo/layout.py gives them. Each becomes a pointer
 // field of the structs below, and the binding loop matches role names against this one list.
@@ -187,6 +214,7 @@ public:
     // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
     double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
     const float* logits() const { return logits_arena_.data; }
+    size_t logits_floats() const { return logits_arena_.size; }
     // One training micro-step: forward, then every pullback in reverse, the gradients written
     // or added as the lifecycle says, scaled by grad_scale. Returns the loss.
     double forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale);

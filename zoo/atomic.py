@@ -6,17 +6,37 @@ so the rename itself survives a power loss. The temporary file is created as ope
 any file, mode 0666 less the umask, and the rename keeps that mode: files zoo writes are
 readable by others exactly when the user's other files are (tempfile.mkstemp would make
 every one of them 0600).
+
+A temporary file is named `.<name>.<pid>.<random>.tmp`: the pid says which process wrote it,
+so a later run can tell a dead writer's leftover (TEMP_FILE_NAME) from a live one's.
+
+A failed write raises OSError with `filename` set to the file being written: the kernel's
+"[Errno 28] No space left on device" names no file, and a full disk is only fixable when the
+user knows where zoo was writing.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
+
+# The temporary files of atomic_open, and the `.<name>.<pid>.tmp` ones of other writers:
+# group 1 is the pid of the process that made it.
+TEMP_FILE_NAME = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]+)?\.tmp$")
+
+
+def named(e: OSError, path: str | os.PathLike) -> OSError:
+    """`e` with the file it concerns: e itself if it names one, else the same error for `path`
+    (OSError(errno, ...) picks the subclass, e.g. PermissionError, from the number)."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, os.fspath(path))
 
 
 @contextmanager
@@ -31,14 +51,25 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
         os.fsync(f.fileno())
         f.close()
         os.replace(tmp, path)
-    except BaseException:
-        f.close()
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+    except BaseException as e:
+        _discard(f, tmp)
+        if isinstance(e, OSError):
+            raise named(e, path) from None
         raise
     fsync_dir(path.parent)
+
+
+def _discard(f: BinaryIO, tmp: Path) -> None:
+    """Close and remove a temporary file whose write failed. Closing flushes what is buffered,
+    which fails again on a full disk: that second error says nothing new."""
+    try:
+        f.close()
+    except OSError:
+        pass
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
 
 
 def _create_temp(path: Path) -> tuple[int, Path]:
@@ -46,11 +77,13 @@ def _create_temp(path: Path) -> tuple[int, Path]:
     folder's default ACL) to the 0666 asked for here, as for any other new file."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             return os.open(tmp, flags, 0o666), tmp
         except FileExistsError:  # a name another writer holds: draw again
             continue
+        except OSError as e:  # a full disk, no inodes, a read-only folder: name the file meant
+            raise OSError(e.errno, e.strerror, os.fspath(path)) from None
     raise FileExistsError(f"{path.parent}: no free temporary file name for {path.name}")
 
 
@@ -66,6 +99,18 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Make a file's content durable; an error names the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise named(e, path) from None
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:

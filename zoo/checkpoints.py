@@ -20,11 +20,14 @@ from typing import Optional, Union
 from .atomic import copy_file, write_json
 from .config import ModelConfig
 from .errors import CheckpointError
-from .hf_config import CONFIG_FILE, config_to_hf, config_to_zoo, hf_incompatibility, read_config, read_config_json
+from .files import parse_model, regular_file
+from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
+                        read_config_json)
 from .layout import ParamSpec, parameter_layout
 from .memory import finetune_memory_bytes, human_bytes
-from .safetensors_io import DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, CheckpointReader, write_checkpoint
-from .tokenizers import TOKENIZER_FILES, Tokenizer
+from .safetensors_io import (DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
+                             write_checkpoint)
+from .tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer
 
 # Model-side files copied along with the tokenizer (they carry generation's bos/eos ids).
 _COPIED_FILES = TOKENIZER_FILES + ("generation_config.json",)
@@ -68,29 +71,92 @@ def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatc
     return matches
 
 
-def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual"):
+def check_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatch]:
+    """Every check loading makes before it reads a weight, past those of the headers, byte ranges
+    and index (made when `reader` opened them): names, shapes and dtypes. `zoo inspect`'s verdict
+    runs this same function, so it cannot say "can load" of a checkpoint that loading refuses."""
+    matches = match_tensors(cfg, reader)
+    for m in matches:
+        info = reader.info(m.stored)
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(reader.file_of(m.stored).path, f"dtype {info.dtype} is not a floating-point weight "
+                                                                 f"(supported: {', '.join(FLOAT_DTYPES)})", key=m.stored)
+    return matches
+
+
+# Tensors named in a non-finite weights message; the rest are counted.
+_NONFINITE_SHOWN = 5
+
+
+def nonfinite_message(counts: dict[str, int], n_tensors: int) -> str:
+    """How many NaN/Inf values, in how many of n_tensors tensors, the first few with their counts.
+    counts: stored tensor name -> its non-finite values, only tensors that have some."""
+    shown = ", ".join(f"{name!r} ({n:,})" for name, n in list(counts.items())[:_NONFINITE_SHOWN])
+    more = f" and {len(counts) - _NONFINITE_SHOWN} more" if len(counts) > _NONFINITE_SHOWN else ""
+    return (f"{sum(counts.values()):,} non-finite values (NaN or Inf) in {len(counts)} of {n_tensors} tensors: "
+            f"{shown}{more}")
+
+
+def _nonfinite_error(reader: CheckpointReader, counts: dict[str, int], n_tensors: int) -> CheckpointError:
+    files = {reader.file_of(name).path for name in counts}
+    where = files.pop() if len(files) == 1 else reader.source
+    return CheckpointError(where, f"{nonfinite_message(counts, n_tensors)}; a model with them computes NaN. "
+                                  "To load it anyway (e.g. to inspect or repair it): --allow-nonfinite (zoo "
+                                  "generate, zoo convert) or allow_nonfinite=True (zoo.Model.from_pretrained)")
+
+
+def scan_nonfinite(reader: CheckpointReader, matches: list[TensorMatch]) -> dict[str, int]:
+    """Non-finite values per stored tensor (only those with some), read from the files chunk by
+    chunk, as loading would convert them: `zoo inspect --scan`."""
+    counts = {}
+    for m in matches:
+        n = reader.file_of(m.stored).count_nonfinite(m.stored)
+        if n:
+            counts[m.stored] = n
+    return counts
+
+
+def _checkpoint_folder(path: str | os.PathLike) -> Path:
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(folder, "not a checkpoint folder (expected config.json and model.safetensors)")
+    return folder
+
+
+def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
+                    allow_nonfinite: bool = False):
     """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors).
 
     max_seq_len: cap the context of a RoPE model (its positions are computed, so this changes
     no weight; it keeps arenas small for models with 128K-token configs).
     ad: the pullback backend, as zoo.Model takes it ("manual", "clad" or a per-block mapping).
+    allow_nonfinite: load weights holding NaN or Inf (refused by default: such a model computes
+    NaN, or garbage from greedy decoding) with a RuntimeWarning that says how many and where.
     """
     from .model import Model
 
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(folder, "not a checkpoint folder (expected config.json and model.safetensors)")
+    folder = _checkpoint_folder(path)
     cfg = read_config(folder)
     if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
         if cfg.positions != "rope":
             raise ValueError(f"max_seq_len: {folder} has learned positions; its context is fixed at {cfg.max_seq_len}")
         cfg = ModelConfig(**{**cfg.model_dump(), "max_seq_len": max_seq_len})
     with CheckpointReader(folder) as reader:
-        matches = match_tensors(cfg, reader)  # all checks before the arena is allocated
+        matches = check_tensors(cfg, reader)  # all checks before the arena is allocated
         model = Model(cfg, seed=None, ad=ad)
         params = model.parameters()
+        nonfinite: dict[str, int] = {}
         for m in matches:
             reader.copy_into(m.stored, params[m.spec.name], transpose=m.spec.hf_transposed)
+            n = count_nonfinite(params[m.spec.name])  # counted in the arena: no second copy of the weights
+            if n:
+                nonfinite[m.stored] = n
+        if nonfinite:
+            error = _nonfinite_error(reader, nonfinite, len(matches))
+            if not allow_nonfinite:
+                raise error
+            warnings.warn(f"{error.path}: loaded with {nonfinite_message(nonfinite, len(matches))} "
+                          "(allow_nonfinite=True)", RuntimeWarning, stacklevel=2)
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
     return model
 
@@ -142,11 +208,11 @@ def _special_ids(tokenizer) -> tuple[Optional[int], Union[int, list[int], None]]
         eos = list(tokenizer.eos_ids)
         return tokenizer.bos_id, (eos[0] if len(eos) == 1 else eos or None)
     folder = Path(tokenizer)
-    if (folder / CONFIG_FILE).is_file():  # the source checkpoint says it directly
-        hf = read_config_json(folder / CONFIG_FILE)
-        if hf.get("bos_token_id") is not None or hf.get("eos_token_id") is not None:
-            return hf.get("bos_token_id"), hf.get("eos_token_id")
-    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+    if (folder / CONFIG_FILE).exists():  # the source checkpoint says it directly (a FIFO is refused by name)
+        ids = parse_model(folder / CONFIG_FILE, IdsConfig, read_config_json(folder), CONFIG_FILE)
+        if ids.bos_token_id is not None or ids.eos_token_id is not None:
+            return ids.bos_token_id, ids.eos_token_id
+    if any((folder / name).exists() for name in TOKENIZER_FILES):
         return _special_ids(Tokenizer.from_pretrained(folder))
     return None, None
 
@@ -157,23 +223,31 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
     if src.resolve() == dst.resolve():
         return
     for name in _COPIED_FILES:
-        if (src / name).is_file():
-            copy_file(src / name, dst / name)
+        if (src / name).exists():
+            copy_file(regular_file(src / name, "tokenizer file"), dst / name)  # copying a FIFO would block
 
 
 # --- zoo inspect -------------------------------------------------------------------------------
 
 
-def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optional[int] = None) -> dict:
-    """What `zoo inspect` prints, from config.json and the safetensors headers (no weights read)."""
-    folder = Path(path)
+def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optional[int] = None,
+                       scan: bool = False) -> dict:
+    """What `zoo inspect` prints, from config.json and the safetensors headers. Its verdict runs
+    the checks loading runs (a config, header, range or index that loading refuses fails here
+    the same way; names, shapes and dtypes give "no: <loading's error>"). The weights' values
+    are read only with scan=True, for NaN/Inf, chunk by chunk."""
+    folder = _checkpoint_folder(path)
     hf = read_config_json(folder)
-    cfg = read_config(folder)
+    cfg = config_from_hf(hf, folder / CONFIG_FILE)
     seq_len = seq_len or min(cfg.max_seq_len, 1024)
     with CheckpointReader(folder) as reader:
         infos = [reader.info(n) for n in reader.names]
         try:
-            match_tensors(cfg, reader)
+            matches = check_tensors(cfg, reader)
+            if scan:
+                nonfinite = scan_nonfinite(reader, matches)
+                if nonfinite:
+                    raise _nonfinite_error(reader, nonfinite, len(matches))
             loadable = "yes"
         except CheckpointError as e:
             loadable = f"no: {e}"
@@ -189,9 +263,17 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
         "path": str(folder), "architecture": (hf.get("architectures") or [f"zoo model, {cfg.family} names"])[0], "model_type": hf["model_type"],
         "config": cfg, "parameters": cfg.num_parameters(), "tensors": len(infos), "dtypes": dict(dtypes),
         "files": [str(f.name) for f in files], "file_bytes": sum(f.stat().st_size for f in files),
-        "tokenizer_files": tokenizer_files, "loadable": loadable, "batch": batch, "seq_len": seq_len,
+        "tokenizer_files": tokenizer_files, "loadable": loadable, "scanned": scan, "batch": batch, "seq_len": seq_len,
         "finetune_memory": memory, "finetune_memory_checkpointing": checkpointed,
     }
+
+
+def _verdict(r: dict) -> str:
+    if r["loadable"] != "yes":
+        return r["loadable"]
+    if r["scanned"]:
+        return "yes (weights scanned: all finite)"
+    return "yes, if its weights are finite (not scanned for NaN/Inf: zoo inspect --scan reads them)"
 
 
 def format_inspection(r: dict) -> str:
@@ -212,7 +294,7 @@ def format_inspection(r: dict) -> str:
         f"  weights        {r['tensors']} tensors in {len(r['files'])} file(s), {human_bytes(r['file_bytes'])}; "
         + ", ".join(f"{k} x{v}" for k, v in sorted(r["dtypes"].items())),
         f"  tokenizer      {', '.join(r['tokenizer_files']) or 'none'}",
-        f"  zoo can load   {r['loadable']}",
+        f"  zoo can load   {_verdict(r)}",
         f"  finetune memory (float32, AdamW, batch {r['batch']} x {r['seq_len']} tokens): {human_bytes(m.total)}",
         f"    parameters {human_bytes(m.parameters)}, gradients {human_bytes(m.gradients)}, "
         f"AdamW moments {human_bytes(m.optimizer)}, activations {human_bytes(m.activations)}",

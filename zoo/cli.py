@@ -4,24 +4,29 @@ its flags, `_cmd_<verb>(args)` runs it. Add a verb by writing both and listing i
 from __future__ import annotations
 
 import argparse
+import datetime
+import errno
+import math
 import os
 import sys
+import tempfile
+import traceback
 import typing
 from pathlib import Path
 
+from .errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
+                     ResourceError)
 from .train_config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
 
-# Errors that are the user's to fix: shown as one line, without a traceback.
-# ValueError covers bad files and configs (CheckpointError, DataError, pydantic's ValidationError).
-_USER_ERRORS = (ValueError, OSError, KeyError)
+# OSError numbers that mean the machine ran out of room, not that the path is wrong.
+_OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM}
+# How much of an internal error's message the one-line summary shows.
+_SUMMARY_CHARS = 200
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        try:
-            return _run_verb(argv)
-        finally:  # after --help's SystemExit too
-            sys.stdout.flush()  # so that a closed pipe shows here, not at interpreter exit
+        return _run_verb(argv)
     except BrokenPipeError:
         # The reader has all it wanted (`zoo inspect DIR | head -n 1`): end quietly with 0, like
         # other Unix tools. Stdout goes to /dev/null so that the flush at exit cannot fail again.
@@ -52,27 +57,202 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def _run_verb(argv: list[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.verb is None:
-        parser.print_help()
-        return 2
-    from .trainer import TrainError, TrainInterrupted
+    """The verb, inside zoo's one error boundary: every failure ends as one `zoo: error: ...`
+    line and an exit status of its class (zoo/errors.py; docs/troubleshooting.md lists them)."""
+    from .trainer import TrainInterrupted
 
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = None
+    real_stdout = sys.stdout
+    sys.stdout = _StdoutNamedInErrors(real_stdout)
     try:
-        return args.run(args) or 0
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)  # a usage error exits 2 here, as argparse does
+            if args.verb is None:
+                parser.print_help()
+                return EXIT_USAGE
+            return args.run(args) or 0
+        finally:  # after --help's SystemExit too
+            try:
+                sys.stdout.flush()  # so that a closed pipe or a full disk shows here, not at interpreter exit
+            finally:
+                sys.stdout = real_stdout
     except BrokenPipeError:
         raise  # an OSError, but no error: main() ends quietly
     except TrainInterrupted as e:
         print(f"zoo: {e}; continue with the same command and --resume", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
         print("zoo: interrupted", file=sys.stderr)
-        return 130
-    except (TrainError, *_USER_ERRORS) as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-        print(f"zoo: error: {msg}", file=sys.stderr)
-        return 1
+        return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - the boundary: each class gets its line and status
+        status, message = _error_line(e, args, argv)
+        print(f"zoo: error: {message}", file=sys.stderr)
+        return status
+
+
+class _StdoutNamedInErrors:
+    """stdout while a verb runs: a write that fails (a full disk behind `zoo inspect DIR > file`)
+    raises an OSError that names standard output, as the errors of other files name the file."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self._failed(e)
+            raise
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            self._failed(e)
+            raise
+
+    def _failed(self, e: OSError) -> None:
+        if e.filename is None:
+            e.filename = STDOUT_NAME
+        # What the stream still holds cannot be written: point its descriptor at /dev/null so
+        # that the flush at interpreter exit does not fail again, after the one error line.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except Exception:  # noqa: BLE001 - a stream without a descriptor (pytest's capture)
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding ... of the real stream
+        return getattr(self._stream, name)
+
+
+STDOUT_NAME = "<standard output>"
+
+
+def _error_line(e: Exception, args: argparse.Namespace | None, argv: list[str]) -> tuple[int, str]:
+    """The exit status and the one-line message of an exception that reached the boundary."""
+    from pydantic import ValidationError
+
+    from .files import field_errors
+    from .trainer import TrainError
+
+    if isinstance(e, (ResourceError, MemoryError)) or (isinstance(e, OSError) and e.errno in _OUT_OF_ROOM):
+        return EXIT_RESOURCES, _resource_message(e, args)
+    if isinstance(e, OSError):
+        return EXIT_FILESYSTEM, _os_message(e, args)
+    if isinstance(e, ValidationError):  # pydantic's text spans lines: one line, the fields named
+        return EXIT_INPUT, f"{e.title}: {field_errors(e)}"
+    if isinstance(e, KeyError):
+        return EXIT_INPUT, _key_message(e)
+    if isinstance(e, (ValueError, TrainError)) or (isinstance(e, RuntimeError) and str(e).startswith("zoo: ")):
+        # "zoo: " starts the native core's expected errors: the line has it once already
+        return EXIT_INPUT, _one_line(str(e).removeprefix("zoo: ")) or type(e).__name__
+    return EXIT_INTERNAL, _internal_message(e, argv)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _verb(args: argparse.Namespace | None) -> str:
+    return f"zoo {args.verb}" if args is not None and getattr(args, "verb", None) else "zoo"
+
+
+def _written_place(args: argparse.Namespace | None) -> str | None:
+    """The folder the verb writes to, as its flag names it (--out DIR, convert's DST)."""
+    for name, shown in (("out", "--out"), ("dst", "DST")):
+        value = getattr(args, name, None)
+        if value:
+            return f"{shown} {value}"
+    return None
+
+
+def _resource_message(e: Exception, args: argparse.Namespace | None) -> str:
+    """Not enough memory or disk: what ran short and, as far as known, for what."""
+    detail = _one_line(str(e.strerror if isinstance(e, OSError) and e.strerror else e)).removeprefix("zoo: ")
+    if isinstance(e, ResourceError):
+        return detail  # zoo's own: both numbers and what would make it fit
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = e.filename or _written_place(args)
+        target = f"writing {where}" if where else f"writing a file of {_verb(args)}"
+        return f"not enough disk space {target} ({detail}); free space there or write elsewhere"
+    # MemoryError: pybind11 turns std::bad_alloc into one (saying no more), the native arenas
+    # theirs (naming the arena and its size), numpy's names the array it wanted.
+    what = "" if detail in ("", "std::bad_alloc", "bad allocation") else f" ({detail})"
+    if isinstance(e, OSError) and e.filename:
+        what = f" ({e.filename}: {detail})"
+    return (f"not enough memory for {_verb(args)}{what}; try a smaller model, batch or sequence length, "
+            f"or close other programs")
+
+
+def _os_message(e: OSError, args: argparse.Namespace | None) -> str:
+    """A file or folder zoo cannot read or write: the path, and why."""
+    reason = e.strerror or _one_line(str(e)) or type(e).__name__
+    if e.filename is not None and e.filename2 is not None:
+        return f"{e.filename} -> {e.filename2}: {reason}"
+    if e.filename is not None:
+        return f"{e.filename}: {reason}"
+    where = _written_place(args)
+    return f"{_verb(args)}{' (' + where + ')' if where else ''}: a file operation failed: {reason}"
+
+
+def _key_message(e: KeyError) -> str:
+    """str(KeyError) quotes the key alone (`zoo: error: 'config'`): say that a key is missing,
+    unless the KeyError carries a sentence of its own (unknown preset ...)."""
+    key = e.args[0] if e.args else None
+    if isinstance(key, str) and " " in key.strip():
+        return _one_line(key)
+    return f"missing key {key!r}"
+
+
+def _internal_message(e: Exception, argv: list[str]) -> str:
+    """A bug of zoo: one line with the exception, the full traceback in a crash file."""
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    if len(first) > _SUMMARY_CHARS:
+        first = first[:_SUMMARY_CHARS - 3] + "..."
+    summary = f"{type(e).__name__}: {first}" if first else type(e).__name__
+    path, why_not = _write_crash_file(e, argv)
+    saved = (f"the full traceback is in {path}" if path is not None
+             else f"the traceback could not be saved ({why_not})")
+    return f"internal error ({summary}); {saved}; please report it"
+
+
+def _crash_folders() -> list[Path]:
+    """Where crash files go, in order of preference: the user's cache, then the temp folder."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [Path(cache) / "zoo" / "crashes", Path(tempfile.gettempdir())]
+
+
+def _write_crash_file(e: BaseException, argv: list[str]) -> tuple[Path | None, str]:
+    """The traceback in a new file named by time and pid: (its path, "") or (None, why not).
+    Never raises: it runs while another error is being reported."""
+    try:
+        text = (f"zoo {' '.join(argv)}\npython {sys.version.split()[0]}, pid {os.getpid()}\n\n"
+                + "".join(traceback.format_exception(type(e), e, e.__traceback__)))
+        name = f"zoo-crash-{datetime.datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.txt"
+        folders = _crash_folders()
+    except Exception as inner:  # noqa: BLE001
+        return None, f"{type(inner).__name__}: {inner}"
+    why_not = "no folder to write to"
+    for folder in folders:
+        path = folder / name
+        created = False
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never over another file
+            created = True
+            with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+            return path, ""
+        except Exception as inner:  # noqa: BLE001 - try the next folder
+            why_not = f"{folder}: {getattr(inner, 'strerror', None) or inner}"
+            if created:  # a full disk: no half-written crash file left behind
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+    return None, why_not
 
 
 # --- train, finetune, demo ------------------------------------------------------------
@@ -276,6 +456,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN or Inf too (refused by default), saying how many and where")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                    help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
     p.set_defaults(run=_cmd_generate)
@@ -284,16 +466,20 @@ def _add_generate(sub) -> None:
 def _cmd_generate(args) -> int:
     import zoo
 
-    from .checkpoints import load_pretrained
-    from .generate import TextStream, generate, prompt_tokens
+    from .generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
     from .tokenizers import Tokenizer
 
-    if args.threads:
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
+    if args.threads is not None:
+        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
         zoo.set_threads(args.threads)
+    from .model import check_precision
+
+    check_precision(args.precision)  # before the weights are read
     src = Path(args.from_dir)
     if not src.is_dir():
         raise ValueError(f"--from {src}: no such checkpoint folder")
-    model = load_pretrained(src)
+    model = _load_allowing_nonfinite(src, args.allow_nonfinite)
     model.set_precision(args.precision)
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
     if tokenizer.vocab_size > model.config.vocab_size:
@@ -304,10 +490,25 @@ def _cmd_generate(args) -> int:
     if args.echo:  # as the trainer's sample: the continuation reads on from the prompt
         sys.stdout.write(args.prompt)
         sys.stdout.flush()  # shown while the model reads the prompt
-    generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-             stop_ids=tokenizer.eos_ids, on_token=stream)
+    try:
+        generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                 stop_ids=tokenizer.eos_ids, on_token=stream)
+    except NonFiniteLogits as e:
+        sys.stdout.write("\n")  # the error line goes to stderr: end the text shown so far
+        raise NonFiniteLogits(f"--from {src}: {e}") from None
     stream.finish()
     return 0
+
+
+# Far above any machine's cores; below what the native int takes (a larger --threads would be
+# a cast error, not a message).
+MAX_THREADS = 4096
+
+
+def _check_flag(flag: str, value, ok: bool, expected: str) -> None:
+    """ValueError naming the flag, before any work starts, unless ok."""
+    if not ok:
+        raise ValueError(f"{flag}: must be {expected}, got {value}")
 
 
 def _add_plot(sub) -> None:
@@ -331,14 +532,34 @@ def _add_inspect(sub) -> None:
     p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors)")
     p.add_argument("--batch", type=int, default=1, metavar="N", help="micro-batch size for the memory estimate")
     p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: min(context, 1024))")
+    p.add_argument("--scan", action="store_true",
+                   help="also read every weight and count NaN/Inf, as loading does (slower: reads the whole checkpoint)")
     p.set_defaults(run=_cmd_inspect)
 
 
 def _cmd_inspect(args) -> int:
     from .checkpoints import format_inspection, inspect_checkpoint
 
-    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len)))
+    _check_flag("--batch", args.batch, args.batch >= 1, ">= 1")
+    if args.seq_len is not None:
+        _check_flag("--seq-len", args.seq_len, args.seq_len >= 1, ">= 1")
+    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len, scan=args.scan)))
     return 0
+
+
+def _load_allowing_nonfinite(src, allow: bool):
+    """load_pretrained; with allow (--allow-nonfinite), a checkpoint holding NaN or Inf loads too,
+    and the warning that says how many and where is printed as one line."""
+    import warnings
+
+    from .checkpoints import load_pretrained
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        model = load_pretrained(src, allow_nonfinite=allow)
+    for w in caught:
+        print(f"zoo: warning: {w.message}", file=sys.stderr)
+    return model
 
 
 def _add_convert(sub) -> None:
@@ -348,13 +569,17 @@ def _add_convert(sub) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="how the weights are stored")
     p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB", help="shard the weights above this size")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert weights holding NaN or Inf too (refused by default), saying how many and where")
     p.set_defaults(run=_cmd_convert)
 
 
 def _cmd_convert(args) -> int:
     from .checkpoints import load_pretrained, save_pretrained
 
-    model = load_pretrained(args.src)
+    _check_flag("--max-shard-gb", args.max_shard_gb, math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0,
+                "a finite number > 0")
+    model = _load_allowing_nonfinite(args.src, args.allow_nonfinite)
     out = save_pretrained(model, args.dst, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1024**3))
     print(f"wrote {out} ({args.dtype})")
     return 0

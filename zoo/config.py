@@ -13,17 +13,31 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from . import blocks
+from ._load_native import _native
+
+# Upper bounds on every size, checked here before anything is built from a config (a config.json
+# with 10^8 layers or a vocabulary of 2e9 is refused in microseconds, naming the field). They are
+# the native core's (native/limits.hpp says why each is chosen: far above every real model, low
+# enough that every index the kernels use fits its type), so Python and the bindings agree.
+LIMITS: dict[str, int] = dict(_native.limits)
+MAX_LAYERS = LIMITS["max_layers"]  # 1024
+MAX_WIDTH = LIMITS["max_width"]  # 2^17: d_model, d_ff, head_dim, n_head, n_kv_head
+MAX_ROW_FLOATS = LIMITS["max_row_floats"]  # 2^20: one activation row (q|k|v, the MLP's gate|up)
+MAX_VOCAB = LIMITS["max_vocab"]  # 2^24
+MAX_SEQ_LEN = LIMITS["max_seq_len"]  # 2^21
+MAX_TENSOR_FLOATS = LIMITS["max_tensor_floats"]  # 2^36: one weight tensor
+MAX_TOKENS = LIMITS["max_tokens"]  # 2^24: batch x seq_len of one micro-batch
 
 
 class RopeScaling(BaseModel):
     """Llama-3 frequency scaling of RoPE (rope_type "llama3" in Hugging Face)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     factor: float = Field(gt=0)
     low_freq_factor: float = Field(gt=0)
     high_freq_factor: float = Field(gt=0)
-    original_max_position_embeddings: int = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ_LEN)
 
     @model_validator(mode="after")
     def _check(self) -> "RopeScaling":
@@ -38,16 +52,17 @@ class RopeScaling(BaseModel):
 class ModelConfig(BaseModel):
     """A decoder-only transformer. Unset n_kv_head, head_dim and d_ff take their usual defaults."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Non-finite floats (a NaN norm_eps, an infinite rope_theta) are refused like any bad value.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    vocab_size: int = Field(gt=0)
-    max_seq_len: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    n_layer: int = Field(gt=0)
-    n_head: int = Field(gt=0)
-    n_kv_head: Optional[int] = Field(default=None, gt=0)  # None: = n_head (multi-head attention)
-    head_dim: Optional[int] = Field(default=None, gt=0)  # None: = d_model // n_head
-    d_ff: Optional[int] = Field(default=None, gt=0)  # None: 4 * d_model
+    vocab_size: int = Field(gt=0, le=MAX_VOCAB)
+    max_seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
+    d_model: int = Field(gt=0, le=MAX_WIDTH)
+    n_layer: int = Field(gt=0, le=MAX_LAYERS)
+    n_head: int = Field(gt=0, le=MAX_WIDTH)
+    n_kv_head: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: = n_head (multi-head attention)
+    head_dim: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: = d_model // n_head
+    d_ff: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: 4 * d_model
     norm: str = "layernorm"  # a norm of the block registry (zoo/blocks.py): layernorm, rmsnorm, ...
     norm_eps: float = Field(default=1e-5, gt=0)
     mlp: str = "gelu"  # an activation of the registry: gelu, swiglu, relu2 (forward only without Clad), ...
@@ -98,7 +113,25 @@ class ModelConfig(BaseModel):
             raise ValueError(f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
         if self.positions != "rope" and self.rope_scaling is not None:
             raise ValueError("rope_scaling: set only with positions='rope'")
+        self._check_products()
         return self
+
+    def _check_products(self) -> None:
+        """The products that size one activation row or one weight tensor, within the bounds (the
+        fields alone are, but not their products)."""
+        qkv, fc = self.qkv_dim, blocks.activations()[self.mlp]["gate_width"] * self.d_ff
+        products = [
+            ("head_dim", "(n_head + 2 n_kv_head) x head_dim", qkv, MAX_ROW_FLOATS),
+            ("d_ff", "the MLP's width (gate width x d_ff)", fc, MAX_ROW_FLOATS),
+            ("vocab_size", "vocab_size x d_model", self.vocab_size * self.d_model, MAX_TENSOR_FLOATS),
+            ("max_seq_len", "max_seq_len x d_model", self.max_seq_len * self.d_model, MAX_TENSOR_FLOATS),
+            ("head_dim", "(n_head + 2 n_kv_head) x head_dim x d_model", qkv * self.d_model, MAX_TENSOR_FLOATS),
+            ("d_ff", "gate width x d_ff x d_model", fc * self.d_model, MAX_TENSOR_FLOATS),
+        ]
+        for field, what, value, bound in products:
+            if value > bound:
+                # The message starts with a field name: hf_config maps it to the config.json key.
+                raise ValueError(f"{field}: {what} = {value} is above zoo's bound of {bound} floats")
 
     # --- derived quantities -------------------------------------------------
 

@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from .atomic import atomic_open, write_json
+from .errors import CheckpointError
+from .files import read_json_model, regular_file
 
 CACHE_FORMAT = 1  # bump when the token file layout or document framing changes
 _HASH_CHUNK = 1 << 20
@@ -40,8 +43,8 @@ def list_text_files(paths: list[str | os.PathLike]) -> list[Path]:
         raise DataError("no training data given: pass --data FILE_OR_FOLDER")
     files: list[Path] = []
     for p in map(Path, paths):
-        if p.is_file():
-            files.append(p)
+        if p.exists() and not p.is_dir():
+            files.append(regular_file(p, "data file"))  # a FIFO or a device is refused by name: reading it could block
         elif p.is_dir():
             found = sorted(
                 f for f in p.rglob("*")
@@ -126,8 +129,8 @@ def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
     dtype = token_dtype(tokenizer.vocab_size)
 
     meta = _read_meta(meta_path)
-    if meta is not None and meta.get("key") == key and tok_path.exists() \
-            and tok_path.stat().st_size == meta.get("n_tokens", -1) * dtype.itemsize:
+    if meta is not None and meta.key == key and tok_path.is_file() \
+            and tok_path.stat().st_size == meta.n_tokens * dtype.itemsize:
         return TokenFile(_map(tok_path, dtype), tok_path, key, files, reused=True)
 
     try:
@@ -181,12 +184,26 @@ def _write_tokens(files: list[Path], tokenizer, tok_path: Path, dtype: np.dtype)
     return n
 
 
-def _read_meta(path: Path) -> dict | None:
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+class CacheMeta(BaseModel):
+    """The JSON file beside a cached token file, describing it."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    key: str
+    format: int
+    n_tokens: int
+    dtype: str
+    files: list[str]
+
+
+def _read_meta(path: Path) -> CacheMeta | None:
+    """The cache's description of a token file; None when it is missing or unusable (not a
+    regular file, not JSON, wrong fields): the cache is rebuilt, replacing it."""
+    if not path.exists():
         return None
-    return meta if isinstance(meta, dict) else None
+    try:
+        return read_json_model(path, CacheMeta, "token cache file")
+    except CheckpointError:
+        return None
 
 
 def _map(path: Path, dtype: np.dtype) -> np.ndarray:

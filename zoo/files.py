@@ -61,6 +61,8 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise CheckpointError(p, f"not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+    except RecursionError:  # "[[[[..." deeper than Python's parser goes
+        raise CheckpointError(p, "JSON nested too deeply to read") from None
 
 
 def field_errors(e: ValidationError) -> str:

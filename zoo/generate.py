@@ -7,22 +7,49 @@ probability reaches top-p, and sampled with a generator seeded by `seed`.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits hold NaN or Inf: its weights are damaged, nothing can be sampled."""
+
+
+def check_settings(max_new_tokens: int, temperature: float, top_k: Optional[int], top_p: Optional[float],
+                   seed: int, as_flags: bool = False) -> None:
+    """ValueError naming the first setting out of its range (as --top-k if as_flags, else top_k),
+    before any work starts: a NaN temperature would otherwise surface as numpy's
+    "Probabilities contain NaN"."""
+    def name(setting: str) -> str:
+        return "--" + setting.replace("_", "-") if as_flags else setting
+
+    if not max_new_tokens >= 0:
+        raise ValueError(f"{name('max_new_tokens')}: must be >= 0, got {max_new_tokens}")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{name('temperature')}: must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and not top_k >= 1:
+        raise ValueError(f"{name('top_k')}: must be >= 1, got {top_k}")
+    if top_p is not None and not (math.isfinite(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"{name('top_p')}: must be in (0, 1], got {top_p}")
+    if not seed >= 0:
+        raise ValueError(f"{name('seed')}: must be >= 0, got {seed}")
+
+
 def sample_token(logits: np.ndarray, temperature: float, top_k: Optional[int], top_p: Optional[float],
                  rng: np.random.Generator) -> int:
-    """One token id from a (V,) row of logits."""
+    """One token id from a (V,) row of finite logits."""
     if temperature == 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+    # Shifted before the division: a tiny temperature then sends the others to -inf, never the
+    # top to inf (inf - inf would be NaN).
+    z = (logits.astype(np.float64) - float(logits.max())) / temperature
     if top_k is not None and 0 < top_k < z.size:
         kth = np.partition(z, -top_k)[-top_k]
         z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
+    p = np.exp(z)
     p /= p.sum()
     if top_p is not None and top_p < 1.0:
         order = np.argsort(-p, kind="stable")
@@ -41,13 +68,11 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     EOS ids), after max_new_tokens, or at the model's context length.
 
     `on_token` is called with each new id as soon as it is chosen (for streaming).
+    NonFiniteLogits if the model's logits are NaN or Inf at some position.
     """
     if not prompt_ids:
         raise ValueError("generate: the prompt is empty (give text, or a tokenizer with a BOS token)")
-    if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    check_settings(max_new_tokens, temperature, top_k, top_p, seed)
     max_len = model.config.max_seq_len
     if len(prompt_ids) > max_len:
         raise ValueError(f"prompt: {len(prompt_ids)} tokens, beyond the model's max_seq_len {max_len}")
@@ -66,6 +91,11 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
     out: list[int] = []
     pos = len(prompt_ids)
     while True:
+        if not np.isfinite(logits).all():  # argmax would pick garbage, sampling would fail on NaN
+            raise NonFiniteLogits(
+                f"the model produced non-finite logits (NaN or Inf) at position {pos - 1} "
+                f"({'the last prompt token' if not out else f'new token {len(out)}'}): its weights are probably "
+                f"damaged (zoo inspect checks a checkpoint folder)")
         tok = sample_token(logits, temperature, top_k, top_p, rng)
         out.append(tok)
         if on_token is not None:

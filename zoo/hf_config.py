@@ -9,7 +9,6 @@ caching or generation are ignored.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from pydantic import ValidationError
 
 from .config import ModelConfig, RopeScaling
 from .errors import CheckpointError
+from .files import read_json
 
 CONFIG_FILE = "config.json"
 ZOO_MODEL_TYPE = "zoo"  # zoo's own config.json, for configs transformers has no class for
@@ -41,45 +41,64 @@ _HF_KEY = {
 }
 
 
+def config_file(path: str | os.PathLike) -> Path:
+    """The config.json of a checkpoint folder, or the path itself when it is not a folder."""
+    path = Path(path)
+    return path / CONFIG_FILE if path.is_dir() else path
+
+
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """The parsed config.json of a checkpoint folder (or the file itself)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / CONFIG_FILE
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CheckpointError(path, "not found: a checkpoint folder needs its config.json") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"cannot read: {e}") from None
-    try:
-        hf = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise CheckpointError(path, f"not valid JSON ({e})") from None
+    return _read_config_file(config_file(path))
+
+
+def _read_config_file(file: Path) -> dict[str, Any]:
+    """A config.json: a regular file (a FIFO is refused, not opened; a folder in its place too),
+    within files.py's size bound, a JSON object. Its fields are typed where they are read
+    (config_from_hf), each error naming the key."""
+    if not file.exists():
+        raise CheckpointError(file, "not found: a checkpoint folder needs its config.json")
+    hf = read_json(file, CONFIG_FILE)
     if not isinstance(hf, dict):
-        raise CheckpointError(path, "not a JSON object")
+        raise CheckpointError(file, f"not a JSON object (a {_json_type(hf)}): a config.json is {{\"model_type\": ...}}")
     return hf
+
+
+def show_value(value) -> str:
+    """A value from a file, for a message: its repr, cut short (a field may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "list", dict: "object"}.get(
+        type(value), type(value).__name__)
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
     """ModelConfig of a checkpoint folder's config.json."""
-    path = Path(path)
-    file = path / CONFIG_FILE if path.is_dir() else path
-    return config_from_hf(read_config_json(file), file)
+    file = config_file(path)
+    return config_from_hf(_read_config_file(file), file)
 
 
 def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
     """ModelConfig of a parsed config.json; `source` names the file in errors."""
     model_type = hf.get("model_type")
+    if not isinstance(model_type, str):
+        raise CheckpointError(source, f"expected a string (zoo reads: {', '.join(ARCHITECTURES)}, {ZOO_MODEL_TYPE}), "
+                                      f"got {_json_type(model_type)} {show_value(model_type)}", key="model_type")
     if model_type == ZOO_MODEL_TYPE:
         return _zoo_config(hf, source)
     if model_type not in ARCHITECTURES:
-        raise CheckpointError(source, f"unsupported model_type {model_type!r} (zoo reads: "
+        raise CheckpointError(source, f"unsupported model_type {show_value(model_type)} (zoo reads: "
                                       f"{', '.join(ARCHITECTURES)}, {ZOO_MODEL_TYPE})", key="model_type")
     archs = hf.get("architectures")
     if archs is not None:
         if not isinstance(archs, list) or not all(a in ARCHITECTURES[model_type] for a in archs):
-            raise CheckpointError(source, f"unsupported architectures {archs!r} for model_type {model_type!r} "
+            raise CheckpointError(source, f"unsupported architectures {show_value(archs)} for model_type {model_type!r} "
                                           f"(zoo reads: {', '.join(ARCHITECTURES[model_type])})", key="architectures")
     fields = _gpt2_fields(hf, source) if model_type == "gpt2" else _llama_fields(hf, source)
     try:
@@ -113,7 +132,7 @@ def _gpt2_fields(hf: dict, source) -> dict:
     get.require("add_cross_attention", False, bool)
     activation = get("activation_function", "gelu_new", str)
     if activation not in _GPT2_ACTIVATIONS:
-        raise CheckpointError(source, f"unsupported activation {activation!r} (zoo's GELU is the tanh approximation: "
+        raise CheckpointError(source, f"unsupported activation {show_value(activation)} (zoo's GELU is the tanh approximation: "
                                       f"{', '.join(_GPT2_ACTIVATIONS)})", key="activation_function")
     d_model = get("n_embd", 768, int)
     n_inner = get("n_inner", None, int)
@@ -150,30 +169,30 @@ def _llama_rope(hf: dict, source, get: "_Getter") -> tuple[float, RopeScaling | 
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise CheckpointError(source, f"expected a JSON object, got {params!r}", key=key)
+        raise CheckpointError(source, f"expected a JSON object, got {show_value(params)}", key=key)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise CheckpointError(source, f"expected a number, got {theta!r}", key=f"{key}.rope_theta")
+        raise CheckpointError(source, f"expected a number, got {show_value(theta)}", key=f"{key}.rope_theta")
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial_key = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial is not None and partial != 1.0:
-        raise CheckpointError(source, f"value {partial!r} is not supported (zoo rotates the whole head)",
+        raise CheckpointError(source, f"value {show_value(partial)} is not supported (zoo rotates the whole head)",
                               key=partial_key)
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise CheckpointError(source, f"unsupported rope type {rope_type!r} (zoo computes 'default' and 'llama3')",
+        raise CheckpointError(source, f"unsupported rope type {show_value(rope_type)} (zoo computes 'default' and 'llama3')",
                               key=f"{key}.rope_type")
     values = {}
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
         v = params.get(name)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise CheckpointError(source, f"llama3 rope scaling needs a number, got {v!r}", key=f"{key}.{name}")
+            raise CheckpointError(source, f"llama3 rope scaling needs a number, got {show_value(v)}", key=f"{key}.{name}")
         values[name] = float(v)
     original = params.get("original_max_position_embeddings", get("max_position_embeddings", 2048, int))
     if isinstance(original, bool) or not isinstance(original, int):
-        raise CheckpointError(source, f"expected an integer, got {original!r}",
+        raise CheckpointError(source, f"expected an integer, got {show_value(original)}",
                               key=f"{key}.original_max_position_embeddings")
     try:
         scaling = RopeScaling(original_max_position_embeddings=original, **values)
@@ -195,13 +214,13 @@ class _Getter:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise CheckpointError(self.source, f"expected {kind.__name__}, got {value!r}", key=key)
+            raise CheckpointError(self.source, f"expected {kind.__name__}, got {show_value(value)}", key=key)
         return value
 
     def require(self, key: str, expected, kind: type) -> None:
         value = self(key, expected, kind)
         if value != expected:
-            raise CheckpointError(self.source, f"value {value!r} is not supported by zoo (only {expected!r})", key=key)
+            raise CheckpointError(self.source, f"value {show_value(value)} is not supported by zoo (only {expected!r})", key=key)
 
 
 # --- writing ---------------------------------------------------------------------------------

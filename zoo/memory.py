@@ -8,17 +8,50 @@ batch x seq_len tokens (activation_bytes, the same figure a built model uses).
 
 from __future__ import annotations
 
+import operator
+import os
+import resource
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from ._load_native import _native
-from .config import ModelConfig
+from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
+from .errors import ResourceError
 
 FLOAT_BYTES = 4
+# Weights, gradients and AdamW's two moments: the parameter arena a Model maps.
+PARAMETER_ARENA_BYTES = 4 * FLOAT_BYTES
+
+# Set to 1 to skip the memory checks (check_memory), for users who know better than the estimate.
+SKIP_CHECK_ENV = "ZOO_SKIP_MEMORY_CHECK"
+# Bytes to take as available instead of measuring: for tests, and for containers whose limits zoo
+# cannot see (a limit enforced outside the cgroup files, a VM's balloon).
+AVAILABLE_ENV = "ZOO_MEMORY_AVAILABLE"
+
+
+def check_batch_shape(batch_size: int, seq_len: int, batch_name: str = "batch", seq_name: str = "seq_len") -> None:
+    """Raises ValueError, naming both, unless batch_size and seq_len are positive integers whose
+    product is within the native core's bound on tokens per micro-batch (config.MAX_TOKENS)."""
+    for name, value in ((batch_name, batch_size), (seq_name, seq_len)):
+        try:
+            positive = operator.index(value) > 0  # ints, numpy's included
+        except TypeError:
+            positive = False
+        if not positive:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    batch_size, seq_len = operator.index(batch_size), operator.index(seq_len)
+    if seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"{seq_name} {seq_len} is above zoo's bound of {MAX_SEQ_LEN}")
+    if batch_size * seq_len > MAX_TOKENS:
+        raise ValueError(f"{batch_name} {batch_size} x {seq_name} {seq_len} = {batch_size * seq_len} tokens per "
+                         f"micro-batch is above zoo's bound of {MAX_TOKENS}")
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
                      clad_blocks: tuple[str, ...] = ()) -> int:
     """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
+    check_batch_shape(batch_size, seq_len)
     return FLOAT_BYTES * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len),
                                                        bool(checkpointing), list(clad_blocks)))
 
@@ -38,8 +71,7 @@ class FinetuneMemory:
 def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False) -> FinetuneMemory:
     """Memory for full finetuning with AdamW at micro-batch (batch, seq_len); checkpointing:
     with activation checkpointing (each layer recomputed in the pullback)."""
-    if batch <= 0 or seq_len <= 0:
-        raise ValueError(f"batch and seq_len must be positive, got {batch} and {seq_len}")
+    check_batch_shape(batch, seq_len)
     n = cfg.num_parameters()
     return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * n,
                           activations=activation_bytes(cfg, batch, seq_len, checkpointing))
@@ -52,3 +84,113 @@ def human_bytes(n: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{n} B"
+
+
+# --- what the machine has -----------------------------------------------------------------
+
+
+def _meminfo_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo: what the kernel can hand out without swapping."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _read_int(path: Path) -> Optional[int]:
+    try:
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _inactive_file(stat: Path, key: str) -> int:
+    """Page cache the kernel reclaims before it fails an allocation (a cgroup's usage counts it)."""
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_available() -> Optional[int]:
+    """The memory limit of this process's cgroup (v2, else v1) minus its usage; None without a limit.
+    Usage includes page cache, of which the inactive part is reclaimable (as `docker stats` counts)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    v2 = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), None)
+    v1 = next((line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")), None)
+    # Inside a container the process's path may name the host's hierarchy: try it, then the root.
+    candidates = []
+    if v1 is not None:
+        root = Path("/sys/fs/cgroup/memory")
+        candidates += [(root / v1.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+                       (root, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")]
+    if v2 is not None:
+        root = Path("/sys/fs/cgroup")
+        candidates += [(root / v2.lstrip("/"), "memory.max", "memory.current", "inactive_file"),
+                       (root, "memory.max", "memory.current", "inactive_file")]
+    for folder, limit_file, usage_file, inactive_key in candidates:
+        limit, usage = _read_int(folder / limit_file), _read_int(folder / usage_file)
+        if usage is None:
+            continue
+        if limit is None or limit >= 1 << 60:  # "max", or v1's "no limit" (2^63 rounded to a page)
+            return None
+        return max(0, limit - usage + _inactive_file(folder / "memory.stat", inactive_key))
+    return None
+
+
+def _address_space_available() -> Optional[int]:
+    """RLIMIT_AS (ulimit -v) minus the address space in use: arenas are mapped whole, so an
+    arena beyond it fails however much memory is free."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmSize:"):
+                return max(0, soft - int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_memory_bytes() -> Optional[tuple[int, str]]:
+    """(bytes this process can still allocate, where the figure comes from), or None where zoo
+    cannot tell (not Linux). The smallest of: MemAvailable, the cgroup's limit minus its usage,
+    the address-space limit minus the address space used; or $ZOO_MEMORY_AVAILABLE if set."""
+    override = os.environ.get(AVAILABLE_ENV)
+    if override:
+        try:
+            return int(override), f"${AVAILABLE_ENV}"
+        except ValueError:
+            raise ValueError(f"${AVAILABLE_ENV} must be a number of bytes, got {override!r}") from None
+    figures = [(n, where) for n, where in ((_meminfo_available(), "MemAvailable in /proc/meminfo"),
+                                          (_cgroup_available(), "the cgroup's memory limit"),
+                                          (_address_space_available(), "the address-space limit (ulimit -v)"))
+               if n is not None]
+    return min(figures) if figures else None
+
+
+def check_memory(needed: int, what: str, fix: str) -> None:
+    """Raises ResourceError if `what` needs more than this process can allocate: both numbers,
+    and `fix`, what would make it fit. No-op where the figure is unknown or
+    $ZOO_SKIP_MEMORY_CHECK=1."""
+    if os.environ.get(SKIP_CHECK_ENV) == "1":
+        return
+    available = available_memory_bytes()
+    if available is None or needed <= available[0]:
+        return
+    have, where = available
+    raise ResourceError(f"{what} needs {human_bytes(needed)} ({needed:,} bytes), but {human_bytes(have)} "
+                        f"({have:,} bytes) is available ({where}); {fix}. "
+                        f"To try anyway, set {SKIP_CHECK_ENV}=1")

@@ -13,7 +13,7 @@ from . import blocks
 from ._load_native import _native
 from .config import ModelConfig
 from .layout import ParamSpec, initial_value, layout_table, parameter_layout, parameter_offsets
-from .memory import activation_bytes
+from .memory import FLOAT_BYTES, PARAMETER_ARENA_BYTES, activation_bytes, check_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -122,6 +122,20 @@ def resolve_ad(ad: AdSpec, cfg: ModelConfig) -> dict[str, Optional[str]]:
     return chosen
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _finite_float32(name: str, value) -> float:
+    """value as a float the native float32 arguments hold finitely; ValueError naming it if not."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(v) or abs(v) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be a finite number (within float32), got {value!r}")
+    return v
+
+
 def _as_tokens(a, what: str, vocab_size: int, allow_ignore: bool = False) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 2:
@@ -161,6 +175,19 @@ class Model:
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
         self._offsets, self.n_params = parameter_offsets(self.layout)
+        # Before the arena is mapped: a model too big for the machine is refused with both numbers.
+        # The arena's pages become resident when first touched: the weights now, the gradients
+        # and AdamW moments at the first training step (checked then), so a model that only
+        # generates needs memory for its weights alone.
+        rope_table_bytes = FLOAT_BYTES * config.max_seq_len * config.head_dim if config.positions == "rope" else 0
+        check_memory(FLOAT_BYTES * self.n_params + rope_table_bytes,
+                     f"a model of {self.n_params:,} parameters (its float32 weights"
+                     f"{', RoPE tables' if rope_table_bytes else ''})",
+                     "choose a smaller model (fewer layers, a narrower d_model or d_ff, a smaller vocabulary)")
+        # The largest (B, T) whose activation arena was checked, for steps and for full logits,
+        # and whether the training state (gradients, moments) was.
+        self._memory_checked: dict[str, tuple[int, int]] = {}
+        self._training_memory_checked = False
         inv_freq = rope_inv_freq(config).tolist() if config.positions == "rope" else []
         self._exec = _native.Executor(config.model_dump(), self.n_params, layout_table(self.layout), inv_freq)
         self._params = self._views(self._exec.params())
@@ -217,8 +244,30 @@ class Model:
 
     # --- forward and pullback ---------------------------------------------------
 
+    def _check_activation_memory(self, shape: tuple[int, int], logits: bool = False, training: bool = False) -> None:
+        """Before the executor plans the activation arena for a (B, T) it has not planned (the
+        plan grows with B; a new T re-plans), check it fits; logits: and the full logits (B, T, V);
+        training: and, the first time, the gradients and AdamW moments."""
+        B, T = shape
+        key = "logits" if logits else "steps"
+        checked_B, checked_T = self._memory_checked.get(key, (0, 0))
+        state = training and not self._training_memory_checked
+        if B <= checked_B and T == checked_T and not state:
+            return
+        needed = self.activation_bytes(B, T) + (FLOAT_BYTES * B * T * self.config.vocab_size if logits else 0)
+        needed += (PARAMETER_ARENA_BYTES - FLOAT_BYTES) * self.n_params if state else 0
+        check_memory(needed, (f"training on a batch of {B} x {T} tokens (the gradients and AdamW moments of "
+                              f"{self.n_params:,} parameters, and the activation arena)" if state else
+                              f"a batch of {B} x {T} tokens (the activation arena"
+                              f"{' and the logits' if logits else ''})"),
+                     "use a smaller batch or seq_len (--batch-size, --seq-len), or activation checkpointing "
+                     "(--checkpointing)" + (", or a smaller model" if state else ""))
+        self._memory_checked[key] = (max(B, checked_B) if T == checked_T else B, T)
+        self._training_memory_checked |= training
+
     def logits(self, tokens) -> np.ndarray:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
+        self._check_activation_memory(tok.shape, logits=True)
         self._exec.forward(tok, None)
         B, T = tok.shape
         return np.array(self._exec.logits(B, T))
@@ -226,6 +275,7 @@ class Model:
     def loss(self, tokens, targets) -> float:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
+        self._check_activation_memory(tok.shape)
         return float(self._exec.forward(tok, tgt))
 
     def loss_and_grads(self, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
@@ -255,7 +305,9 @@ class Model:
         tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
         if tgt.shape != tok.shape:
             raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
-        return float(self._exec.forward_backward(tok, tgt, float(grad_scale)))
+        grad_scale = _finite_float32("grad_scale", grad_scale)
+        self._check_activation_memory(tok.shape, training=True)
+        return float(self._exec.forward_backward(tok, tgt, grad_scale))
 
     # --- optimizer ----------------------------------------------------------------
 
@@ -265,9 +317,22 @@ class Model:
     def adamw_step(self, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                    weight_decay: float = 0.0, max_grad_norm: Optional[float] = None) -> float:
         """Global-norm clipping, then AdamW over every parameter; the gradients read zero
-        afterwards (consumed). Returns the norm before clipping."""
-        return float(self._exec.adamw_step(lr, beta1, beta2, eps, weight_decay,
-                                           -1.0 if max_grad_norm is None else float(max_grad_norm)))
+        afterwards (consumed). Returns the norm before clipping. Hyper-parameters that would
+        spoil the weights (non-finite; lr or weight_decay < 0, betas outside [0, 1), eps <= 0,
+        max_grad_norm < 0) are refused with ValueError, naming the argument, before any weight
+        is touched."""
+        lr, beta1, beta2, eps, weight_decay = (
+            _finite_float32(name, value) for name, value in
+            (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
+        max_norm = -1.0 if max_grad_norm is None else _finite_float32("max_grad_norm", max_grad_norm)
+        for name, value, ok, rule in (("lr", lr, lr >= 0, ">= 0"), ("beta1", beta1, 0 <= beta1 < 1, "in [0, 1)"),
+                                      ("beta2", beta2, 0 <= beta2 < 1, "in [0, 1)"), ("eps", eps, eps > 0, "> 0"),
+                                      ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+                                      ("max_grad_norm", max_grad_norm, max_grad_norm is None or max_norm >= 0,
+                                       ">= 0 (or None: no clipping)")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {value!r}")
+        return float(self._exec.adamw_step(lr, beta1, beta2, eps, weight_decay, max_norm))
 
     def optimizer_state(self) -> dict:
         return {"m": self._exec.adam_m(), "v": self._exec.adam_v(), "step": self._exec.step_count}
@@ -305,6 +370,7 @@ class Model:
     def set_checkpointing(self, on: bool) -> None:
         """Turn activation checkpointing on or off (re-plans the activation arena)."""
         self._exec.set_checkpointing(bool(on))
+        self._memory_checked = {}  # the arena's size changes: check again at the next call
 
     @property
     def precision(self) -> str:

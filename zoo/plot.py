@@ -6,9 +6,54 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Callable, Optional
+
+from pydantic import BaseModel, ConfigDict, StrictInt
+
+from .errors import CheckpointError
+from .files import parse_model, read_text
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+
+
+class MetricsRecord(BaseModel):
+    """One line of metrics.jsonl: a logged step (loss, lr, ...) or an evaluation (val_loss)."""
+
+    model_config = ConfigDict(extra="allow")  # lr, grad_norm, tokens, ...: shown by other tools
+
+    step: StrictInt
+    loss: Optional[float] = None
+    val_loss: Optional[float] = None
+
+
+def read_records(path: str | os.PathLike,
+                 on_bad_line: Optional[Callable[[str], None]] = None) -> list[tuple[str, MetricsRecord]]:
+    """(line, record) for each record of a metrics.jsonl. An unfinished last line (no newline:
+    its writer was killed mid-line, or is writing it now) is left out. Any other line that is
+    not a record raises CheckpointError naming the file and the line number, or, given
+    on_bad_line, is left out and what is wrong (naming the line) passed to it."""
+    path = Path(path)
+    text = read_text(path, METRICS_FILE)
+    lines = text.split("\n")
+    lines.pop()  # after the last newline: empty, or an unfinished line
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((line, parse_model(path, MetricsRecord, json.loads(line), f"line {number}")))
+            continue
+        except json.JSONDecodeError as e:
+            why = f"line {number} is not JSON ({e.msg}, column {e.colno})"
+        except RecursionError:  # json's parser recurses per bracket
+            why = f"line {number} is not JSON (nested too deeply)"
+        except CheckpointError as e:
+            why = str(e).removeprefix(f"{path}: ")
+        if on_bad_line is None:
+            raise CheckpointError(path, why)
+        on_bad_line(why)
+    return records
 
 
 def read_metrics(run_dir: str | os.PathLike) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -17,17 +62,11 @@ def read_metrics(run_dir: str | os.PathLike) -> tuple[list[tuple[int, float]], l
     if not path.is_file():
         raise ValueError(f"{path}: no such file (is {run_dir} a zoo run folder?)")
     train, val = [], []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            raise ValueError(f"{path}: line {i} is not JSON") from None
-        if "loss" in rec:
-            train.append((rec["step"], rec["loss"]))
-        if "val_loss" in rec:
-            val.append((rec["step"], rec["val_loss"]))
+    for _, rec in read_records(path):
+        if rec.loss is not None:
+            train.append((rec.step, rec.loss))
+        if rec.val_loss is not None:
+            val.append((rec.step, rec.val_loss))
     return train, val
 
 
@@ -44,18 +83,20 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
     if not train and not val:
         raise ValueError(f"{Path(run_dir) / METRICS_FILE}: no losses recorded yet")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    if train:
-        ax.plot(*zip(*train), label="train", linewidth=1)
-    if val:
-        ax.plot(*zip(*val), label="validation", marker="o", linewidth=1.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(Path(run_dir).resolve().name)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / PLOT_FILE
-    with atomic_open(out) as f:
-        fig.savefig(f, format="png")
-    plt.close(fig)
+    try:
+        if train:
+            ax.plot(*zip(*train), label="train", linewidth=1)
+        if val:
+            ax.plot(*zip(*val), label="validation", marker="o", linewidth=1.5)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(Path(run_dir).resolve().name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        out = Path(run_dir) / PLOT_FILE
+        with atomic_open(out) as f:
+            fig.savefig(f, format="png")
+    finally:
+        plt.close(fig)  # a failed write (a full disk) leaves no figure behind in a long session
     return out

@@ -4,7 +4,9 @@ Format (a fact of the safetensors spec): 8 bytes little-endian header length N, 
 JSON {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then
 the data; offsets count from the end of the header. We parse the header ourselves, rather
 than through the safetensors package, so every offset, dtype and shape is checked before
-any byte is read and a bad file gives an error naming the file and tensor.
+any byte is read and a bad file gives an error naming the file and tensor. The rules are the
+spec's in full: the tensors' byte ranges, sorted, tile the data section exactly (no overlap,
+which would alias one tensor to another; no gap; no byte left over).
 
 Reading goes through a memory map: an F32 or F16 tensor is copied straight from the map into
 its destination; a BF16 tensor costs one temporary float32 copy of itself.
@@ -18,12 +20,14 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from .atomic import atomic_open, fsync_dir, write_json
 from .errors import CheckpointError
+from .files import read_json_model, regular_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -40,6 +44,7 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 # What users type -> safetensors dtype code.
 DTYPE_NAMES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 _MAX_HEADER_BYTES = 100 * 1024**2  # the spec's own limit; guards against a huge bogus length
+_MIN_HEADER_BYTES = 2  # "{}"
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class SafetensorsFile:
     """One .safetensors file, header parsed and validated, data memory-mapped."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = regular_file(path, "safetensors file")  # a FIFO would block open()
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -67,6 +72,9 @@ class SafetensorsFile:
                     raise CheckpointError(self.path, f"file is {size} bytes, too short for a safetensors header "
                                                      "(truncated?)")
                 n = int.from_bytes(f.read(8), "little")
+                if n < _MIN_HEADER_BYTES:
+                    raise CheckpointError(self.path, f"header length {n} is too short for a JSON header "
+                                                     "(not a safetensors file, or corrupt)")
                 if n > size - 8:
                     raise CheckpointError(self.path, f"header length {n} runs past the end of the {size}-byte file "
                                                      "(truncated?)")
@@ -131,6 +139,35 @@ class SafetensorsFile:
         out[...] = src.T if transpose else src  # F16/F64 cast during assignment, no full copy
         del src
 
+    def count_nonfinite(self, name: str) -> int:
+        """NaN and Inf values of the tensor as loading would see them (converted to float32, so an
+        F64 value beyond float32's range counts as Inf), read chunk by chunk from the map."""
+        info = self.info(name)
+        raw = self._raw(info).reshape(-1)
+        count = 0
+        for start in range(0, raw.size, SCAN_CHUNK):
+            chunk = raw[start:start + SCAN_CHUNK]
+            if info.dtype == "BF16":
+                chunk = (chunk.astype(np.uint32) << 16).view(np.float32)
+            with np.errstate(over="ignore"):
+                count += count_nonfinite(chunk.astype(np.float32, copy=False))
+        return count
+
+
+SCAN_CHUNK = 1 << 16  # values tested at a time: a small temporary (64 KB), whatever the tensor's size
+
+
+def count_nonfinite(arr: np.ndarray) -> int:
+    """How many NaN or Inf values a floating-point array holds, in chunks (np.isfinite on a whole
+    500M-value tensor would allocate 500 MB of booleans). arr should be contiguous (a parameter
+    view is), so that ravel() is a view, not a copy."""
+    flat = np.ravel(arr)
+    count = 0
+    for start in range(0, flat.size, SCAN_CHUNK):
+        chunk = flat[start:start + SCAN_CHUNK]
+        count += chunk.size - int(np.count_nonzero(np.isfinite(chunk)))
+    return count
+
 
 def _parse_header(path: Path, header_bytes: bytes, data_len: int) -> tuple[dict, dict[str, TensorInfo]]:
     try:
@@ -145,14 +182,35 @@ def _parse_header(path: Path, header_bytes: bytes, data_len: int) -> tuple[dict,
     tensors: dict[str, TensorInfo] = {}
     for name, entry in header.items():
         tensors[name] = _parse_entry(path, name, entry, data_len)
+    _check_ranges(path, list(tensors.values()), data_len)
     return metadata, tensors
+
+
+def _check_ranges(path: Path, infos: list[TensorInfo], data_len: int) -> None:
+    """The safetensors rule: the tensors' byte ranges, in order, tile the data section exactly,
+    with no overlap (one tensor would alias another), no gap and no byte left over."""
+    at, previous = 0, None  # where the next tensor must begin; the tensor that ended there
+    for info in sorted(infos, key=lambda i: (i.begin, i.end)):
+        if info.begin < at:
+            raise CheckpointError(path, f"data_offsets [{info.begin}, {info.end}] overlap those of {previous.name!r} "
+                                        f"[{previous.begin}, {previous.end}] (two tensors sharing bytes)",
+                                  key=info.name)
+        if info.begin > at:
+            after = f"the end of {previous.name!r}" if previous is not None else "the start of the data"
+            raise CheckpointError(path, f"data_offsets [{info.begin}, {info.end}] leave a gap of {info.begin - at} "
+                                        f"bytes after {after} (byte {at})", key=info.name)
+        at, previous = info.end, info
+    if at != data_len:
+        raise CheckpointError(path, f"the data section holds {data_len} bytes but the tensors cover {at}: "
+                                    f"{data_len - at} bytes after the last tensor belong to none (corrupt, or "
+                                    "written by a broken tool)", key=previous.name if previous is not None else None)
 
 
 def _parse_entry(path: Path, name: str, entry, data_len: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise CheckpointError(path, "header entry is not a JSON object", key=name)
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _NUMPY_DTYPE:
+    if not isinstance(dtype, str) or dtype not in _NUMPY_DTYPE:
         raise CheckpointError(path, f"unknown dtype {dtype!r}", key=name)
     if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
         raise CheckpointError(path, f"shape {shape!r} is not a list of non-negative integers", key=name)
@@ -178,13 +236,14 @@ class CheckpointReader:
         path = Path(path)
         self.files: list[SafetensorsFile] = []
         self._file_of: dict[str, SafetensorsFile] = {}
-        if path.is_file():
+        # exists(), not is_file(): a FIFO or folder in a weight file's place is refused by name.
+        if path.exists() and not path.is_dir():
             self.source = path
             self._open_single(path)
-        elif (path / SINGLE_FILE).is_file():  # preferred over an index, as transformers does
+        elif (path / SINGLE_FILE).exists():  # preferred over an index, as transformers does
             self.source = path / SINGLE_FILE
             self._open_single(self.source)
-        elif (path / INDEX_FILE).is_file():
+        elif (path / INDEX_FILE).exists():
             self.source = path / INDEX_FILE
             self._open_index(self.source)
         else:
@@ -196,13 +255,13 @@ class CheckpointReader:
         self._file_of = {name: f for name in f.tensors}
 
     def _open_index(self, index_path: Path) -> None:
-        weight_map = _read_index(index_path)
+        weight_map = read_index(index_path)
         by_shard: dict[str, SafetensorsFile] = {}
         try:
             for name, shard in weight_map.items():
                 if shard not in by_shard:
                     shard_path = index_path.parent / shard
-                    if not shard_path.is_file():
+                    if not shard_path.exists():
                         raise CheckpointError(index_path, f"names shard file {shard!r}, which does not exist", key=name)
                     by_shard[shard] = SafetensorsFile(shard_path)
                     self.files.append(by_shard[shard])
@@ -210,6 +269,15 @@ class CheckpointReader:
                 if name not in f.tensors:
                     raise CheckpointError(f.path, f"tensor listed in {index_path.name} is not in this shard", key=name)
                 self._file_of[name] = f
+            # A tensor a shard holds but the index places elsewhere (or nowhere) would be ignored,
+            # or be a second copy of one that is loaded: either way the files disagree.
+            for shard, f in by_shard.items():
+                for name in f.tensors:
+                    if name not in weight_map:
+                        raise CheckpointError(f.path, f"tensor is in this shard but not in {index_path.name}", key=name)
+                    if weight_map[name] != shard:
+                        raise CheckpointError(f.path, f"tensor is also in shard {weight_map[name]!r}, where "
+                                                      f"{index_path.name} places it (a tensor in two shards)", key=name)
         except BaseException:
             self.close()
             raise
@@ -247,19 +315,23 @@ class CheckpointReader:
         self.file_of(name).copy_into(name, out, transpose)
 
 
-def _read_index(index_path: Path) -> dict[str, str]:
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(index_path, f"not valid JSON ({e})") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(index_path, "has no \"weight_map\" object", key="weight_map")
-    for name, shard in weight_map.items():
-        # Plain file names only: an index must not reach outside its folder.
-        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
-            raise CheckpointError(index_path, f"shard {shard!r} is not a file name in this folder", key=name)
-    return weight_map
+class ShardIndex(BaseModel):
+    """model.safetensors.index.json: which shard file holds each tensor."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    metadata: Optional[dict[str, Any]] = None
+    weight_map: dict[str, str]
+
+
+def read_index(index_path: Path) -> dict[str, str]:
+    """The weight_map of a sharded checkpoint's index; shard names must be plain file names in
+    the index's own folder (an index must not reach outside it)."""
+    index = read_json_model(index_path, ShardIndex, INDEX_FILE)
+    for name, shard in index.weight_map.items():
+        if Path(shard).name != shard or shard in ("", ".", "..") or "\0" in shard:
+            raise CheckpointError(index_path, f"weight_map gives shard {shard!r}, which is not a file name in this "
+                                              "folder (an index must not reach outside it)", key=name)
+    return index.weight_map
 
 
 def _missing_weights_message(folder: Path) -> str:

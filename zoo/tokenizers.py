@@ -25,12 +25,15 @@ import os
 import re
 import unicodedata
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Annotated, Any, Callable, Iterable, Optional, Union
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from .atomic import write_bytes
 from .errors import CheckpointError
+from .files import parse_model, read_json, read_text, regular_file
+from .hf_config import show_value
 
 ZOO_FILE = "zoo_tokenizer.json"
 # Files that make up a tokenizer: copied along when a checkpoint is saved.
@@ -38,6 +41,84 @@ TOKENIZER_FILES = ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model", "v
                    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 # Files that only say which ids are bos/eos.
 _ID_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+
+
+# --- the fields zoo reads from each file, typed (errors name the file and the field) ---------
+
+
+class _Fields(BaseModel):
+    """Typed view of a tokenizer-side JSON file: the fields zoo reads have their JSON types checked
+    (strictly: "5" is not an id, true is not an integer); fields zoo does not read pass as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class AddedToken(_Fields):
+    """A special token as tokenizer files write it: {"content": "<s>", ...}."""
+    content: str
+
+
+class _AddedTokenEntry(AddedToken):  # tokenizer.json's added_tokens entries also carry the id
+    id: TokenId
+
+
+_TokenText = Union[str, AddedToken, None]
+
+
+class TokenizerConfig(_Fields):
+    """tokenizer_config.json and special_tokens_map.json."""
+    bos_token: _TokenText = None
+    eos_token: _TokenText = None
+    unk_token: _TokenText = None
+    pad_token: _TokenText = None
+    additional_special_tokens: Optional[list[Union[str, AddedToken]]] = None
+    added_tokens_decoder: Optional[dict[str, AddedToken]] = None
+    add_prefix_space: Optional[bool] = None
+
+
+class IdsConfig(_Fields):
+    """generation_config.json and config.json, as far as the tokenizer reads them."""
+    bos_token_id: Union[TokenId, list[TokenId], None] = None
+    eos_token_id: Union[TokenId, list[TokenId], None] = None
+    vocab_size: Optional[int] = None
+
+
+class TokenizerJson(_Fields):
+    """tokenizer.json (Hugging Face tokenizers): the parts zoo reads. The pre-tokenizer and
+    post-processor are trees of several shapes, walked with their own checks below."""
+    model: dict[str, Any]
+    normalizer: Optional[dict[str, Any]] = None
+    pre_tokenizer: Optional[dict[str, Any]] = None
+    post_processor: Optional[dict[str, Any]] = None
+    added_tokens: Optional[list[_AddedTokenEntry]] = None
+
+
+class BPEModel(_Fields):
+    """tokenizer.json's "model" when its type is BPE (merges are checked pair by pair)."""
+    type: str
+    vocab: dict[str, TokenId]
+    merges: list[Any] = []
+
+
+class _BPETokenizerJson(TokenizerJson):  # validated whole, so that errors say model.vocab, not vocab
+    model: BPEModel
+
+
+class ZooTokenizerFile(_Fields):
+    """zoo_tokenizer.json."""
+    zoo_tokenizer: str
+    version: int
+    special_tokens: dict[str, Annotated[int, Field(ge=256)]]
+    bos_token: Optional[str] = None
+    eos_token: Optional[str] = None
+
+
+# Which typed view each side file is read into.
+_SIDE_MODELS = {"tokenizer_config.json": TokenizerConfig, "special_tokens_map.json": TokenizerConfig,
+                "generation_config.json": IdsConfig, "config.json": IdsConfig}
 
 # GPT-2's pre-tokenizer regex (also what tokenizers' ByteLevel(use_regex=True) uses).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -261,22 +342,23 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
         """The tokenizer of a checkpoint folder, or of one tokenizer file (tokenizer.json,
         a SentencePiece .model file, zoo_tokenizer.json)."""
+        # exists(), not is_file(): a FIFO or folder in a tokenizer file's place is refused by name.
         path = Path(path)
-        if path.is_file():
-            return _load_file(path, _read_id_files(path.parent))
-        if not path.is_dir():
+        if not path.exists():
             raise CheckpointError(path, "no such tokenizer file or folder")
+        if not path.is_dir():
+            return _load_file(path, _read_id_files(path.parent))
         side = _read_id_files(path)
-        if (path / ZOO_FILE).is_file():
+        if (path / ZOO_FILE).exists():
             return _load_file(path / ZOO_FILE, side)
         tokenizer_json = path / "tokenizer.json"
-        if tokenizer_json.is_file() and _is_byte_level(_read_json(tokenizer_json)):
+        if tokenizer_json.exists() and _is_byte_level(_read_json(tokenizer_json)):
             return _load_file(tokenizer_json, side)
-        if (path / "tokenizer.model").is_file():
+        if (path / "tokenizer.model").exists():
             return _load_file(path / "tokenizer.model", side)
-        if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        if (path / "vocab.json").exists() and (path / "merges.txt").exists():
             return _from_vocab_merges(path, side)
-        if tokenizer_json.is_file():
+        if tokenizer_json.exists():
             return _load_file(tokenizer_json, side)  # raises, saying why this tokenizer.json is not read
         raise CheckpointError(path, "no tokenizer here (looked for zoo_tokenizer.json, tokenizer.json, "
                                     "tokenizer.model, vocab.json + merges.txt)")
@@ -286,24 +368,32 @@ class Tokenizer:
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(path, f"cannot read: {e}") from None
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise CheckpointError(path, f"not valid JSON ({e})") from None
+    return read_json(path, path.name)
 
 
-def _read_id_files(folder: Path) -> dict[str, tuple[Path, dict]]:
-    """The JSON files beside a tokenizer that name special tokens and ids."""
+def _read_object(path: Path) -> dict:
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(path, f"not a JSON object (a {type(data).__name__}): {path.name} is {{...}}")
+    return data
+
+
+def _read_id_files(folder: Path) -> dict[str, tuple[Path, Any]]:
+    """The JSON files beside a tokenizer that name special tokens and ids: name -> (path, typed
+    view; for added_tokens.json, a dict of text -> id)."""
     out = {}
     for name in _ID_FILES + ("added_tokens.json",):
         p = folder / name
-        if p.is_file():
-            data = _read_json(p)
-            if not isinstance(data, dict):
-                raise CheckpointError(p, "not a JSON object")
+        if not p.exists():
+            continue
+        data = _read_object(p)
+        if name == "added_tokens.json":
+            for text, i in data.items():
+                if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+                    raise CheckpointError(p, f"id {show_value(i)} is not a non-negative integer", key=text)
             out[name] = (p, data)
+        else:
+            out[name] = (p, parse_model(p, _SIDE_MODELS[name], data, name))
     return out
 
 
@@ -312,11 +402,20 @@ def _tokenizer_files(folder: Path, main: Path) -> dict[str, bytes]:
     canonical name (a SentencePiece model may be called anything.model)."""
     files = {}
     for name in TOKENIZER_FILES:
-        if (folder / name).is_file():
-            files[name] = (folder / name).read_bytes()
+        if (folder / name).exists():
+            files[name] = _read_bytes(folder / name)
     canonical = "tokenizer.model" if main.suffix == ".model" else main.name
-    files[canonical] = main.read_bytes()
+    files[canonical] = _read_bytes(main)
     return files
+
+
+def _read_bytes(path: Path) -> bytes:
+    """A tokenizer file's bytes: a regular file (reading a FIFO would block)."""
+    path = regular_file(path, "tokenizer file")
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(path, f"cannot read this tokenizer file ({e.strerror or e})") from None
 
 
 def _load_file(path: Path, side: dict) -> "Tokenizer":
@@ -324,29 +423,23 @@ def _load_file(path: Path, side: dict) -> "Tokenizer":
         return _from_sentencepiece(path, side)
     data = _read_json(path)
     if isinstance(data, dict) and "zoo_tokenizer" in data:
-        return _from_zoo_file(path.read_bytes(), path, side)
+        return _from_zoo_file(_read_bytes(path), path, side)
     return _from_tokenizer_json(path, data, side)
 
 
 def _from_zoo_file(content: bytes, source: Path, side: dict) -> Tokenizer:
-    try:
-        spec = json.loads(content)
-    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurdly nested JSON
-        raise CheckpointError(source, f"not valid JSON ({e})") from None
-    if spec.get("zoo_tokenizer") != "byte-level" or spec.get("version") != 1:
-        raise CheckpointError(source, f"unknown zoo tokenizer {spec.get('zoo_tokenizer')!r} version "
-                                      f"{spec.get('version')!r} (this zoo reads byte-level version 1)",
-                              key="zoo_tokenizer")
-    specials = spec.get("special_tokens")
-    if (not isinstance(specials, dict)
-            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 256 for i in specials.values())):
-        raise CheckpointError(source, "must map token text to ids >= 256", key="special_tokens")
-    own = {"bos": specials.get(spec.get("bos_token")), "eos": specials.get(spec.get("eos_token"))}
+    """zoo's byte-level tokenizer from the content of its file (already known to be JSON)."""
+    spec = parse_model(source, ZooTokenizerFile, json.loads(content), ZOO_FILE)
+    if spec.zoo_tokenizer != "byte-level" or spec.version != 1:
+        raise CheckpointError(source, f"unknown zoo tokenizer {spec.zoo_tokenizer!r} version {spec.version!r} "
+                                      "(this zoo reads byte-level version 1)", key="zoo_tokenizer")
+    specials = spec.special_tokens
+    own = {"bos": specials.get(spec.bos_token), "eos": specials.get(spec.eos_token)}
     return _assemble(_Bytes(), "byte-level", specials, own, side, {ZOO_FILE: content}, source)
 
 
 def _from_sentencepiece(path: Path, side: dict) -> Tokenizer:
-    backend = _SentencePiece(path.read_bytes(), path)
+    backend = _SentencePiece(_read_bytes(path), path)
     specials = backend.builtin_specials()
     specials.update(_configured_specials(side, backend.piece_id))
     sp = backend.sp
@@ -357,41 +450,37 @@ def _from_sentencepiece(path: Path, side: dict) -> Tokenizer:
 
 def _is_byte_level(data) -> bool:
     pre = data.get("pre_tokenizer") if isinstance(data, dict) else None
-    steps = (pre.get("pretokenizers") or []) if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
-    return any(isinstance(s, dict) and s.get("type") == "ByteLevel" for s in steps)
+    steps = pre.get("pretokenizers") if isinstance(pre, dict) and pre.get("type") == "Sequence" else [pre]
+    return isinstance(steps, list) and any(isinstance(s, dict) and s.get("type") == "ByteLevel" for s in steps)
 
 
 def _from_tokenizer_json(path: Path, data, side: dict) -> Tokenizer:
-    if not isinstance(data, dict):
-        raise CheckpointError(path, "not a JSON object")
-    model = data.get("model")
-    if not isinstance(model, dict) or model.get("type") != "BPE":
-        kind = model.get("type") if isinstance(model, dict) else None
-        raise CheckpointError(path, f"model type {kind!r} is not supported (zoo reads byte-level BPE tokenizer.json; "
-                                    "SentencePiece tokenizers from tokenizer.model)", key="model.type")
+    head = parse_model(path, TokenizerJson, data, "tokenizer.json")
+    kind = head.model.get("type")
+    if kind != "BPE":
+        raise CheckpointError(path, f"model type {show_value(kind)} is not supported (zoo reads byte-level BPE "
+                                    "tokenizer.json; SentencePiece tokenizers from tokenizer.model)", key="model.type")
+    tok = parse_model(path, _BPETokenizerJson, data, "tokenizer.json")
+    model = tok.model
     for key, ok in (("byte_fallback", (False, None)), ("dropout", (None,)), ("continuing_subword_prefix", (None, "")),
                     ("end_of_word_suffix", (None, ""))):
-        if model.get(key) not in ok:
-            raise CheckpointError(path, f"value {model.get(key)!r} is not supported", key=f"model.{key}")
-    pattern, add_prefix_space = _byte_level_pattern(path, data.get("pre_tokenizer"))
-    normalizer = data.get("normalizer")
+        value = getattr(model, key, None)
+        if value not in ok:
+            raise CheckpointError(path, f"value {show_value(value)} is not supported", key=f"model.{key}")
+    pattern, add_prefix_space = _byte_level_pattern(path, tok.pre_tokenizer)
+    normalizer = tok.normalizer
     if normalizer is not None and normalizer.get("type") != "NFC":
-        raise CheckpointError(path, f"normalizer {normalizer.get('type')!r} is not supported (zoo reads none or NFC)",
-                              key="normalizer")
-    vocab = model.get("vocab")
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) for i in vocab.values()):
-        raise CheckpointError(path, "must be an object of token -> integer id", key="model.vocab")
-    merges = _parse_merges(model.get("merges"), path)
+        raise CheckpointError(path, f"normalizer {show_value(normalizer.get('type'))} is not supported "
+                                    "(zoo reads none or NFC)", key="normalizer")
+    vocab = model.vocab
+    merges = _parse_merges(model.merges, path)
     backend = _ByteBPE(vocab, merges, pattern, path, add_prefix_space, nfc=normalizer is not None)
     specials: dict[str, int] = {}
-    for entry in data.get("added_tokens") or []:
-        if not (isinstance(entry, dict) and isinstance(entry.get("content"), str)
-                and isinstance(entry.get("id"), int)):
-            raise CheckpointError(path, f"entry {entry!r} needs content and id", key="added_tokens")
-        specials[entry["content"]] = entry["id"]
-        backend.id_to_bytes[entry["id"]] = entry["content"].encode("utf-8")
+    for entry in tok.added_tokens or []:
+        specials[entry.content] = entry.id
+        backend.id_to_bytes[entry.id] = entry.content.encode("utf-8")
     specials.update(_configured_specials(side, lambda s: vocab.get(s)))
-    own = {"bos": _template_bos(data.get("post_processor"), specials), "eos": None}
+    own = {"bos": _template_bos(tok.post_processor, specials), "eos": None}
     return _assemble(backend, "byte-level-bpe", specials, own, side, _tokenizer_files(path.parent, path), path,
                      lookup=vocab.get)
 
@@ -405,13 +494,13 @@ def _byte_level_pattern(path: Path, pre) -> tuple[str, bool]:
                                      "ByteLevel", key="pre_tokenizer")
 
     if not isinstance(pre, dict):
-        raise unsupported(f"pre_tokenizer {pre!r} is not byte-level")
+        raise unsupported(f"pre_tokenizer {show_value(pre)} is not byte-level")
     steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
     if not isinstance(steps, list) or not steps or not all(isinstance(s, dict) for s in steps):
         raise unsupported("empty or malformed Sequence")
     *splits, last = steps
     if last.get("type") != "ByteLevel":
-        raise unsupported(f"the last step is {last.get('type')!r}, not ByteLevel")
+        raise unsupported(f"the last step is {show_value(last.get('type'))}, not ByteLevel")
     add_prefix_space = bool(last.get("add_prefix_space", False))
     if last.get("use_regex", True):
         if not splits:
@@ -422,7 +511,8 @@ def _byte_level_pattern(path: Path, pre) -> tuple[str, bool]:
     if len(splits) != 1 or splits[0].get("type") != "Split":
         raise unsupported("ByteLevel(use_regex=false) needs exactly one Split before it")
     split = splits[0]
-    regex = (split.get("pattern") or {}).get("Regex")
+    pattern = split.get("pattern")
+    regex = pattern.get("Regex") if isinstance(pattern, dict) else None
     if not isinstance(regex, str) or split.get("behavior") != "Isolated" or split.get("invert"):
         raise unsupported("the Split must be a Regex pattern, behavior Isolated, not inverted")
     return regex, add_prefix_space
@@ -433,12 +523,15 @@ def _template_bos(post, specials: dict[str, int]) -> Optional[int]:
     if not isinstance(post, dict):
         return None
     steps = post.get("processors") if post.get("type") == "Sequence" else [post]
-    for step in steps or []:
+    if not isinstance(steps, list):
+        return None
+    for step in steps:
         if isinstance(step, dict) and step.get("type") == "TemplateProcessing":
-            single = step.get("single") or []
-            first = single[0] if single else {}
-            token = (first.get("SpecialToken") or {}).get("id") if isinstance(first, dict) else None
-            return specials.get(token)
+            single = step.get("single")
+            first = single[0] if isinstance(single, list) and single else None
+            special = first.get("SpecialToken") if isinstance(first, dict) else None
+            token = special.get("id") if isinstance(special, dict) else None
+            return specials.get(token) if isinstance(token, str) else None
     return None
 
 
@@ -449,7 +542,7 @@ def _parse_merges(raw, path: Path) -> list[tuple[str, str]]:
     for i, m in enumerate(raw):
         pair = m.split(" ") if isinstance(m, str) else m
         if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(p, str) for p in pair):
-            raise CheckpointError(path, f"merge {i + 1} ({m!r}) is not a pair of tokens", key="model.merges")
+            raise CheckpointError(path, f"merge {i + 1} ({show_value(m)}) is not a pair of tokens", key="model.merges")
         merges.append((pair[0], pair[1]))
     return merges
 
@@ -457,22 +550,20 @@ def _parse_merges(raw, path: Path) -> list[tuple[str, str]]:
 def _from_vocab_merges(folder: Path, side: dict) -> Tokenizer:
     vocab_path, merges_path = folder / "vocab.json", folder / "merges.txt"
     vocab = _read_json(vocab_path)
-    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
-        raise CheckpointError(vocab_path, "must be a JSON object of token -> id")
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                              for i in vocab.values()):
+        raise CheckpointError(vocab_path, "must be a JSON object of token -> non-negative integer id")
     merges = []
-    try:
-        lines = merges_path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(merges_path, f"cannot read: {e}") from None
+    lines = read_text(merges_path, "merges.txt").splitlines()
     for n, line in enumerate(lines, start=1):
         if not line or (n == 1 and line.startswith("#version")):
             continue
         pair = line.split(" ")
         if len(pair) != 2:
-            raise CheckpointError(merges_path, f"line {n} ({line!r}) is not two tokens separated by a space")
+            raise CheckpointError(merges_path, f"line {n} ({show_value(line)}) is not two tokens separated by a space")
         merges.append((pair[0], pair[1]))
-    config = side.get("tokenizer_config.json", (None, {}))[1]
-    backend = _ByteBPE(vocab, merges, GPT2_PATTERN, merges_path, bool(config.get("add_prefix_space", False)))
+    config = side.get("tokenizer_config.json", (None, TokenizerConfig()))[1]
+    backend = _ByteBPE(vocab, merges, GPT2_PATTERN, merges_path, bool(config.add_prefix_space))
     specials = _configured_specials(side, vocab.get)
     # GPT2Tokenizer's defaults when no config names them: bos = eos = unk = <|endoftext|>.
     endoftext = vocab.get("<|endoftext|>")
@@ -483,13 +574,9 @@ def _from_vocab_merges(folder: Path, side: dict) -> Tokenizer:
                      merges_path, lookup=vocab.get)
 
 
-def _token_text(value) -> Optional[str]:
+def _token_text(value: Union[str, AddedToken, None]) -> Optional[str]:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
+    return value.content if isinstance(value, AddedToken) else value
 
 
 def _configured_specials(side: dict, lookup: Callable[[str], Optional[int]]) -> dict[str, int]:
@@ -497,25 +584,19 @@ def _configured_specials(side: dict, lookup: Callable[[str], Optional[int]]) -> 
     added_tokens.json declare (text -> id)."""
     specials: dict[str, int] = {}
     if "added_tokens.json" in side:
-        path, data = side["added_tokens.json"]
-        for text, i in data.items():
-            if not isinstance(i, int):
-                raise CheckpointError(path, f"id {i!r} is not an integer", key=text)
-            specials[text] = i
+        specials.update(side["added_tokens.json"][1])
     if "tokenizer_config.json" in side:
-        path, data = side["tokenizer_config.json"]
-        decoder = data.get("added_tokens_decoder") or {}
-        for i, entry in decoder.items():
-            text = _token_text(entry)
-            if text is None or not str(i).isdigit():
-                raise CheckpointError(path, f"entry {i!r} needs an integer id and content", key="added_tokens_decoder")
-            specials[text] = int(i)
+        path, config = side["tokenizer_config.json"]
+        for i, entry in (config.added_tokens_decoder or {}).items():
+            if not (i.isascii() and i.isdigit()):
+                raise CheckpointError(path, f"key {show_value(i)} is not an integer id", key="added_tokens_decoder")
+            specials[entry.content] = int(i)
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
         if name not in side:
             continue
-        _, data = side[name]
-        named = [data.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")]
-        named += list(data.get("additional_special_tokens") or [])
+        _, config = side[name]
+        named = [config.bos_token, config.eos_token, config.unk_token, config.pad_token]
+        named += config.additional_special_tokens or []
         for value in named:
             text = _token_text(value)
             if text is not None and text not in specials and lookup(text) is not None:
@@ -529,8 +610,8 @@ def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dic
     def resolve(which: str) -> list[int]:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
             if name in side:
-                path, data = side[name]
-                text = _token_text(data.get(f"{which}_token"))
+                path, config = side[name]
+                text = _token_text(getattr(config, f"{which}_token"))
                 if text is not None:
                     i = specials.get(text, lookup(text) if lookup else None)
                     if i is None:
@@ -538,30 +619,28 @@ def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dic
                     return [i]
         for name in ("generation_config.json", "config.json"):
             if name in side:
-                path, data = side[name]
-                value = data.get(f"{which}_token_id")
-                values = value if isinstance(value, list) else [value]
+                path, config = side[name]
+                value = getattr(config, f"{which}_token_id")
+                if value == []:
+                    raise CheckpointError(path, "expected an id or a list of ids, got []", key=f"{which}_token_id")
                 if value is not None:
-                    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or not values:
-                        raise CheckpointError(path, f"expected an id or a list of ids, got {value!r}",
-                                              key=f"{which}_token_id")
-                    return list(values)
+                    return list(value) if isinstance(value, list) else [value]
         return [own[which]] if own.get(which) is not None else []
 
     bos = resolve("bos")
     eos_ids = resolve("eos")
     # generation_config.json may list more stop ids (Llama-3 instruct) than the tokenizer's eos.
     if "generation_config.json" in side:
-        extra = side["generation_config.json"][1].get("eos_token_id")
+        extra = side["generation_config.json"][1].eos_token_id
         for i in extra if isinstance(extra, list) else [extra]:
-            if isinstance(i, int) and i not in eos_ids:
+            if i is not None and i not in eos_ids:
                 eos_ids.append(i)
     size = max([backend.size - 1, *specials.values(), *bos, *eos_ids]) + 1
     vocab_size = size
     if "config.json" in side:
-        path, data = side["config.json"]
-        declared = data.get("vocab_size")
-        if isinstance(declared, int) and not isinstance(declared, bool):
+        path, config = side["config.json"]
+        declared = config.vocab_size
+        if declared is not None:
             if declared < size:
                 raise CheckpointError(path, f"the model has {declared} embeddings but the tokenizer ({source.name}) "
                                             f"uses ids up to {size - 1}", key="vocab_size")

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .config import ModelConfig
+from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 
 DEFAULT_STEPS = 1000
 
@@ -46,8 +46,20 @@ BUDGET_FIELDS = ("steps", "epochs", "tokens")
 PATH_FIELDS = ("from_dir", "tokenizer", "out", "cache_dir")
 
 
+# Micro-batches per optimizer step: a million is far beyond any use, and keeps
+# batch x seq_len x grad_accum (tokens per step) a modest integer.
+MAX_GRAD_ACCUM = 1 << 20
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a field: --batch-size for batch_size, --from for from_dir."""
+    return "--from" if field == "from_dir" else "--" + field.replace("_", "-")
+
+
 class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # Every float must be finite: a NaN or infinite --lr, --weight-decay, --max-grad-norm... is
+    # refused here, naming the field, instead of turning every weight into NaN at the first step.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     # --- what to train, on what -------------------------------------------------------
     from_dir: Optional[str] = Field(None, alias="from",
@@ -62,9 +74,10 @@ class TrainConfig(BaseModel):
                                                        "(default: $ZOO_CACHE or ~/.cache/zoo)")
 
     # --- batch shape ------------------------------------------------------------------
-    batch_size: int = Field(8, gt=0, description="sequences per micro-batch")
-    seq_len: int = Field(128, gt=0, description="tokens per sequence")
-    grad_accum: int = Field(1, gt=0, description="micro-batches per optimizer step")
+    # Bounded by the native core's limits (zoo/config.py); batch_size x seq_len too (_check).
+    batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch")
+    seq_len: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
+    grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step")
 
     # --- budget: one of these (default: steps) ----------------------------------------
     steps: Optional[int] = Field(None, gt=0, description=f"optimizer steps (default {DEFAULT_STEPS})")
@@ -133,6 +146,13 @@ class TrainConfig(BaseModel):
             raise ValueError(f"set only one budget of steps, epochs, tokens (got {', '.join(budgets)})")
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr {self.lr}")
+        if self.batch_size * self.seq_len > MAX_TOKENS:
+            # The native core counts a micro-batch's tokens with int (products of 2^31 or more
+            # once crashed it with SIGFPE); its bound is far above what one machine trains on.
+            raise ValueError(
+                f"batch_size x seq_len ({flag('batch_size')} {self.batch_size} x {flag('seq_len')} {self.seq_len}"
+                f" = {self.batch_size * self.seq_len} tokens per micro-batch) is above zoo's bound of {MAX_TOKENS}; "
+                f"use a smaller {flag('batch_size')} or {flag('seq_len')}, and {flag('grad_accum')} for larger steps")
         return self
 
     # --- derived ----------------------------------------------------------------------
@@ -218,5 +238,7 @@ def validate(fields: dict, where: str) -> TrainConfig:
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
+            if loc in TrainConfig.model_fields:  # a top-level field: name its flag too
+                loc = f"{loc} ({flag(loc)})"
             problems.append(f"{loc}: {msg}" if loc else msg)
         raise ValueError(f"{where}: " + "; ".join(problems)) from None

@@ -10,9 +10,13 @@ A run folder (--out) holds:
   loss.png                    train and validation loss, written whenever the run stops
   train.log                   what the console showed (progress lines even under the bar), and the error
   config.json, model.safetensors, tokenizer files: the final model, when the run completes
+  .zoo-run.lock               locked (flock) by the run using the folder: two runs never share one
 
 Checkpoints are written to a temporary folder and renamed into place, so a step-* folder is
-always complete; older ones are removed only after a newer one exists. Resuming is exact:
+always complete; older ones are removed only after a newer one exists, and are renamed aside
+before they are deleted, so a run killed while pruning leaves no step-* folder without its
+weights. What a killed run leaves (temporary and half-deleted folders, files being replaced) is
+removed when the next run takes the folder's lock. Resuming is exact:
 the data order is a function of (seed, step), the schedule a function of step, and the
 optimizer moments are saved bit for bit. A resume with a larger budget extends the run: from
 the checkpoint on, the schedule is the one of the new total, as if the run had been planned so.
@@ -20,33 +24,52 @@ the checkpoint on, the schedule is the one of the new total, as if the run had b
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import numpy as np
+from pydantic import BaseModel, Field
 
-from .atomic import fsync_dir, write_json
+from .atomic import TEMP_FILE_NAME, fsync_dir, fsync_file, named, write_json
 from .data import DataError, Windows, tokenize_files
+from .errors import CheckpointError, ResourceError
+from .files import read_json_model
+from .hf_config import CONFIG_FILE
 from .memory import finetune_memory_bytes, human_bytes
 from .model import check_precision
-from .plot import METRICS_FILE, PLOT_FILE
-from .safetensors_io import SafetensorsFile, write_file
+from .plot import METRICS_FILE, PLOT_FILE, read_records
+from .safetensors_io import INDEX_FILE, SafetensorsFile, write_file
+from .tokenizers import TOKENIZER_FILES
 from .train_config import BUDGET_FIELDS, TrainConfig
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
+LOCK_FILE = ".zoo-run.lock"
 # Checkpoint files that are not part of the Hugging Face model (not published to --out).
 _TRAINER_FILES = {STATE_FILE, OPTIMIZER_FILE}
+# Files of a model published at the top of --out, by an earlier run or this one.
+_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+_MODEL_FILES = {CONFIG_FILE, INDEX_FILE, *TOKENIZER_FILES, "generation_config.json"}
+
+# What a run writes for a moment only, under names with its pid: a checkpoint being written
+# (.tmp-step-N-PID) or pruned (.trash-step-N-PID), replaced checkpoints (.trash-checkpoints-PID),
+# the write probe; atomic.TEMP_FILE_NAME for files being replaced. Found later, they are what a
+# killed run left.
+_CHECKPOINT_LEFTOVER = re.compile(r"^\.(tmp|trash)-step-\d+-\d+$")
+_RUN_LEFTOVER = re.compile(r"^\.(trash-checkpoints|write-test)-\d+$")
 
 
 class TrainError(RuntimeError):
@@ -93,14 +116,40 @@ def latest_checkpoint(out: str | os.PathLike) -> Optional[Path]:
     return dirs[-1] if dirs else None
 
 
-def read_state(checkpoint: Path) -> dict:
+Count = Annotated[int, Field(ge=0, strict=True)]  # strict: "5" is not a step count
+
+
+class TrainerState(BaseModel):
+    """trainer_state.json: what a checkpoint holds besides the weights and the moments, so that
+    a resumed run goes on exactly where it stopped."""
+
+    step: Count
+    optimizer_step: Count
+    total_steps: Annotated[int, Field(gt=0, strict=True)]
+    tokens: Count
+    val_loss: Optional[float] = None
+    data_key: Annotated[str, Field(strict=True)]
+    threads: Optional[Annotated[int, Field(gt=0, strict=True)]] = None
+    rng: dict = {}
+    config: TrainConfig
+
+
+def _config_json(cfg: TrainConfig) -> dict:
+    """A TrainConfig as trainer_state.json stores it (plain JSON values, field names)."""
+    return json.loads(cfg.model_dump_json())
+
+
+def load_state(checkpoint: Path) -> TrainerState:
+    """A checkpoint's trainer_state.json, every field checked: errors name the file and the field."""
     path = checkpoint / STATE_FILE
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise TrainError(f"{path}: missing; {checkpoint} is not a zoo training checkpoint") from None
-    except (OSError, ValueError) as e:
-        raise TrainError(f"{path}: cannot read it ({e})") from None
+    if not path.exists():
+        raise CheckpointError(path, f"missing; {checkpoint} is not a zoo training checkpoint")
+    return read_json_model(path, TrainerState, "trainer state")
+
+
+def read_state(checkpoint: Path) -> dict:
+    """A checkpoint's trainer_state.json as plain JSON, checked as load_state checks it."""
+    return json.loads(load_state(checkpoint).model_dump_json())
 
 
 def saved_config(out: str | os.PathLike) -> dict:
@@ -108,17 +157,84 @@ def saved_config(out: str | os.PathLike) -> dict:
     ckpt = latest_checkpoint(out)
     if ckpt is None:
         raise TrainError(f"--resume: no checkpoint in {Path(out) / CHECKPOINTS} to resume from")
-    return read_state(ckpt)["config"]
+    return _config_json(load_state(ckpt).config)
+
+
+def lock_run_folder(out: Path):
+    """The open lock file of a run folder, locked (flock, exclusive) for as long as it stays
+    open; TrainError naming the holder's pid if another process has it. The kernel drops the
+    lock when its process ends, by kill -9 too, so a lock never outlives its run."""
+    path = out / LOCK_FILE
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")  # created if missing; not emptied before it is ours
+    except OSError as e:
+        raise TrainError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise TrainError(f"another zoo run is using {out} (pid {holder}); wait for it to end, "
+                         "or give another --out") from None
+    try:
+        f.truncate(0)
+        f.write(f"{os.getpid()}\n")  # for the message above, in the run refused
+        f.flush()
+    except OSError as e:
+        f.close()
+        raise named(e, path) from None
+    return f
+
+
+def remove_leftovers(out: Path) -> list[str]:
+    """Remove what killed runs left in a run folder, and return their names. Call it holding the
+    folder's lock: no live run writes there then. Files being replaced (atomic.TEMP_FILE_NAME)
+    are removed only when the process named in them is gone, as `zoo plot` replaces loss.png
+    without the lock."""
+    found = []
+    root = out / CHECKPOINTS
+    if root.is_dir():
+        found += [p for p in root.iterdir() if _CHECKPOINT_LEFTOVER.match(p.name)]
+    if out.is_dir():
+        for p in out.iterdir():
+            temp = TEMP_FILE_NAME.match(p.name)
+            if _RUN_LEFTOVER.match(p.name) or (temp and not _process_exists(int(temp.group(1)))):
+                found.append(p)
+    for p in found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    return [str(p.relative_to(out)) for p in found]
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True  # another user's process; or no pid at all (a name that only looks like one)
+    return True
 
 
 def _check_writable(folder: Path) -> None:
     try:
-        folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
         raise TrainError(f"--out {folder}: cannot write there ({e.strerror or e})") from None
+
+
+def _discard(folder: Path, trash: Path) -> None:
+    """Delete a folder in one step as others see it: renamed aside (one rename, the same
+    filesystem), then deleted. A process killed on the way leaves `trash`, which the next run
+    removes (remove_leftovers), never a half-deleted folder under its own name."""
+    os.rename(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _log(msg: str) -> None:
@@ -135,19 +251,38 @@ class Trainer:
     trains it to the end of its budget."""
 
     def __init__(self, cfg: TrainConfig):
-        import zoo
-
         self.cfg = cfg
         # Absolute, so the messages name the run folder in full: a relative `out:` in a config
         # file resolves against the file's folder, which may not be where the user looks.
         self.out = Path(os.path.abspath(cfg.out))
         self.log_path: Optional[Path] = None  # train.log, set once this run owns the folder
         self._early_lines: list[str] = []  # what was said before that
+        self._lock = None  # the open lock file of --out while this run uses it
+        try:
+            self._set_up()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Give the run folder up (run() does when it ends): another run may take it then."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def _set_up(self) -> None:
+        import zoo
+
+        cfg = self.cfg
         if cfg.threads is not None:
             zoo.set_threads(cfg.threads)
         self.threads = zoo.get_threads()
 
         check_precision(cfg.precision)  # before any weights are read
+        self._lock = lock_run_folder(self.out)
+        left = remove_leftovers(self.out)  # before this run writes anything
+        if left:
+            self.say(f"note: removed what an interrupted run left in {self.out}: {', '.join(left)}")
         _check_writable(self.out)
         resume_from = self._check_run_folder()
         self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
@@ -175,10 +310,11 @@ class Trainer:
         self._start_log()
 
     def _clear_run(self) -> None:
-        """A fresh run: drop what an earlier run left (checkpoints only with --overwrite)."""
+        """A fresh run: drop what an earlier run left (checkpoints and model only with --overwrite)."""
         if latest_checkpoint(self.out) is not None:
             self.say(f"--overwrite: replacing the run in {self.out}")
-            shutil.rmtree(self.out / CHECKPOINTS)
+            self._unpublish(keep=set())
+            _discard(self.out / CHECKPOINTS, self.out / f".trash-{CHECKPOINTS}-{os.getpid()}")
         for name in (METRICS_FILE, PLOT_FILE, LOG_FILE):
             (self.out / name).unlink(missing_ok=True)
 
@@ -196,8 +332,11 @@ class Trainer:
         if self.log_path is None:
             self._early_lines.append(line)
             return
-        with open(self.log_path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        try:
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            raise named(e, self.log_path) from None
 
     def _start_log(self) -> None:
         """From here on lines go to train.log: appended for a resumed run (one log for the
@@ -219,7 +358,7 @@ class Trainer:
             return None
         if ckpt is None:
             raise TrainError(f"--resume: no checkpoint in {self.out / CHECKPOINTS} to resume from")
-        saved = TrainConfig.model_validate(read_state(ckpt)["config"])
+        saved = load_state(ckpt).config
         # A larger budget extends the run; _check_budget decides once the step count is known.
         changed = [k for k in self.cfg.trajectory_diff(saved) if k not in BUDGET_FIELDS]
         if changed:
@@ -263,13 +402,13 @@ class Trainer:
             raise TrainError(f"seq_len: {cfg.seq_len} is beyond the model's max_seq_len {mc.max_seq_len} ({where})")
 
     def _restore(self, ckpt: Path) -> None:
-        state = read_state(ckpt)
-        if state.get("data_key") != self.token_file.key:
+        state = load_state(ckpt)
+        if state.data_key != self.token_file.key:
             raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
                              "resume needs the same data (or start a new run)")
         self._check_budget(state)
-        if state.get("threads") != self.threads:
-            self.say(f"note: the run used {state.get('threads')} threads, this one {self.threads}: "
+        if state.threads != self.threads:
+            self.say(f"note: the run used {state.threads} threads, this one {self.threads}: "
                      "losses may differ from an uninterrupted run in the last bits")
         opt = self.model.optimizer_state()
         path = ckpt / OPTIMIZER_FILE
@@ -279,17 +418,17 @@ class Trainer:
                 f.copy_into("v", opt["v"])
         except ValueError as e:
             raise TrainError(f"--resume: {e}") from None
-        self.model.set_optimizer_step(state["optimizer_step"])
-        self.step = state["step"]
+        self.model.set_optimizer_step(state.optimizer_step)
+        self.step = state.step
         self.last_checkpoint = ckpt
-        self.last_val_loss = state.get("val_loss")
+        self.last_val_loss = state.val_loss
         self._truncate_metrics(self.step)
 
-    def _check_budget(self, state: dict) -> None:
+    def _check_budget(self, state: TrainerState) -> None:
         """A resumed run's budget: the one it was planned with (an exact resume), or a larger one
         (the run is extended: from the checkpoint on, the learning rate follows the schedule of
         the new total, as if the run had been planned with it). It cannot shrink."""
-        step, planned, total = state["step"], state["total_steps"], self.total_steps
+        step, planned, total = state.step, state.total_steps, self.total_steps
         given = next((name for name in BUDGET_FIELDS if getattr(self.cfg, name) is not None), None)
         budget = f"--{given} {getattr(self.cfg, given):g}" if given else f"the default {total} steps"
         if given in ("epochs", "tokens"):
@@ -315,26 +454,30 @@ class Trainer:
     def run(self, on_step: Optional[Callable[[int, float], None]] = None) -> dict:
         """Train to the end of the budget. on_step(step, loss) runs after each step (tests, notebooks).
         Raises TrainInterrupted after Ctrl-C (checkpoint saved) and TrainError on divergence.
-        However it stops, loss.png and train.log are written and the last line names the run folder."""
-        self._print_header()
-        interrupted = threading.Event()
-        old_handler = self._catch_sigint(interrupted)
+        However it stops, loss.png and train.log are written and the last line names the run folder;
+        then the run folder is given up (close)."""
         try:
-            loss = self._train(interrupted, on_step)
-            self._publish(self.last_checkpoint)
-        except BaseException as e:
-            self._stopped(e)
-            raise
+            self._print_header()
+            interrupted = threading.Event()
+            old_handler = self._catch_sigint(interrupted)
+            try:
+                loss = self._train(interrupted, on_step)
+                self._publish(self.last_checkpoint)
+            except BaseException as e:
+                self._stopped(e)
+                raise
+            finally:
+                if old_handler is not None:
+                    signal.signal(signal.SIGINT, old_handler)
+            plot = self._plot()
+            self.say(f"done: step {self.step}"
+                     + (f", train loss {loss:.4f}" if loss is not None else "")
+                     + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else "")
+                     + f"; the final model{', ' + PLOT_FILE if plot else ''} and {LOG_FILE} are in {self.out}")
+            return {"step": self.step, "loss": loss,
+                    "val_loss": self.last_val_loss, "checkpoint": self.last_checkpoint, "plot": plot}
         finally:
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
-        plot = self._plot()
-        self.say(f"done: step {self.step}"
-                 + (f", train loss {loss:.4f}" if loss is not None else "")
-                 + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else "")
-                 + f"; the final model{', ' + PLOT_FILE if plot else ''} and {LOG_FILE} are in {self.out}")
-        return {"step": self.step, "loss": loss,
-                "val_loss": self.last_val_loss, "checkpoint": self.last_checkpoint, "plot": plot}
+            self.close()
 
     def _train(self, interrupted: threading.Event, on_step) -> Optional[float]:
         """The steps from self.step to the end of the budget; the last step's loss."""
@@ -411,7 +554,7 @@ class Trainer:
                 self._record(str(e))
             elif isinstance(e, KeyboardInterrupt):
                 self._record("interrupted (a second Ctrl-C stops at once)")
-            elif isinstance(e, (TrainError, ValueError, OSError)):
+            elif isinstance(e, (TrainError, ValueError, OSError, ResourceError)):
                 self._record(f"error: {e}")
             else:
                 self._record(f"error: {type(e).__name__}: {e}")
@@ -446,8 +589,11 @@ class Trainer:
 
     @staticmethod
     def _write(metrics, record: dict) -> None:
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        try:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+        except OSError as e:
+            raise named(e, metrics.name) from None
 
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
@@ -500,49 +646,93 @@ class Trainer:
                 # The data order is drawn from a generator seeded by (seed, step, micro-batch):
                 # seed and step are the whole random state of the run.
                 "rng": {"kind": "numpy-default_rng(seed, step, micro)", "seed": self.cfg.seed},
-                "config": json.loads(self.cfg.model_dump_json()),
+                "config": _config_json(self.cfg),
             })
             for f in tmp.iterdir():
-                _fsync_file(f)
+                fsync_file(f)
             fsync_dir(tmp)
             os.rename(tmp, final)
             fsync_dir(root)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            kept = (f"the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint
-                    else "no earlier checkpoint exists")
-            raise TrainError(f"cannot write checkpoint {final}: {e.strerror or e} ({kept})") from None
+            raise self._unwritten(final, e) from None
         self.last_checkpoint = final
         for old in checkpoint_dirs(self.out)[:-self.cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                _discard(old, root / f".trash-{old.name}-{os.getpid()}")
+            except OSError as e:  # the run goes on: an extra checkpoint costs disk, not correctness
+                self.say(f"note: cannot remove the old checkpoint {old} ({e.strerror or e})")
         return final
 
+    def _unwritten(self, final: Path, e: OSError) -> Exception:
+        """The error of a checkpoint that could not be written: the file, why, and what was kept."""
+        kept = (f"the previous checkpoint {self.last_checkpoint} is intact" if self.last_checkpoint
+                else "no earlier checkpoint exists")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # weights, and the two AdamW moments, in float32
+            need = 12 * self.model.n_params
+            free = shutil.disk_usage(final.parent if final.parent.is_dir() else self.out).free
+            return ResourceError(
+                f"cannot write checkpoint {final}: no space left on the device writing {e.filename or final} "
+                f"(a checkpoint takes about {human_bytes(need)}, {human_bytes(free)} is free); {kept}; "
+                "free some space, or lower --keep-checkpoints, then run the same command with --resume")
+        where = f"{e.filename}: " if e.filename else ""
+        return TrainError(f"cannot write checkpoint {final}: {where}{e.strerror or e} ({kept})")
+
     def _publish(self, ckpt: Optional[Path]) -> None:
-        """Put the final model at the top of --out (each file replaced atomically), so the run
-        folder itself loads in transformers and in `zoo finetune --from`."""
+        """Put the final model at the top of --out, so the run folder itself loads in transformers
+        and in `zoo finetune --from`. config.json is what makes a folder a model: it goes first
+        (a folder without it is refused by every loader, naming the file), then what an earlier
+        publish left that this model lacks, then each file of this model is put in place
+        atomically (a hard link under a temporary name, renamed over the old), config.json
+        last. A process killed on the way leaves a folder that is no model (the next --resume
+        publishes again), never one whose config and weights disagree."""
         if ckpt is None:
             return
-        for f in sorted(ckpt.iterdir()):
-            if f.name in _TRAINER_FILES or not f.is_file():
-                continue
-            tmp = self.out / f".{f.name}.{os.getpid()}.tmp"
+        names = sorted(f.name for f in ckpt.iterdir() if f.is_file() and f.name not in _TRAINER_FILES)
+        self._unpublish(keep=set(names))
+        for name in sorted(names, key=lambda n: n == CONFIG_FILE):
+            src, dst = ckpt / name, self.out / name
+            if dst.exists() and os.path.samefile(src, dst):
+                continue  # published already (a rename onto the same file would do nothing)
+            tmp = self.out / f".{name}.{os.getpid()}.tmp"
             try:
-                os.link(f, tmp)  # same filesystem: no copy; checkpoint files are never modified in place
-            except OSError:
-                shutil.copyfile(f, tmp)
-                _fsync_file(tmp)
-            os.replace(tmp, self.out / f.name)
+                tmp.unlink(missing_ok=True)
+                try:
+                    os.link(src, tmp)  # same filesystem: no copy; checkpoint files are never modified in place
+                except OSError:
+                    shutil.copyfile(src, tmp)
+                    fsync_file(tmp)
+                os.replace(tmp, dst)
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                raise named(e, dst) from None
         fsync_dir(self.out)
 
+    def _unpublish(self, keep: set[str]) -> None:
+        """Remove the model published at the top of --out, config.json first (see _publish),
+        except the files named in `keep` (about to be replaced)."""
+        config = self.out / CONFIG_FILE
+        if config.exists():
+            config.unlink()
+            fsync_dir(self.out)
+        for p in self.out.iterdir():
+            if (p.name in _MODEL_FILES or _WEIGHT_FILE.match(p.name)) and p.name not in keep and p.is_file():
+                p.unlink()
+
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metric records past the checkpoint we resume from (an interrupted run wrote them)."""
+        """Drop metric records past the checkpoint we resume from (an interrupted run wrote them),
+        and lines that are no records (a line cut by a kill), each named in a note."""
         from .atomic import write_bytes
 
         path = self.out / METRICS_FILE
         if not path.exists():
             return
-        kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+
+        def dropped(why: str) -> None:
+            self.say(f"note: {path}: {why}; dropped")
+
+        kept = [line for line, rec in read_records(path, on_bad_line=dropped) if rec.step <= step]
         write_bytes(path, "".join(line + "\n" for line in kept).encode("utf-8"))
 
     def _plot(self) -> Optional[Path]:
@@ -553,14 +743,6 @@ class Trainer:
         except (OSError, ValueError) as e:
             self.say(f"note: no loss plot ({e})")
             return None
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, file=None) -> None:
