@@ -287,7 +287,7 @@ class Trainer:
         resume_from = self._check_run_folder()
         self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
-        self.model.set_precision(cfg.precision)  # bf16 where the CPU cannot: refused here, too
+        self.model.set_precision(cfg.precision)
         self._check_fit()
         if cfg.checkpointing:
             self.model.set_checkpointing(True)
@@ -605,7 +605,8 @@ class Trainer:
         gemm = zoo.gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
                     else f"fp32 products on {gemm['fp32']}")
-        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {self.threads} threads; {products}")
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {threads}; {products}")
         self.say(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
                  f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
                  f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
