@@ -227,7 +227,7 @@ def test_nan_loss_stops_with_last_good_checkpoint(tmp_path, capsys):
 def test_unwritable_out(tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
     rc, _, err = run(capsys, *small_run("--data", DEMO_DATA, "--out", tmp_path / "file" / "run"))
-    assert rc == 1 and "--out" in err and "cannot write there" in err
+    assert rc == 4 and "--out" in err and "cannot write there" in err and str(tmp_path / "file" / "run") in err
 
 
 # --- extending a finished run; the run folder named in full -----------------------------

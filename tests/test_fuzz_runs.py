@@ -155,14 +155,16 @@ def test_the_leftovers_of_dead_runs_are_removed_at_start_and_a_live_writers_kept
         fuzz.write(folder / "model.safetensors", b"partial")
     left += [fuzz.write(run / f".config.json.{dead}.tmp", "{"),
              fuzz.write(run / f".loss.png.{dead}.0a1b2c3d.tmp", b"partial")]
-    # A file being replaced by a live process (`zoo plot` takes no lock): this one's.
+    # A file being replaced by a live process (`zoo plot` takes no lock): this one's, with a
+    # random part of digits only, which must not be read as the (dead) pid.
     live = fuzz.write(run / f".loss.png.{os.getpid()}.0a1b2c3d.tmp", b"being written")
+    live_digits = fuzz.write(run / f".metrics.png.{os.getpid()}.{dead:08d}.tmp", b"being written")
     mine = fuzz.write(ckpts / "notes.txt", "the user's")  # no name of zoo's: never touched
     r = resume(run, made[1], "--steps", 4)
     assert r.returncode == 0, r.stderr
     assert [p for p in left if p.exists()] == []
     assert f"note: removed what an interrupted run left in {run}" in r.stderr
-    assert live.exists() and mine.exists()
+    assert live.exists() and live_digits.exists() and mine.exists()
     assert sorted(p.name for p in ckpts.iterdir()) == ["notes.txt", "step-00000003", "step-00000004"]
 
 

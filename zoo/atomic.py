@@ -26,9 +26,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-# The temporary files of atomic_open, and the `.<name>.<pid>.tmp` ones of other writers:
-# group 1 is the pid of the process that made it.
-TEMP_FILE_NAME = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]+)?\.tmp$")
+# The temporary files of atomic_open (`.<name>.<pid>.<8 hex digits>.tmp`) and the
+# `.<name>.<pid>.tmp` ones of the trainer's publishing: group 1 is the pid of the process that
+# made it. The random part has a fixed width and is tried first, so an all-digit one is never
+# taken for the pid.
+TEMP_FILE_NAME = re.compile(r"^\..+?\.(\d+)\.[0-9a-f]{8}\.tmp$|^\..+\.(\d+)\.tmp$")
+
+
+def temp_file_pid(name: str) -> int | None:
+    """The pid in a temporary file's name (TEMP_FILE_NAME), or None if it is not one."""
+    m = TEMP_FILE_NAME.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
 
 
 def named(e: OSError, path: str | os.PathLike) -> OSError:

@@ -136,11 +136,7 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     from .model import Model
 
     folder = _checkpoint_folder(path)
-    cfg = read_config(folder)
-    if max_seq_len is not None and max_seq_len != cfg.max_seq_len:
-        if cfg.positions != "rope":
-            raise ValueError(f"max_seq_len: {folder} has learned positions; its context is fixed at {cfg.max_seq_len}")
-        cfg = ModelConfig(**{**cfg.model_dump(), "max_seq_len": max_seq_len})
+    cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
         matches = check_tensors(cfg, reader)  # all checks before the arena is allocated
         model = Model(cfg, seed=None, ad=ad)

@@ -75,7 +75,15 @@ def _run_verb(argv: list[str] | None) -> int:
             return args.run(args) or 0
         finally:  # after --help's SystemExit too
             try:
-                sys.stdout.flush()  # so that a closed pipe or a full disk shows here, not at interpreter exit
+                # So that a closed pipe or a full disk shows here, not at interpreter exit; unless
+                # the verb failed already: then its error is the one to report.
+                if sys.exc_info()[0] is None or isinstance(sys.exc_info()[1], SystemExit):
+                    sys.stdout.flush()
+                else:
+                    try:
+                        sys.stdout.flush()
+                    except OSError:
+                        pass
             finally:
                 sys.stdout = real_stdout
     except BrokenPipeError:

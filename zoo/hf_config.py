@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
@@ -78,20 +78,34 @@ def _json_type(value) -> str:
         type(value), type(value).__name__)
 
 
-def read_config(path: str | os.PathLike) -> ModelConfig:
-    """ModelConfig of a checkpoint folder's config.json."""
+def read_config(path: str | os.PathLike, max_seq_len: Optional[int] = None) -> ModelConfig:
+    """ModelConfig of a checkpoint folder's config.json (max_seq_len: as config_from_hf)."""
     file = config_file(path)
-    return config_from_hf(_read_config_file(file), file)
+    return config_from_hf(_read_config_file(file), file, max_seq_len)
 
 
-def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE) -> ModelConfig:
-    """ModelConfig of a parsed config.json; `source` names the file in errors."""
+def _with_context(fields: dict, max_seq_len: Optional[int], source) -> dict:
+    """fields with the context capped to max_seq_len, before validation: a RoPE model's positions
+    are computed, so its config.json may name a context beyond zoo's bound (a 4M-token Llama)
+    that a smaller max_seq_len makes loadable. Learned positions are a fixed table."""
+    if max_seq_len is None or fields.get("max_seq_len") == max_seq_len:
+        return fields
+    if fields.get("positions", "learned") != "rope":
+        raise ValueError(f"max_seq_len: {source} has learned positions; its context is fixed at "
+                         f"{fields.get('max_seq_len')}")
+    return {**fields, "max_seq_len": max_seq_len}
+
+
+def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE,
+                   max_seq_len: Optional[int] = None) -> ModelConfig:
+    """ModelConfig of a parsed config.json; `source` names the file in errors; max_seq_len caps
+    the context of a RoPE model (_with_context)."""
     model_type = hf.get("model_type")
     if not isinstance(model_type, str):
         raise CheckpointError(source, f"expected a string (zoo reads: {', '.join(ARCHITECTURES)}, {ZOO_MODEL_TYPE}), "
                                       f"got {_json_type(model_type)} {show_value(model_type)}", key="model_type")
     if model_type == ZOO_MODEL_TYPE:
-        return _zoo_config(hf, source)
+        return _zoo_config(hf, source, max_seq_len)
     if model_type not in ARCHITECTURES:
         raise CheckpointError(source, f"unsupported model_type {show_value(model_type)} (zoo reads: "
                                       f"{', '.join(ARCHITECTURES)}, {ZOO_MODEL_TYPE})", key="model_type")
@@ -101,6 +115,7 @@ def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE) 
             raise CheckpointError(source, f"unsupported architectures {show_value(archs)} for model_type {model_type!r} "
                                           f"(zoo reads: {', '.join(ARCHITECTURES[model_type])})", key="architectures")
     fields = _gpt2_fields(hf, source) if model_type == "gpt2" else _llama_fields(hf, source)
+    fields = _with_context(fields, max_seq_len, source)
     try:
         return ModelConfig(**fields)
     except ValidationError as e:
@@ -111,10 +126,11 @@ def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE) 
         raise CheckpointError(source, f"invalid value: {msg}", key=_HF_KEY[model_type].get(field)) from None
 
 
-def _zoo_config(hf: dict, source) -> ModelConfig:
+def _zoo_config(hf: dict, source, max_seq_len: Optional[int] = None) -> ModelConfig:
     fields = hf.get("zoo_config")
     if not isinstance(fields, dict):
         raise CheckpointError(source, "model_type 'zoo' needs a zoo_config object", key="zoo_config")
+    fields = _with_context(fields, max_seq_len, source)
     try:
         return ModelConfig(**fields)
     except ValidationError as e:

@@ -41,7 +41,7 @@ from typing import Annotated, Callable, Optional
 import numpy as np
 from pydantic import BaseModel, Field
 
-from .atomic import TEMP_FILE_NAME, fsync_dir, fsync_file, named, write_json
+from .atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
 from .data import DataError, Windows, tokenize_files
 from .errors import CheckpointError, ResourceError
 from .files import read_json_model
@@ -66,7 +66,7 @@ _MODEL_FILES = {CONFIG_FILE, INDEX_FILE, *TOKENIZER_FILES, "generation_config.js
 
 # What a run writes for a moment only, under names with its pid: a checkpoint being written
 # (.tmp-step-N-PID) or pruned (.trash-step-N-PID), replaced checkpoints (.trash-checkpoints-PID),
-# the write probe; atomic.TEMP_FILE_NAME for files being replaced. Found later, they are what a
+# the write probe; atomic.temp_file_pid for files being replaced. Found later, they are what a
 # killed run left.
 _CHECKPOINT_LEFTOVER = re.compile(r"^\.(tmp|trash)-step-\d+-\d+$")
 _RUN_LEFTOVER = re.compile(r"^\.(trash-checkpoints|write-test)-\d+$")
@@ -169,7 +169,7 @@ def lock_run_folder(out: Path):
         out.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+", encoding="utf-8")  # created if missing; not emptied before it is ours
     except OSError as e:
-        raise TrainError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+        raise _unwritable_out(out, e) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -190,7 +190,7 @@ def lock_run_folder(out: Path):
 
 def remove_leftovers(out: Path) -> list[str]:
     """Remove what killed runs left in a run folder, and return their names. Call it holding the
-    folder's lock: no live run writes there then. Files being replaced (atomic.TEMP_FILE_NAME)
+    folder's lock: no live run writes there then. Files being replaced (atomic.temp_file_pid)
     are removed only when the process named in them is gone, as `zoo plot` replaces loss.png
     without the lock."""
     found = []
@@ -199,8 +199,8 @@ def remove_leftovers(out: Path) -> list[str]:
         found += [p for p in root.iterdir() if _CHECKPOINT_LEFTOVER.match(p.name)]
     if out.is_dir():
         for p in out.iterdir():
-            temp = TEMP_FILE_NAME.match(p.name)
-            if _RUN_LEFTOVER.match(p.name) or (temp and not _process_exists(int(temp.group(1)))):
+            pid = temp_file_pid(p.name)
+            if _RUN_LEFTOVER.match(p.name) or (pid is not None and not _process_exists(pid)):
                 found.append(p)
     for p in found:
         if p.is_dir() and not p.is_symlink():
@@ -226,7 +226,12 @@ def _check_writable(folder: Path) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise TrainError(f"--out {folder}: cannot write there ({e.strerror or e})") from None
+        raise _unwritable_out(folder, e) from None
+
+
+def _unwritable_out(folder: Path, e: OSError) -> OSError:
+    """A filesystem error (the CLI's status 4) that names the folder and the flag."""
+    return OSError(e.errno, f"cannot write there, as --out ({e.strerror or e})", str(folder))
 
 
 def _discard(folder: Path, trash: Path) -> None:
@@ -305,6 +310,7 @@ class Trainer:
         self.last_val_loss: Optional[float] = None
         if resume_from is not None:
             self._restore(resume_from)
+            self._prune()
         else:
             self._clear_run()  # only now that everything above has been checked
         self._start_log()
@@ -313,7 +319,10 @@ class Trainer:
         """A fresh run: drop what an earlier run left (checkpoints and model only with --overwrite)."""
         if latest_checkpoint(self.out) is not None:
             self.say(f"--overwrite: replacing the run in {self.out}")
-            self._unpublish(keep=set())
+            # The model at the top of --out goes too, unless it is the one this run starts from
+            # (--from the same folder): its tokenizer and generation files are copied from there.
+            if self.cfg.from_dir is None or Path(os.path.abspath(self.cfg.from_dir)) != self.out:
+                self._unpublish(keep=set())
             _discard(self.out / CHECKPOINTS, self.out / f".trash-{CHECKPOINTS}-{os.getpid()}")
         for name in (METRICS_FILE, PLOT_FILE, LOG_FILE):
             (self.out / name).unlink(missing_ok=True)
@@ -658,12 +667,19 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise self._unwritten(final, e) from None
         self.last_checkpoint = final
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        """Keep the newest --keep-checkpoints checkpoints. After each save, and at a resume: a
+        kill between a save and its pruning leaves one too many, and a run resumed at its last
+        step saves nothing more."""
+        root = self.out / CHECKPOINTS
         for old in checkpoint_dirs(self.out)[:-self.cfg.keep_checkpoints]:
             try:
                 _discard(old, root / f".trash-{old.name}-{os.getpid()}")
             except OSError as e:  # the run goes on: an extra checkpoint costs disk, not correctness
                 self.say(f"note: cannot remove the old checkpoint {old} ({e.strerror or e})")
-        return final
 
     def _unwritten(self, final: Path, e: OSError) -> Exception:
         """The error of a checkpoint that could not be written: the file, why, and what was kept."""
