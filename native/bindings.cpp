@@ -323,6 +323,10 @@ PYBIND11_MODULE(_native, m) {
             const auto [B, T] = batch_shape(batch, max_len, "reset_cache");
             e.reset_cache(B, T);
         })
+        .def("cache_floats", [](Executor& e, int64_t batch, int64_t max_len) {
+            const auto [B, T] = batch_shape(batch, max_len, "cache_floats");
+            return e.cache_floats(B, T);
+        })
         .def("forward_cached", [](Executor& e, Tokens tokens, int pos0) {
             const auto [B, T] = check_tokens(tokens, "tokens");
             const float* out;

@@ -600,33 +600,45 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     return norm;
 }
 
-void Executor::reset_cache(int B, int max_len) {
+// The generation arena for up to (B, max_len): every buffer live for the whole call, one after
+// the other. One function, so that reset_cache and cache_floats (the memory check) agree.
+struct CacheLayout {
+    size_t k, v, x, norm, stats, qkv, probs, att, fc, act, last, logits, floats;
+};
+static CacheLayout cache_layout(const Dims& d, int B, int max_len) {
     limits::check_batch(B, max_len, "reset_cache");
-    if (max_len > d_.max_seq_len)
+    if (max_len > d.max_seq_len)
         throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) + " exceeds max_seq_len " +
-                                    std::to_string(d_.max_seq_len));
-    const size_t d = d_.d_model, kv = (size_t)d_.n_layer * B * d_.n_kv_head * max_len * d_.head_dim;
+                                    std::to_string(d.max_seq_len));
+    const size_t D = d.d_model, kv = (size_t)d.n_layer * B * d.n_kv_head * max_len * d.head_dim;
     const size_t N = (size_t)B * max_len;  // the prompt may fill the cache in one call
-    // Every buffer is live for the whole call: one after the other.
     // B x n_head x max_len^2 is the one product the bounds do not keep inside 64 bits.
     const size_t probs = limits::product_floats("the KV cache's attention probabilities",
-                                                {(uint64_t)B, (uint64_t)d_.n_head, (uint64_t)max_len, (uint64_t)max_len});
+                                                {(uint64_t)B, (uint64_t)d.n_head, (uint64_t)max_len, (uint64_t)max_len});
     ArenaPlanner pl;
-    size_t o_k = pl.take(kv), o_v = pl.take(kv), o_x = pl.take(N * d), o_n = pl.take(N * d),
-           o_s = pl.take(d_.norm->stats_per_row * N), o_qkv = pl.take(N * d_.qkv_dim()),
-           o_p = pl.take(probs), o_att = pl.take(N * d_.attn_dim()),
-           o_fc = pl.take(N * d_.fc_dim()), o_act = pl.take(N * d_.d_ff), o_last = pl.take((size_t)B * d),
-           o_lg = pl.take((size_t)B * d_.vocab_size);
-    cache_.reset(pl.used, "KV cache");
+    CacheLayout c;
+    c.k = pl.take(kv), c.v = pl.take(kv), c.x = pl.take(N * D), c.norm = pl.take(N * D),
+    c.stats = pl.take(d.norm->stats_per_row * N), c.qkv = pl.take(N * d.qkv_dim()), c.probs = pl.take(probs),
+    c.att = pl.take(N * d.attn_dim()), c.fc = pl.take(N * d.fc_dim()), c.act = pl.take(N * d.d_ff),
+    c.last = pl.take((size_t)B * D), c.logits = pl.take((size_t)B * d.vocab_size);
+    c.floats = pl.used;
+    return c;
+}
+
+size_t Executor::cache_floats(int B, int max_len) const { return cache_layout(d_, B, max_len).floats; }
+
+void Executor::reset_cache(int B, int max_len) {
+    const CacheLayout c = cache_layout(d_, B, max_len);
+    cache_.reset(c.floats, "KV cache");
     float* a = cache_.data;
-    k_cache_ = a + o_k;
-    v_cache_ = a + o_v;
-    c_probs_ = a + o_p;
-    c_last_ = a + o_last;
-    c_logits_ = a + o_lg;
+    k_cache_ = a + c.k;
+    v_cache_ = a + c.v;
+    c_probs_ = a + c.probs;
+    c_last_ = a + c.last;
+    c_logits_ = a + c.logits;
     // The residual stream is updated in place; the norms share one output and one stats buffer.
-    cached_ = LayerActs{a + o_x, a + o_n, a + o_s, a + o_qkv, nullptr, a + o_att, a + o_x,
-                        a + o_n, a + o_s, a + o_fc,  a + o_act, a + o_x};
+    cached_ = LayerActs{a + c.x,  a + c.norm, a + c.stats, a + c.qkv, nullptr,    a + c.att,
+                        a + c.x,  a + c.norm, a + c.stats, a + c.fc,  a + c.act,  a + c.x};
     cache_B_ = B;
     cache_len_ = max_len;
 }

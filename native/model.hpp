@@ -230,6 +230,7 @@ public:
 
     // Generation: KV cache for up to (B, max_len); forward_cached returns last-position logits.
     void reset_cache(int B, int max_len);
+    size_t cache_floats(int B, int max_len) const;  // what reset_cache(B, max_len) allocates
     const float* forward_cached(const int32_t* tokens, int B, int T, int pos0);
 
 private:

@@ -259,3 +259,21 @@ except ValueError as e:
 """)
     assert r.returncode == 0, r.stderr
     assert "context 512" in r.stdout and "refused:" in r.stdout and "max_position_embeddings" in r.stdout, r.stdout
+
+
+def test_a_kv_cache_too_big_for_memory_is_refused_before_it_is_allocated():
+    n_params = zoo.preset("tiny-llama").num_parameters()
+    r = fuzz.python("""
+import zoo
+from zoo.errors import ResourceError
+m = zoo.Model(zoo.preset("tiny-llama"))
+m.reset_cache(1, 16)  # small enough
+try:
+    m.reset_cache(64, 256)  # 64 x 4 heads x 256^2 attention probabilities alone: 64 MiB
+    print("allocated")
+except ResourceError as e:
+    print("refused:", e)
+""", env={"ZOO_MEMORY_AVAILABLE": str(4 * n_params + (8 << 20))})
+    assert r.returncode == 0, r.stderr
+    assert "refused: generation of 64 x 256 tokens (the KV cache" in r.stdout and "needs 125.16 MiB" in r.stdout, r.stdout
+    assert "is available ($ZOO_MEMORY_AVAILABLE)" in r.stdout, r.stdout

@@ -343,7 +343,13 @@ class Model:
     # --- generation ---------------------------------------------------------------
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
-        self._exec.reset_cache(int(batch_size), int(max_len))
+        """A KV cache for up to batch_size sequences of max_len tokens (prompt and new tokens),
+        checked against the memory available before it is allocated."""
+        B, T = int(batch_size), int(max_len)
+        check_memory(FLOAT_BYTES * int(self._exec.cache_floats(B, T)),
+                     f"generation of {B} x {T} tokens (the KV cache and its buffers)",
+                     "generate fewer tokens (a shorter prompt, a smaller --max-new-tokens) or fewer sequences")
+        self._exec.reset_cache(B, T)
 
     def forward_cached(self, tokens, start_pos: int) -> np.ndarray:
         """Runs new tokens (B, T) at positions start_pos.. through the KV cache; returns the
