@@ -322,7 +322,7 @@ def _shown(value) -> str:
 
 def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
     """Settings by precedence: flags, then --config file, then the resumed run's, then defaults."""
-    from .trainer import saved_config
+    from .trainer import lock_run_folder, saved_config
 
     flags = {k: getattr(args, k) for k in TrainConfig.model_fields if hasattr(args, k)}
     # Absolute paths, so a resumed run finds its files from any working directory.
@@ -335,6 +335,8 @@ def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
     resume = {**defaults, **from_file, **flags}.get("resume")
     if resume:
         out = {**defaults, **from_file, **flags}.get("out", TrainConfig.model_fields["out"].default)
+        if Path(out).is_dir():  # a live run's folder is refused here, before its state is read
+            lock_run_folder(Path(out)).close()
         defaults = saved_config(out)
     return validate(_layer(defaults, from_file, flags), f"config file {args.config}" if args.config else "settings")
 
