@@ -483,7 +483,7 @@ def _cmd_generate(args) -> int:
     if args.threads is not None:
         _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
         zoo.set_threads(args.threads)
-    from .model import check_precision
+    from .gemm import check_precision
 
     check_precision(args.precision)  # before the weights are read
     src = Path(args.from_dir)

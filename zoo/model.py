@@ -12,6 +12,7 @@ import numpy as np
 from . import blocks
 from ._load_native import _native
 from .config import ModelConfig
+from .gemm import apply_gemm_environment, check_precision
 from .layout import ParamSpec, initial_value, layout_table, parameter_layout, parameter_offsets
 from .memory import FLOAT_BYTES, PARAMETER_ARENA_BYTES, activation_bytes, check_memory
 
@@ -47,24 +48,6 @@ CLAD_BUILD_HINT = ("rebuild zoo with the Clad backend: ZOO_CLAD_DIR=<Clad instal
 
 class ADError(ValueError):
     """A pullback backend this build of zoo, or this block, does not have."""
-
-
-PRECISIONS = ("fp32", "bf16")
-
-
-class PrecisionError(ValueError):
-    """A precision this build of zoo, or this CPU, cannot run well."""
-
-
-def check_precision(precision: str) -> None:
-    """Raises PrecisionError, naming what is missing, if precision cannot run here: bf16 needs
-    oneDNN in the build and a CPU with bf16 dot products (docs/training.md)."""
-    if precision not in PRECISIONS:
-        raise PrecisionError(f"precision {precision!r} is unknown: choose {' or '.join(PRECISIONS)}")
-    try:
-        _native.require_precision(precision)
-    except RuntimeError as e:
-        raise PrecisionError(str(e).removeprefix("zoo: ")) from None
 
 
 def model_blocks(cfg: ModelConfig) -> list[str]:
@@ -169,8 +152,6 @@ class Model:
 
     def __init__(self, config: ModelConfig, seed: Optional[int] = 0, checkpointing: bool = False,
                  ad: AdSpec = "manual", precision: str = "fp32"):
-        from . import apply_gemm_environment
-
         apply_gemm_environment()
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)

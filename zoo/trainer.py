@@ -47,7 +47,7 @@ from .errors import CheckpointError, ResourceError
 from .files import read_json_model
 from .hf_config import CONFIG_FILE
 from .memory import finetune_memory_bytes, human_bytes
-from .model import check_precision
+from .gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
 from .safetensors_io import INDEX_FILE, SafetensorsFile, write_file
 from .tokenizers import TOKENIZER_FILES
@@ -609,9 +609,7 @@ class Trainer:
         # The same estimator as zoo inspect and the model cards.
         mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing)
         tf = self.token_file
-        import zoo
-
-        gemm = zoo.gemm_info()
+        gemm = gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
                     else f"fp32 products on {gemm['fp32']}")
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"

@@ -294,7 +294,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
     if precision not in SYSTEMS:
         raise ValueError(f"--precision {precision!r}: choose fp32 or bf16")
     if precision == "bf16":
-        from ..model import check_precision
+        from ..gemm import check_precision
 
         check_precision("bf16")  # a PrecisionError (a ValueError) names what is missing, before any work
 
