@@ -200,20 +200,21 @@ PYBIND11_MODULE(_native, m) {
     });
 
     m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
-                                  std::vector<std::string> clad_blocks) {
+                                  std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
         const auto [B, T] = batch_shape(batch, seq, "activation_floats");
-        return zoo::activation_floats(d, checkpointing, B, T, zoo::ad_choice(d, clad_blocks));
+        return zoo::activation_floats(d, checkpointing, zoo::precision_named(precision), B, T,
+                                      zoo::ad_choice(d, clad_blocks));
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
-       py::arg("clad_blocks") = std::vector<std::string>{});
+       py::arg("clad_blocks") = std::vector<std::string>{}, py::arg("precision") = "fp32");
     m.def("activation_plan", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
-                                std::vector<std::string> clad_blocks) {
+                                std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
         const auto [B, T] = batch_shape(batch, seq, "activation_plan");
-        return plan_list(zoo::plan_activations(d, checkpointing, zoo::ad_choice(d, clad_blocks), B, T, nullptr,
-                                               nullptr).buffers);
+        return plan_list(zoo::plan_activations(d, checkpointing, zoo::precision_named(precision),
+                                               zoo::ad_choice(d, clad_blocks), B, T, nullptr, nullptr).buffers);
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
-       py::arg("clad_blocks") = std::vector<std::string>{},
+       py::arg("clad_blocks") = std::vector<std::string>{}, py::arg("precision") = "fp32",
        "The training step's activation buffers: name, floats, live (phase bits: 1 forward, 2 head, "
        "4 pullback) and offset in floats.");
     // The planner on its own, for its tests: buffers as (name, floats, live).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "bf16.hpp"
 #include "model.hpp"
 
 namespace zoo {
@@ -170,11 +171,18 @@ double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
 // 1024 rows, hot: chunks of 256 rows 864-890 ms, 512 rows 783-807 ms, one of 1024 rows
 // 766-787 ms; a one-layer GPT-2 step at 4 x 256, A/B three times: 922-986 ms in chunks of
 // 512, 872-904 ms in one chunk, for 98 MiB more arena; docs/benchmarks.md). With activation
-// checkpointing the chunk takes no memory of its own beyond a 4M-float budget. Evened out
-// so the last chunk is not a sliver.
-static int head_chunk_rows(size_t N, int V, bool checkpointing, size_t dead_floats) {
+// checkpointing the chunk takes no memory of its own beyond a 4M-float budget. A bf16 step
+// keeps its activations in half the memory, and there the 1024-row minimum would make the
+// chunk the largest buffer of a small batch (GPT-2 at 4 x 64: 49 MiB of a 105 MiB arena): it
+// takes the budget or half of what else is live while the head runs, no more rows than fp32
+// (GPT-2's head over 256 rows: 89.5 ms in one chunk, 141 ms in two of 128;
+// docs/benchmarks.md). Evened out so the last chunk is not a sliver.
+static int head_chunk_rows(size_t N, int V, bool checkpointing, Precision precision, size_t dead_floats,
+                           size_t live_floats) {
     const size_t budget = std::max<size_t>(checkpointing ? 4u << 20 : 8u << 20, dead_floats);
-    const size_t max_rows = std::max<size_t>(checkpointing ? 16 : 1024, budget / V);
+    size_t max_rows = std::max<size_t>(checkpointing ? 16 : 1024, budget / V);
+    if (precision == Precision::bf16 && !checkpointing)
+        max_rows = std::min(max_rows, std::max<size_t>(16, std::max(budget, live_floats / 2) / V));
     const size_t chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);  // at most N, which limits::max_tokens keeps an int
 }
@@ -201,8 +209,8 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
 // Every buffer of a training step with the phases it is live in; the planner places them.
 // Declared longest-lived first, so the head's logits chunk lands on the buffers dead while the
 // head runs (the layers' adjoints and scratch; with checkpointing the shared internals).
-ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoice& ad, int B, int T, float* base,
-                                size_t* total_floats) {
+ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
+                                int T, float* base, size_t* total_floats) {
     limits::check_batch(B, T, "activation plan");  // N = B * T below is an int in the kernels
     const size_t N = (size_t)B * T, D = d.d_model;
     const int threads = omp_get_max_threads();
@@ -219,16 +227,26 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoic
     p.layers.resize(d.n_layer);
     const unsigned internals = checkpointing ? kForward | kPullback : kAllPhases;
     const int saved_sets = checkpointing ? 1 : d.n_layer;  // with checkpointing, one set recomputed per layer
+    // A bf16 step keeps q|k|v, the attention output and the MLP input in bf16 (bf16.hpp); the
+    // layers work on them in fp32 buffers they share. (With checkpointing nothing is kept.)
+    const bool bf16_saved = precision == Precision::bf16 && !checkpointing;
+    std::vector<float*> qkv_bf16(saved_sets), att_bf16(saved_sets), fc_bf16(saved_sets);
+    auto take_saved = [&](float** fp32, float** bf16, const std::string& name, size_t floats) {
+        if (bf16_saved)
+            take(bf16, name + "_bf16", (floats + 1) / 2, internals);
+        else
+            take(fp32, name, floats, internals);
+    };
     for (int i = 0; i < saved_sets; i++) {
         LayerActs& l = p.layers[i];
         const std::string at = checkpointing ? "layers." : "layer" + std::to_string(i) + ".";
         take(&l.ln1_stats, at + "ln1_stats", stats * N, internals);
-        take(&l.qkv, at + "qkv", N * d.qkv_dim(), internals);
+        take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
-        take(&l.att, at + "att", N * d.attn_dim(), internals);
+        take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
         take(&l.res_mid, at + "res_mid", N * D, internals);
         take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
-        take(&l.fc, at + "fc", N * d.fc_dim(), internals);
+        take_saved(&l.fc, &fc_bf16[i], at + "fc", N * d.fc_dim());
     }
     take(&p.lnf, "lnf", N * D, kForward | kHead);
     take(&p.lnf_stats, "lnf_stats", stats * N, kAllPhases);
@@ -239,6 +257,12 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoic
     float *norm_out = nullptr, *act_out = nullptr;
     take(&norm_out, "norm_out", N * D, kForward | kPullback);
     take(&act_out, "act_out", N * d.d_ff, kForward | kPullback);
+    float *qkv_work = nullptr, *att_work = nullptr, *fc_work = nullptr;
+    if (bf16_saved) {
+        take(&qkv_work, "qkv_work", N * d.qkv_dim(), kForward | kPullback);
+        take(&att_work, "att_work", N * d.attn_dim(), kForward | kPullback);
+        take(&fc_work, "fc_work", N * d.fc_dim(), kForward | kPullback);
+    }
     take(&p.attention_scratch, "attention_scratch",
          Attention{d.n_head, d.n_kv_head, d.head_dim}.scratch_floats(threads, T),
          checkpointing ? kForward | kPullback : kForward);
@@ -250,7 +274,8 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoic
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
-    p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, pl.total() - pl.end_of(kHead));
+    p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, pl.total() - pl.end_of(kHead),
+                                  pl.end_of(kHead));
     take(&p.head_logits, "head_logits", (size_t)p.head_rows * d.vocab_size, kHead);
     if (ad.on("cross_entropy"))
         take(&p.head_scratch, "head_scratch", CrossEntropy{d.vocab_size}.clad_scratch_floats(threads), kHead);
@@ -264,15 +289,21 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoic
         l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
         l.act = act_out;
+        if (bf16_saved) {
+            l.qkv = qkv_work, l.att = att_work, l.fc = fc_work;
+            l.qkv_bf16 = reinterpret_cast<uint16_t*>(qkv_bf16[i]);
+            l.att_bf16 = reinterpret_cast<uint16_t*>(att_bf16[i]);
+            l.fc_bf16 = reinterpret_cast<uint16_t*>(fc_bf16[i]);
+        }
     }
     p.buffers = pl.buffers();
     if (total_floats) *total_floats = pl.total();
     return p;
 }
 
-size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad) {
+size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad) {
     size_t total = 0;
-    plan_activations(d, checkpointing, ad, B, T, nullptr, &total);
+    plan_activations(d, checkpointing, precision, ad, B, T, nullptr, &total);
     return total;
 }
 
@@ -336,6 +367,7 @@ void Executor::check_trainable() const {
 
 void Executor::set_precision(Precision p) {
     gemm::require_precision(p);
+    if (p != precision_) cap_B_ = cap_T_ = 0;  // bf16 keeps some activations in bf16: re-plan
     precision_ = p;
 }
 
@@ -347,7 +379,7 @@ void Executor::plan(int B, int T) {
     // Attention tiles are laid out for T; per-thread scratch for the threads planned.
     if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
     acts_.reset(activation_floats(B, T), "activation arena");
-    a_ = plan_activations(d_, checkpointing_, ad_, B, T, acts_.data, nullptr);
+    a_ = plan_activations(d_, checkpointing_, precision_, ad_, B, T, acts_.data, nullptr);
     cap_B_ = B;
     cap_T_ = T;
     cap_threads_ = omp_get_max_threads();
@@ -400,13 +432,16 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
                 }
         TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
+        if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
         TIMED(forward, attention, attn.forward(a.qkv, a.lse, a.att, a_.attention_scratch, B, T));
+        if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
     // profile counts them as linear.
     TIMED(forward, linear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, a.x));
     TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     TIMED(forward, linear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
+    if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     if (pass == LayerPass::recompute) return;  // the MLP output only feeds the next layer's input
     TIMED(forward, linear, proj.forward(a.act, w.proj_w, w.proj_b, a.out, N, a.res_mid));
@@ -423,6 +458,11 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     float* scratch = a_.pullback_scratch;
+    if (a.qkv_bf16) {  // a bf16 step: this layer's saved values into the buffers the layers share
+        expand_bf16(a.qkv_bf16, a.qkv, (size_t)N * d_.qkv_dim());
+        expand_bf16(a.att_bf16, a.att, (size_t)N * d_.attn_dim());
+        expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
+    }
     // The norm outputs and the activation output live in buffers every layer shares: recompute
     // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks the MLP
     // runs dL/d(act) first, then the activation's recompute and pullback in one pass, then the

@@ -83,11 +83,14 @@ struct ParamBinding {
 
 // What one layer reads and writes. Training: x is the layer's input in the residual stream,
 // out the next layer's, the internals are the layer's saved buffers (the norm outputs and the
-// activation output shared by all layers, recomputed in the pullback). Generation: x, res_mid
-// and out are one buffer, the residual stream updated in place.
+// activation output shared by all layers, recomputed in the pullback). In a bf16 step qkv, att
+// and fc are fp32 buffers all layers share, and each layer keeps them in bf16 (the *_bf16
+// pointers, null otherwise; bf16.hpp). Generation: x, res_mid and out are one buffer, the
+// residual stream updated in place.
 struct LayerActs {
     const float* x;
     float *ln1, *ln1_stats, *qkv, *lse, *att, *res_mid, *ln2, *ln2_stats, *fc, *act, *out;
+    uint16_t *qkv_bf16 = nullptr, *att_bf16 = nullptr, *fc_bf16 = nullptr;
 };
 
 // Where every activation buffer of a (B, T) step sits in the activation arena.
@@ -175,9 +178,9 @@ struct Profile {
 
 // Lays out every activation buffer of a (B, T) training step from base (nullptr: only plan).
 // A free function so memory can be estimated without building a model.
-ActivationPlan plan_activations(const Dims& d, bool checkpointing, const AdChoice& ad, int B, int T, float* base,
-                                size_t* total_floats);
-size_t activation_floats(const Dims& d, bool checkpointing, int B, int T, const AdChoice& ad);
+ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
+                                int T, float* base, size_t* total_floats);
+size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad);
 
 class Executor {
 public:
@@ -193,7 +196,9 @@ public:
 
     // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
     void plan(int B, int T);
-    size_t activation_floats(int B, int T) const { return zoo::activation_floats(d_, checkpointing_, B, T, ad_); }
+    size_t activation_floats(int B, int T) const {
+        return zoo::activation_floats(d_, checkpointing_, precision_, B, T, ad_);
+    }
     const ActivationPlan& activation_plan() const { return a_; }
     // A test of the plan's live phases: at each phase boundary of a step, fill the activation
     // memory no buffer live in the next phase covers with NaN. A buffer read in a phase its

@@ -45,11 +45,12 @@ def test_invalid_live_phases_are_refused():
         _native.place_buffers([("x", 16, 0)])
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
-def test_training_plans_never_overlap_live_buffers(name, checkpointing):
+def test_training_plans_never_overlap_live_buffers(name, checkpointing, precision):
     cfg = preset(name)
-    plan = _native.activation_plan(cfg.model_dump(), 3, 16, checkpointing)
+    plan = _native.activation_plan(cfg.model_dump(), 3, 16, checkpointing, precision=precision)
     assert overlapping_live_pairs(plan) == []
     names = {b["name"] for b in plan}
     assert {"residual", "head_logits", "d_res", "pullback_scratch"} <= names
@@ -58,7 +59,29 @@ def test_training_plans_never_overlap_live_buffers(name, checkpointing):
     assert any(b["live"] & HEAD == 0 and b["offset"] < head["offset"] + head["floats"]
                and head["offset"] < b["offset"] + b["floats"] for b in plan)
     total = max(b["offset"] + b["floats"] for b in plan)
-    assert 4 * total == zoo.Model(cfg, seed=0, checkpointing=checkpointing).activation_bytes(3, 16)
+    model = zoo.Model(cfg, seed=0, checkpointing=checkpointing)
+    if precision == "bf16" and zoo.gemm_info()["bf16_native"]:
+        model.set_precision("bf16")
+    if model.precision == precision:
+        assert 4 * total == model.activation_bytes(3, 16)
+    # a bf16 step keeps q|k|v, the attention output and the MLP input in bf16, unless checkpointing
+    # recomputes them anyway
+    kept_in_bf16 = {b["name"] for b in plan if b["name"].endswith("_bf16")}
+    assert kept_in_bf16 == ({f"layer{i}.{t}_bf16" for i in range(cfg.n_layer) for t in ("qkv", "att", "fc")}
+                            if precision == "bf16" and not checkpointing else set())
+
+
+def test_a_bf16_step_keeps_half_the_activations_and_a_smaller_head_chunk():
+    """GPT-2 at 4 x 64, the memory target's shape: the saved products in bf16 and the LM head in
+    two chunks of 128 rows (fp32 keeps one of 256)."""
+    cfg = preset("gpt2").model_dump()
+    plans = {p: _native.activation_plan(cfg, 4, 64, precision=p) for p in ("fp32", "bf16")}
+    size = {p: {b["name"]: b["floats"] for b in plan} for p, plan in plans.items()}
+    assert size["bf16"]["layer0.qkv_bf16"] == size["fp32"]["layer0.qkv"] // 2
+    assert size["bf16"]["layer0.fc_bf16"] == size["fp32"]["layer0.fc"] // 2
+    assert size["fp32"]["head_logits"] == 256 * 50257 and size["bf16"]["head_logits"] == 128 * 50257
+    total = {p: max(b["offset"] + b["floats"] for b in plan) for p, plan in plans.items()}
+    assert total["bf16"] < 0.6 * total["fp32"]
 
 
 def test_a_built_model_steps_on_the_plan_it_checked():
@@ -80,19 +103,22 @@ def _configs():
     }
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("ad", ["manual", "clad"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
 @pytest.mark.parametrize("name", list(_configs()))
-def test_dead_buffers_hold_nothing_a_phase_reads(name, checkpointing, ad):
+def test_dead_buffers_hold_nothing_a_phase_reads(name, checkpointing, ad, precision):
     """With every byte that no live buffer covers set to NaN at each phase boundary, a step
     gives the same loss and gradients: no buffer is read in a phase its declaration leaves out."""
     if ad == "clad" and not zoo.build_info()["clad"]:
         pytest.skip("this zoo was built without the Clad backend")
+    if precision == "bf16" and not zoo.gemm_info()["bf16_native"]:
+        pytest.skip("no bf16 dot products on this CPU")
     cfg = _configs()[name]
     tok = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, 13))
     results = []
     for poison in (False, True):
-        model = zoo.Model(cfg, seed=0, checkpointing=checkpointing, ad=ad)
+        model = zoo.Model(cfg, seed=0, checkpointing=checkpointing, ad=ad, precision=precision)
         model._exec.set_poison_dead_buffers(poison)
         results.append(model.loss_and_grads(tok[:, :-1], tok[:, 1:]))
         results[-1][1]["logits"] = model.logits(tok[:, :-1])

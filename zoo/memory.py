@@ -49,11 +49,11 @@ def check_batch_shape(batch_size: int, seq_len: int, batch_name: str = "batch", 
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
-                     clad_blocks: tuple[str, ...] = ()) -> int:
+                     clad_blocks: tuple[str, ...] = (), precision: str = "fp32") -> int:
     """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
     check_batch_shape(batch_size, seq_len)
     return FLOAT_BYTES * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len),
-                                                       bool(checkpointing), list(clad_blocks)))
+                                                       bool(checkpointing), list(clad_blocks), precision))
 
 
 @dataclass(frozen=True)
@@ -68,13 +68,15 @@ class FinetuneMemory:
         return self.parameters + self.gradients + self.optimizer + self.activations
 
 
-def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False) -> FinetuneMemory:
+def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
+                          precision: str = "fp32") -> FinetuneMemory:
     """Memory for full finetuning with AdamW at micro-batch (batch, seq_len); checkpointing:
-    with activation checkpointing (each layer recomputed in the pullback)."""
+    with activation checkpointing (each layer recomputed in the pullback); precision: of the
+    products (a bf16 step keeps some activations in bf16)."""
     check_batch_shape(batch, seq_len)
     n = cfg.num_parameters()
     return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * n,
-                          activations=activation_bytes(cfg, batch, seq_len, checkpointing))
+                          activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision))
 
 
 def human_bytes(n: int) -> str:

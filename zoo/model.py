@@ -371,7 +371,7 @@ class Model:
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes of the activation arena for a training step at (batch_size, seq_len)."""
         return activation_bytes(self.config, batch_size, seq_len, self.checkpointing,
-                                tuple(b for b, v in self.ad.items() if v == "clad"))
+                                tuple(b for b, v in self.ad.items() if v == "clad"), self.precision)
 
     # --- checkpoints --------------------------------------------------------------
 

@@ -607,7 +607,7 @@ class Trainer:
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
         # The same estimator as zoo inspect and the model cards.
-        mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing)
+        mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing, m.precision)
         tf = self.token_file
         gemm = gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
