@@ -209,8 +209,10 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
 // Every buffer of a training step with the phases it is live in; the planner places them.
 // Declared longest-lived first, so the head's logits chunk lands on the buffers dead while the
 // head runs (the layers' adjoints and scratch; with checkpointing the shared internals).
-ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
-                                int T, float* base, size_t* total_floats) {
+// bf16_saved: keep q|k|v, the attention output and the MLP input in bf16 (a bf16 step without
+// checkpointing only; plan_activations decides).
+static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision precision, bool bf16_saved,
+                                   const AdChoice& ad, int B, int T, float* base, size_t* total_floats) {
     limits::check_batch(B, T, "activation plan");  // N = B * T below is an int in the kernels
     const size_t N = (size_t)B * T, D = d.d_model;
     const int threads = omp_get_max_threads();
@@ -227,9 +229,7 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision pre
     p.layers.resize(d.n_layer);
     const unsigned internals = checkpointing ? kForward | kPullback : kAllPhases;
     const int saved_sets = checkpointing ? 1 : d.n_layer;  // with checkpointing, one set recomputed per layer
-    // A bf16 step keeps q|k|v, the attention output and the MLP input in bf16 (bf16.hpp); the
-    // layers work on them in fp32 buffers they share. (With checkpointing nothing is kept.)
-    const bool bf16_saved = precision == Precision::bf16 && !checkpointing;
+    // Kept in bf16 (bf16.hpp), the layers work on them in fp32 buffers they share.
     std::vector<float*> qkv_bf16(saved_sets), att_bf16(saved_sets), fc_bf16(saved_sets);
     auto take_saved = [&](float** fp32, float** bf16, const std::string& name, size_t floats) {
         if (bf16_saved)
@@ -299,6 +299,21 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision pre
     p.buffers = pl.buffers();
     if (total_floats) *total_floats = pl.total();
     return p;
+}
+
+// A bf16 step keeps the outputs of its products in bf16 where that takes less memory: the fp32
+// buffers the layers share cost more than the halving saves in a model of one or two layers.
+// (With checkpointing they are recomputed, not kept.)
+ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
+                                int T, float* base, size_t* total_floats) {
+    bool bf16_saved = false;
+    if (precision == Precision::bf16 && !checkpointing) {
+        size_t kept_fp32 = 0, kept_bf16 = 0;
+        plan_buffers(d, checkpointing, precision, false, ad, B, T, nullptr, &kept_fp32);
+        plan_buffers(d, checkpointing, precision, true, ad, B, T, nullptr, &kept_bf16);
+        bf16_saved = kept_bf16 < kept_fp32;
+    }
+    return plan_buffers(d, checkpointing, precision, bf16_saved, ad, B, T, base, total_floats);
 }
 
 size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad) {

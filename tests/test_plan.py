@@ -64,11 +64,20 @@ def test_training_plans_never_overlap_live_buffers(name, checkpointing, precisio
         model.set_precision("bf16")
     if model.precision == precision:
         assert 4 * total == model.activation_bytes(3, 16)
-    # a bf16 step keeps q|k|v, the attention output and the MLP input in bf16, unless checkpointing
-    # recomputes them anyway
-    kept_in_bf16 = {b["name"] for b in plan if b["name"].endswith("_bf16")}
-    assert kept_in_bf16 == ({f"layer{i}.{t}_bf16" for i in range(cfg.n_layer) for t in ("qkv", "att", "fc")}
-                            if precision == "bf16" and not checkpointing else set())
+    # bf16 never plans more than fp32
+    fp32 = _native.activation_plan(cfg.model_dump(), 3, 16, checkpointing)
+    assert total <= max(b["offset"] + b["floats"] for b in fp32)
+
+
+@pytest.mark.parametrize("n_layer,kept", [(2, False), (3, True)])
+def test_a_bf16_step_keeps_the_products_outputs_in_bf16_where_that_saves_memory(n_layer, kept):
+    """q|k|v, the attention output and the MLP input, each layer's in bf16; the layers share fp32
+    buffers for them, which cost more than the halving saves in a model of two layers."""
+    cfg = preset("tiny-gpt2").model_copy(update={"n_layer": n_layer}).model_dump()
+    names = {b["name"] for b in _native.activation_plan(cfg, 3, 16, precision="bf16")}
+    expected = {f"layer{i}.{t}_bf16" for i in range(n_layer) for t in ("qkv", "att", "fc")}
+    assert (expected <= names) == kept and ("fc_work" in names) == kept
+    assert not any(b["name"].endswith("_bf16") for b in _native.activation_plan(cfg, 3, 16, True, precision="bf16"))
 
 
 def test_a_bf16_step_keeps_half_the_activations_and_a_smaller_head_chunk():
@@ -97,6 +106,8 @@ def _configs():
 
     return {
         "gpt2_tied": preset("tiny-gpt2"),
+        # three layers: a bf16 step keeps the products' outputs in bf16
+        "gpt2_three_layers": preset("tiny-gpt2").model_copy(update={"n_layer": 3}),
         "llama_untied": preset("tiny-llama"),
         # a vocabulary large enough that the LM head runs in several chunks of rows
         "chunked_head": ModelConfig(vocab_size=300_007, max_seq_len=16, d_model=16, n_layer=1, n_head=2, d_ff=32),
