@@ -497,10 +497,11 @@ def markdown(r: dict) -> str:
             lines.append(f"- {this} / {other}: step time {ratio['step_time']:.3f}x, peak RSS {ratio['peak_rss']:.3f}x")
     if r["vs"] == "none":
         lines.append("- zoo alone (--vs none)")
-    act = r["systems"]["zoo"].get("activation_mib")
-    if act is not None:
-        lines.append(f"- zoo's activation arena: {act:,.1f} MiB"
-                     + (" (activation checkpointing)" if r["checkpointing"] else ""))
+    for name in ("zoo", "zoo_bf16"):
+        act = r["systems"].get(name, {}).get("activation_mib")
+        if act is not None:
+            lines.append(f"- {name}'s activation arena: {act:,.1f} MiB"
+                         + (" (activation checkpointing)" if r["checkpointing"] else ""))
     f = r["flops"]
     sg = r["sgemm"]
     lines += [
