@@ -81,6 +81,18 @@ std::pair<int, int> check_tokens(const Tokens& t, const char* what) {
     return batch_shape(t.shape(0), t.shape(1), what);
 }
 
+// An optional (B, T) array beside tokens: its data, or null when absent.
+const int32_t* same_shape(const std::optional<Tokens>& a, const Tokens& tokens, const char* what) {
+    if (!a) return nullptr;
+    check_tokens(*a, what);
+    if (a->shape(0) != tokens.shape(0) || a->shape(1) != tokens.shape(1))
+        throw std::invalid_argument(std::string("zoo: ") + what + " must have the shape of tokens");
+    return a->data();
+}
+const int32_t* same_shape(const Tokens& a, const Tokens& tokens, const char* what) {
+    return same_shape(std::optional<Tokens>(a), tokens, what);
+}
+
 // A plan as Python sees it: one dict per buffer.
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
@@ -264,19 +276,14 @@ PYBIND11_MODULE(_native, m) {
         .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
         .def("set_poison_dead_buffers", &Executor::set_poison_dead_buffers)
         .def("forward",
-             [](Executor& e, Tokens tokens, std::optional<Tokens> targets) {
+             [](Executor& e, Tokens tokens, std::optional<Tokens> targets, std::optional<Tokens> positions) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
-                 const int32_t* tg = nullptr;
-                 if (targets) {
-                     check_tokens(*targets, "targets");
-                     if (targets->shape(0) != B || targets->shape(1) != T)
-                         throw std::invalid_argument("zoo: targets must have the shape of tokens");
-                     tg = targets->data();
-                 }
+                 const int32_t* tg = same_shape(targets, tokens, "targets");
+                 const int32_t* pos = same_shape(positions, tokens, "positions");
                  py::gil_scoped_release nogil;
-                 return e.forward(tokens.data(), tg, B, T);
+                 return e.forward(tokens.data(), tg, pos, B, T);
              },
-             py::arg("tokens"), py::arg("targets") = py::none())
+             py::arg("tokens"), py::arg("targets") = py::none(), py::arg("positions") = py::none())
         .def("logits", [](py::object self, int64_t B, int64_t T) {
             auto& e = self.cast<Executor&>();
             batch_shape(B, T, "logits");
@@ -286,14 +293,14 @@ PYBIND11_MODULE(_native, m) {
             return view(self, const_cast<float*>(e.logits()), {(py::ssize_t)B, (py::ssize_t)T, e.dims().vocab_size});
         })
         .def("forward_backward",
-             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale) {
+             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale, std::optional<Tokens> positions) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
-                 check_tokens(targets, "targets");
-                 if (targets.shape(0) != tokens.shape(0) || targets.shape(1) != tokens.shape(1))
-                     throw std::invalid_argument("zoo: targets must have the shape of tokens");
+                 same_shape(targets, tokens, "targets");
+                 const int32_t* pos = same_shape(positions, tokens, "positions");
                  py::gil_scoped_release nogil;
-                 return e.forward_backward(tokens.data(), targets.data(), B, T, grad_scale);
-             })
+                 return e.forward_backward(tokens.data(), targets.data(), pos, B, T, grad_scale);
+             },
+             py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none())
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
         .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })

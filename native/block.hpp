@@ -12,6 +12,13 @@ namespace zoo {
 // pullback with parameters, decided by the executor's gradient lifecycle (model.hpp).
 enum class GradMode { write, add };
 
+// Row n of a (B, T) batch: its position in its sequence. positions (B*T, may be null) gives it
+// where a caller packs several examples into one row, each restarting at 0 (attention then keeps
+// to the row's own example); null means pos0 + n % T.
+inline int position_of(const int32_t* positions, int n, int T, int pos0 = 0) {
+    return positions ? positions[n] : pos0 + n % T;
+}
+
 // A function that exists only in a Clad build: registries name it through this macro, so a
 // build without Clad compiles the entry with a null pointer and never references the symbol.
 #ifdef ZOO_CLAD

@@ -153,14 +153,14 @@ void bind_blocks(py::module_& parent) {
     m.def("embedding_forward", [](I tokens, F wte, std::optional<F> wpe) {
         int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)wte.shape(1);
         F x({(py::ssize_t)B * T, (py::ssize_t)C});
-        zoo::Embedding{C}.forward(tokens.data(), wte.data(), wpe ? wpe->data() : nullptr,
+        zoo::Embedding{C}.forward(tokens.data(), nullptr, wte.data(), wpe ? wpe->data() : nullptr,
                                   x.mutable_data(), B, T);
         return x;
     });
     m.def("embedding_pullback", [](I tokens, F dx, int vocab, int max_pos) {
         int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)dx.shape(1);
         F dwte = zeros({vocab, C}), dwpe = zeros({std::max(max_pos, 1), C});
-        zoo::Embedding{C}.pullback(tokens.data(), dx.data(), dwte.mutable_data(),
+        zoo::Embedding{C}.pullback(tokens.data(), nullptr, dx.data(), dwte.mutable_data(),
                                    max_pos ? dwpe.mutable_data() : nullptr, B, T, zoo::GradMode::add,
                                    zoo::GradMode::add);
         return py::make_tuple(dwte, max_pos ? py::object(dwpe) : py::object(py::none()));
@@ -173,7 +173,7 @@ void bind_blocks(py::module_& parent) {
         rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
         F y(shape_of(x));
         std::copy(x.data(), x.data() + x.size(), y.mutable_data());
-        rope.forward(y.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T);
+        rope.forward(y.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return y;
     });
     m.def("rope_pullback", [](F dy, F inv_freq, int head_dim) {
@@ -183,7 +183,7 @@ void bind_blocks(py::module_& parent) {
         rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
         F dx(shape_of(dy));
         std::copy(dy.data(), dy.data() + dy.size(), dx.mutable_data());
-        rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T);
+        rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return dx;
     });
     m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
@@ -191,7 +191,7 @@ void bind_blocks(py::module_& parent) {
         const auto [B, T] = attention_batch(qkv, a);
         F out({B, T, n_head * head_dim}), lse({B, n_head, T});
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.forward(qkv.data(), lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
+        a.forward(qkv.data(), nullptr, lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
         return py::make_tuple(out, lse);
     });
     // lse: the forward's (B, n_head, T) log-sum-exp of each row's scaled scores.
@@ -204,7 +204,7 @@ void bind_blocks(py::module_& parent) {
             throw std::invalid_argument("zoo: attention dout must be (B, T, n_head * head_dim)");
         F dqkv(shape_of(qkv));
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.pullback(qkv.data(), lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        a.pullback(qkv.data(), nullptr, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
     });
     // logits (N, V); targets (N,), each in [0, V) or ignore_index.

@@ -83,7 +83,7 @@ void bind_clad_blocks(py::module_ m) {
         int B = (int)tokens.shape(0), T = (int)tokens.shape(1), C = (int)wte.shape(1);
         F dwte = zeros({wte.shape(0), (py::ssize_t)C});
         F dwpe = zeros({wpe ? wpe->shape(0) : 1, (py::ssize_t)C});
-        zoo::Embedding{C}.pullback_clad(tokens.data(), wte.data(), wpe ? wpe->data() : nullptr, dx.data(),
+        zoo::Embedding{C}.pullback_clad(tokens.data(), nullptr, wte.data(), wpe ? wpe->data() : nullptr, dx.data(),
                                         dwte.mutable_data(), wpe ? dwpe.mutable_data() : nullptr, B, T,
                                         zoo::GradMode::add, zoo::GradMode::add);
         return py::make_tuple(dwte, wpe ? py::object(dwpe) : py::object(py::none()));
@@ -96,7 +96,7 @@ void bind_clad_blocks(py::module_ m) {
         rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
         F dx(shape_of(dy));
         std::memcpy(dx.mutable_data(), dy.data(), sizeof(float) * dy.size());
-        rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, scratch.data());
+        rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr, scratch.data());
         return dx;
     });
     m.def("attention_pullback_clad", [](F qkv, F dout, int n_head, int n_kv_head, int head_dim) {
@@ -106,7 +106,7 @@ void bind_clad_blocks(py::module_ m) {
             throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
         F dqkv(shape_of(qkv));
         std::vector<float> scratch(a.clad_scratch_floats(threads(), T));
-        a.pullback_clad(qkv.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        a.pullback_clad(qkv.data(), nullptr, dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
     });
     m.def("cross_entropy_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale) {

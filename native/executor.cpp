@@ -421,6 +421,28 @@ void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) c
     }
 }
 
+// Packed rows: each example's positions count 0, 1, 2, ... from where it starts, and a row
+// starts with one. Anything else would send attention outside the row or outside its example.
+void Executor::check_positions(const int32_t* positions, int B, int T) const {
+    if (!positions) return;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int32_t p = positions[(size_t)b * T + t], prev = t ? positions[(size_t)b * T + t - 1] : -1;
+            if (p != 0 && p != prev + 1)
+                throw std::invalid_argument("zoo: positions[" + std::to_string(b) + ", " + std::to_string(t) +
+                                            "] = " + std::to_string(p) + " after " + std::to_string(prev) +
+                                            ": positions count up by one from 0, restarting at 0 where a packed "
+                                            "example begins (a row begins with one)");
+        }
+}
+
+// Sets the running step's positions for the kernels, and clears them however the step ends.
+struct PositionsScope {
+    const int32_t*& slot;
+    PositionsScope(const int32_t*& s, const int32_t* p) : slot(s) { slot = p; }
+    ~PositionsScope() { slot = nullptr; }
+};
+
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
@@ -431,7 +453,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     TIMED(forward, linear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                                       rope_cos_.data(), rope_sin_.data(), B, T, pos0));
+                                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
     if (pass == LayerPass::cached) {
         // This call's keys and values join the cache; its queries attend to everything cached.
         const int hd = d_.head_dim;
@@ -448,7 +470,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
-        TIMED(forward, attention, attn.forward(a.qkv, a.lse, a.att, a_.attention_scratch, B, T));
+        TIMED(forward, attention, attn.forward(a.qkv, positions_, a.lse, a.att, a_.attention_scratch, B, T));
         if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
@@ -499,10 +521,10 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
                                         g.ln2_b, N, mode));
     TIMED(pullback, linear, pb_.linear(attn_out, a.att, w.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
                                        g.attn_out_w, g.attn_out_b, N, mode, scratch));
-    TIMED(pullback, attention, pb_.attention(attn, a.qkv, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
+    TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                       rope_cos_.data(), rope_sin_.data(), B, T, scratch));
+                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_, scratch));
     TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
     TIMED(pullback, linear, pb_.linear(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
                                        mode, scratch));
@@ -513,7 +535,7 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
-    TIMED(forward, embedding, Embedding{d}.forward(tokens, w_.wte, w_.wpe, a_.residual, B, T));
+    TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, w_.wte, w_.wpe, a_.residual, B, T));
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
     TIMED(forward, norm, norm_forward(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf, a_.lnf_stats, N));
 }
@@ -565,10 +587,12 @@ void Executor::poison_dead_buffers(unsigned phase) {
     if (acts_.size > at) std::fill(acts_.data + at, acts_.data + acts_.size, NAN);
 }
 
-double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+double Executor::forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T) {
     plan(B, T);
     const int N = B * T;
     check_ids(tokens, targets, N);
+    check_positions(positions, B, T);
+    const PositionsScope scope(positions_, positions);
     poison_dead_buffers(kForward);
     trunk_forward(tokens, B, T);
     poison_dead_buffers(kHead);
@@ -581,11 +605,14 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, int B, i
     return NAN;
 }
 
-double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale) {
+double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B,
+                                  int T, float grad_scale) {
     check_trainable();
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
+    check_positions(positions, B, T);
+    const PositionsScope scope(positions_, positions);
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
     grads_.begin_pass();
@@ -608,7 +635,7 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     }
     // A tied dwte holds the LM head's gradient already: the embedding adds to it.
     const Embedding emb{d, d_.vocab_size, d_.max_seq_len};
-    TIMED(pullback, embedding, pb_.embedding(emb, tokens, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B, T,
+    TIMED(pullback, embedding, pb_.embedding(emb, tokens, positions_, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B, T,
                                              d_.tied_embeddings ? GradMode::add : mode, mode));
     if (first) {
         TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
@@ -706,7 +733,7 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
     check_ids(tokens, nullptr, B * T);
     const int d = d_.d_model, V = d_.vocab_size;
     float* x = cached_.out;
-    Embedding{d}.forward(tokens, w_.wte, w_.wpe, x, B, T, pos0);
+    Embedding{d}.forward(tokens, nullptr, w_.wte, w_.wpe, x, B, T, pos0);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, B, T, LayerPass::cached, pos0);
     // Only the last position of each sequence needs logits.
     for (int b = 0; b < B; b++)

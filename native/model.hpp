@@ -217,12 +217,15 @@ public:
 
     // Forward over tokens (B, T). With targets, returns the mean loss (the head runs chunk by
     // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
-    double forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+    // positions (B, T), may be null: each token's position in its example, for rows that pack
+    // several examples (each restarting at 0; attention stays within an example). Null: 0..T-1.
+    double forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T);
     const float* logits() const { return logits_arena_.data; }
     size_t logits_floats() const { return logits_arena_.size; }
     // One training micro-step: forward, then every pullback in reverse, the gradients written
     // or added as the lifecycle says, scaled by grad_scale. Returns the loss.
-    double forward_backward(const int32_t* tokens, const int32_t* targets, int B, int T, float grad_scale);
+    double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T,
+                            float grad_scale);
     void zero_grads() { grads_.zero_grads(); }
 
     // Global gradient norm: the one the last first pass took, or one pass over the gradients.
@@ -260,6 +263,7 @@ private:
     ActivationPlan a_;
     bool poison_dead_ = false;
     GradLifecycle grads_;
+    const int32_t* positions_ = nullptr;  // the running forward's (B, T) positions; null: 0..T-1
     Arena logits_arena_;  // full logits, for inference calls only
 
     // KV cache arena for generation.
@@ -272,6 +276,7 @@ private:
     void plan_grad_ranges(const std::vector<ParamBinding>& layout);
     double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
+    void check_positions(const int32_t* positions, int B, int T) const;
     void check_trainable() const;
     void poison_dead_buffers(unsigned phase);
     void trunk_forward(const int32_t* tokens, int B, int T);

@@ -135,6 +135,22 @@ def _as_tokens(a, what: str, vocab_size: int, allow_ignore: bool = False) -> np.
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _as_positions(positions, shape: tuple[int, int]) -> Optional[np.ndarray]:
+    """Packed rows' positions: (B, T) integers, each example counting 0, 1, 2, ... (the native
+    side checks the counting and names the first row and column that breaks it)."""
+    if positions is None:
+        return None
+    arr = np.asarray(positions)
+    if arr.shape != shape:
+        raise ValueError(f"positions must have the shape of tokens {shape}, got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"positions must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= shape[1]):
+        bad = arr[(arr < 0) | (arr >= shape[1])].flat[0]
+        raise ValueError(f"positions hold {int(bad)}, outside a row of {shape[1]} tokens")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 class Model:
     """A decoder-only transformer described by a ModelConfig.
 
@@ -246,22 +262,28 @@ class Model:
         self._memory_checked[key] = (max(B, checked_B) if T == checked_T else B, T)
         self._training_memory_checked |= training
 
-    def logits(self, tokens) -> np.ndarray:
+    # positions (B, T), optional, in logits, loss and forward_backward: rows that pack several
+    # examples give each token's position in its own example (0, 1, 2, ... restarting where an
+    # example begins); attention then stays within each example. None: 0..T-1 in every row.
+
+    def logits(self, tokens, positions=None) -> np.ndarray:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
+        pos = _as_positions(positions, tok.shape)
         self._check_activation_memory(tok.shape, logits=True)
-        self._exec.forward(tok, None)
+        self._exec.forward(tok, None, pos)
         B, T = tok.shape
         return np.array(self._exec.logits(B, T))
 
-    def loss(self, tokens, targets) -> float:
+    def loss(self, tokens, targets, positions=None) -> float:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
+        pos = _as_positions(positions, tok.shape)
         self._check_activation_memory(tok.shape)
-        return float(self._exec.forward(tok, tgt))
+        return float(self._exec.forward(tok, tgt, pos))
 
-    def loss_and_grads(self, tokens, targets) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, tokens, targets, positions=None) -> tuple[float, dict[str, np.ndarray]]:
         self.zero_grads()
-        loss = self.forward_backward(tokens, targets)
+        loss = self.forward_backward(tokens, targets, positions=positions)
         return loss, {k: v.copy() for k, v in self._grads.items()}
 
     def zero_grads(self) -> None:
@@ -279,16 +301,17 @@ class Model:
                           "without: the model runs forward (logits, loss, generation) but cannot train; "
                           + CLAD_BUILD_HINT)
 
-    def forward_backward(self, tokens, targets, grad_scale: float = 1.0) -> float:
+    def forward_backward(self, tokens, targets, grad_scale: float = 1.0, positions=None) -> float:
         """Adds grad_scale * dloss/dparams into the gradient arena (for accumulation)."""
         self.check_trainable()
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
         if tgt.shape != tok.shape:
             raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
+        pos = _as_positions(positions, tok.shape)
         grad_scale = _finite_float32("grad_scale", grad_scale)
         self._check_activation_memory(tok.shape, training=True)
-        return float(self._exec.forward_backward(tok, tgt, grad_scale))
+        return float(self._exec.forward_backward(tok, tgt, grad_scale, pos))
 
     # --- optimizer ----------------------------------------------------------------
 

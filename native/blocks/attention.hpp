@@ -193,8 +193,10 @@ struct Attention {
     // Training/prefill over whole sequences. qkv: (B*T, qkv_dim) with RoPE already applied;
     // out: (B*T, n_head*hd). lse: (B, n_head, T), each row's log-sum-exp of its scaled
     // scores, all the pullback needs to rebuild the probabilities: O(T) memory per head where
-    // the probabilities would take O(T^2). scratch: scratch_floats(threads, T).
-    void forward(const float* qkv, float* lse, float* out, float* scratch, int B, int T) const {
+    // the probabilities would take O(T^2). positions (B*T, may be null; position_of): row t
+    // attends to keys t - position .. t, its own packed example. scratch: scratch_floats(threads, T).
+    void forward(const float* qkv, const int32_t* positions, float* lse, float* out, float* scratch, int B,
+                 int T) const {
         const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
         const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -208,33 +210,35 @@ struct Attention {
                 const float* v = base + (n_head + n_kv_head + g) * hd;
                 float* l = lse + ((size_t)b * n_head + h) * T;
                 float* o = out + (size_t)b * T * n_head * hd + h * hd;
+                const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
                 int t0 = 0;
                 for (; t0 + kBlockRows <= T; t0 += kBlockRows)
-                    forward_rows<kBlockRows>(base + h * hd, stride, kt, v, l, o, block, t0, T, scale);
-                for (; t0 < T; t0++) forward_rows<1>(base + h * hd, stride, kt, v, l, o, block, t0, T, scale);
+                    forward_rows<kBlockRows>(base + h * hd, stride, kt, v, pos, l, o, block, t0, T, scale);
+                for (; t0 < T; t0++) forward_rows<1>(base + h * hd, stride, kt, v, pos, l, o, block, t0, T, scale);
             }
     }
 
-    // Query rows t0..t0+R-1 of one head: scores against keys 0..t0+R-1, causal softmax into
-    // block (R x padded T, zero past each row's last key), the rows' log-sum-exp into lse,
-    // output rows into o.
+    // Query rows t0..t0+R-1 of one head: scores against keys 0..t0+R-1, causal softmax over
+    // each row's keys first..t into block (R x padded T, zero outside them), the rows'
+    // log-sum-exp into lse, output rows into o. pos: this sequence's positions (or null).
     template <int R>
-    void forward_rows(const float* q, int stride, const float* kt, const float* v, float* lse, float* o,
-                      float* block, int t0, int T, float scale) const {
+    void forward_rows(const float* q, int stride, const float* kt, const float* v, const int32_t* pos, float* lse,
+                      float* o, float* block, int t0, int T, float scale) const {
         const int hd = head_dim, Tp = padded(T), n = t0 + R;
         tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
-            const int keys = t0 + r + 1;
-            const float mx = row_max(s, keys);
+            const int keys = t0 + r + 1, first = pos ? t0 + r - pos[t0 + r] : 0;
+            const float mx = row_max(s + first, keys - first);
             float sum = 0.0f;
-            for (int j = 0; j < keys; j++) {
+            for (int j = first; j < keys; j++) {
                 s[j] = fast_exp(scale * (s[j] - mx));
                 sum += s[j];
             }
             const float inv = 1.0f / sum;
             lse[t0 + r] = scale * mx + std::log(sum);
-            for (int j = 0; j < keys; j++) s[j] *= inv;
+            for (int j = 0; j < first; j++) s[j] = 0.0f;
+            for (int j = first; j < keys; j++) s[j] *= inv;
             for (int j = keys; j < n; j++) s[j] = 0.0f;
         }
         tile_weighted_rows<R>(block, Tp, v, stride, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
@@ -262,32 +266,32 @@ struct Attention {
     // Writes d_qkv (all three parts), the probabilities rebuilt from the scores and the saved
     // lse. One task per (batch, kv head): it owns that head's dk, dv, so no two threads write
     // the same element. scratch: scratch_floats(threads, T).
-    void pullback(const float* qkv, const float* lse, const float* d_out, float* d_qkv,
+    void pullback(const float* qkv, const int32_t* positions, const float* lse, const float* d_out, float* d_qkv,
                   float* scratch, int B, int T) const;
     template <int R>
-    void pullback_rows(const float* q, const float* k, const float* kt, const float* vt, const float* lse,
-                       const float* dout, float* dq, float* dk, float* dv, float* block, int t0, int T,
-                       float scale) const;
+    void pullback_rows(const float* q, const float* k, const float* kt, const float* vt, const int32_t* pos,
+                       const float* lse, const float* dout, float* dq, float* dk, float* dv, float* block, int t0,
+                       int T, float scale) const;
 
     // The Clad backend's pullback: Clad's gradient of attention_forward_row, one task per
     // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
     // replays each row's softmax instead of reading lse. scratch: clad_scratch_floats().
     size_t clad_row_floats(int T) const { return ((size_t)2 * T + 2 * head_dim + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_row_floats(T); }
-    void pullback_clad(const float* qkv, const float* d_out, float* d_qkv, float* scratch, int B,
-                       int T) const;
+    void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
+                       int B, int T) const;
 };
 
 // The registry entry (native/registry.hpp): d_qkv written; lse is the forward's (the Clad
 // pullback replays it instead).
-using AttentionPullback = void (*)(const Attention& a, const float* qkv, const float* lse, const float* d_out,
-                                   float* d_qkv, float* scratch, int B, int T);
-void attention_pullback_clad(const Attention& a, const float* qkv, const float* lse, const float* d_out,
-                             float* d_qkv, float* scratch, int B, int T);
+using AttentionPullback = void (*)(const Attention& a, const float* qkv, const int32_t* positions, const float* lse,
+                                   const float* d_out, float* d_qkv, float* scratch, int B, int T);
+void attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions, const float* lse,
+                             const float* d_out, float* d_qkv, float* scratch, int B, int T);
 inline const FixedBlock<AttentionPullback> attention_block{
     "attention",
-    [](const Attention& a, const float* qkv, const float* lse, const float* d_out, float* d_qkv, float* scratch,
-       int B, int T) { a.pullback(qkv, lse, d_out, d_qkv, scratch, B, T); },
+    [](const Attention& a, const float* qkv, const int32_t* positions, const float* lse, const float* d_out,
+       float* d_qkv, float* scratch, int B, int T) { a.pullback(qkv, positions, lse, d_out, d_qkv, scratch, B, T); },
     ZOO_CLAD_FN(attention_pullback_clad),
     /*in_step=*/true,
 };
@@ -296,8 +300,8 @@ inline const FixedBlock<AttentionPullback> attention_block{
 
 #ifdef ZOO_CLAD_TU
 // Per thread: [p (T) | dp (T) | o (hd) | seed (hd)].
-void zoo::Attention::pullback_clad(const float* qkv, const float* d_out, float* d_qkv, float* scratch,
-                                   int B, int T) const {
+void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv,
+                                   float* scratch, int B, int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel
@@ -323,23 +327,27 @@ void zoo::Attention::pullback_clad(const float* qkv, const float* d_out, float* 
                 for (int h = g * group; h < (g + 1) * group; h++)
                     for (int t = 0; t < T; t++) {
                         const float* dout = d_out + ((size_t)b * T + t) * n_head * hd + h * hd;
+                        // keys first..t: this row's packed example (all of 0..t without positions)
+                        const size_t first = t - position_of(positions ? positions + (size_t)b * T : nullptr, t, T);
+                        const int keys = t + 1 - (int)first;
                         for (int i = 0; i < hd; i++) seed[i] = dout[i];  // consumed
-                        for (int j = 0; j <= t; j++) dp[j] = 0.0f;
-                        grad.execute(base + (size_t)t * stride + h * hd, k, v, p, o, stride, t + 1, hd,
-                                     scale, dbase + (size_t)t * stride + h * hd, dk, dv, dp, seed);
+                        for (int j = 0; j < keys; j++) dp[j] = 0.0f;
+                        grad.execute(base + (size_t)t * stride + h * hd, k + first * stride, v + first * stride, p,
+                                     o, stride, keys, hd, scale, dbase + (size_t)t * stride + h * hd,
+                                     dk + first * stride, dv + first * stride, dp, seed);
                     }
             }
     }
 }
 
-void zoo::attention_pullback_clad(const Attention& a, const float* qkv, const float*, const float* d_out,
-                                  float* d_qkv, float* scratch, int B, int T) {
-    a.pullback_clad(qkv, d_out, d_qkv, scratch, B, T);
+void zoo::attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions, const float*,
+                                  const float* d_out, float* d_qkv, float* scratch, int B, int T) {
+    a.pullback_clad(qkv, positions, d_out, d_qkv, scratch, B, T);
 }
 #endif
 
-inline void zoo::Attention::pullback(const float* qkv, const float* lse, const float* d_out,
-                                     float* d_qkv, float* scratch, int B, int T) const {
+inline void zoo::Attention::pullback(const float* qkv, const int32_t* positions, const float* lse,
+                                     const float* d_out, float* d_qkv, float* scratch, int B, int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -364,21 +372,22 @@ inline void zoo::Attention::pullback(const float* qkv, const float* lse, const f
                 float* dq = dbase + h * hd;
                 const float* l = lse + ((size_t)b * n_head + h) * T;
                 const float* dout = d_out + (size_t)b * T * n_head * hd + h * hd;
+                const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
                 int t0 = 0;
                 for (; t0 + kBlockRows <= T; t0 += kBlockRows)
-                    pullback_rows<kBlockRows>(q, k, kt, vt, l, dout, dq, dk, dv, block, t0, T, scale);
-                for (; t0 < T; t0++) pullback_rows<1>(q, k, kt, vt, l, dout, dq, dk, dv, block, t0, T, scale);
+                    pullback_rows<kBlockRows>(q, k, kt, vt, pos, l, dout, dq, dk, dv, block, t0, T, scale);
+                for (; t0 < T; t0++) pullback_rows<1>(q, k, kt, vt, pos, l, dout, dq, dk, dv, block, t0, T, scale);
             }
         }
 }
 
 // Query rows t0..t0+R-1 of one head (q, dq rows qkv_dim apart; dout rows n_head*hd apart):
 // writes their dq, adds into dk and dv of keys 0..t0+R-1. block: two R x padded(T) blocks,
-// the probabilities (zero past each row's last key) and the score adjoints.
+// the probabilities (zero outside each row's keys first..t) and the score adjoints.
 template <int R>
 inline void zoo::Attention::pullback_rows(const float* q, const float* k, const float* kt, const float* vt,
-                                          const float* lse, const float* dout, float* dq, float* dk, float* dv,
-                                          float* block, int t0, int T, float scale) const {
+                                          const int32_t* pos, const float* lse, const float* dout, float* dq,
+                                          float* dk, float* dv, float* block, int t0, int T, float scale) const {
     const int stride = qkv_dim(), hd = head_dim, Tp = padded(T), n = t0 + R;
     const size_t ldo = (size_t)n_head * hd;
     float* pb = block;
@@ -388,16 +397,17 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
     tile_rows_dot_cols<R>(q0, stride, kt, Tp, hd, padded(n), pb, Tp);      // S = Q K^T
     tile_rows_dot_cols<R>(dout0, ldo, vt, Tp, hd, padded(n), ds, Tp);     // dP = dO V^T
     for (int r = 0; r < R; r++) {
-        const int keys = t0 + r + 1;
+        const int keys = t0 + r + 1, first = pos ? t0 + r - pos[t0 + r] : 0;
         const float l = lse[t0 + r];
         float* pr = pb + (size_t)r * Tp;
         float* dsr = ds + (size_t)r * Tp;
         float dot = 0.0f;
-        for (int j = 0; j < keys; j++) {
+        for (int j = first; j < keys; j++) {
             pr[j] = fast_exp(scale * pr[j] - l);
             dot += pr[j] * dsr[j];
         }
-        for (int j = 0; j < keys; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        for (int j = first; j < keys; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        for (int j = 0; j < first; j++) pr[j] = dsr[j] = 0.0f;
         for (int j = keys; j < n; j++) pr[j] = dsr[j] = 0.0f;
     }
     tile_add_weighted_cols<R>(pb, Tp, dout0, ldo, n, hd, dv, stride);     // dV += P^T dO

@@ -1,4 +1,4 @@
-// Token embedding plus optional learned position embedding: x[b,t] = wte[tok[b,t]] + wpe[pos0+t].
+// Token embedding plus optional learned position embedding: x[b,t] = wte[tok[b,t]] + wpe[position of (b,t)].
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -24,16 +24,16 @@ struct Embedding {
     int C;
     int vocab = 0, max_pos = 0;  // rows of wte and wpe: what a pullback that writes clears
 
-    // tokens: (B, T); x: (B*T, C). wpe may be null (RoPE models). pos0 offsets positions
-    // (generation with a KV cache).
-    void forward(const int32_t* tokens, const float* wte, const float* wpe, float* x, int B, int T,
-                 int pos0 = 0) const {
+    // tokens: (B, T); x: (B*T, C). wpe may be null (RoPE models). positions: see
+    // position_of (block.hpp); pos0 offsets the default ones (generation with a KV cache).
+    void forward(const int32_t* tokens, const int32_t* positions, const float* wte, const float* wpe, float* x,
+                 int B, int T, int pos0 = 0) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
             const float* te = wte + (size_t)tokens[n] * C;
             float* xr = x + (size_t)n * C;
             if (wpe) {
-                embedding_forward_row(te, wpe + (size_t)(pos0 + n % T) * C, xr, C);
+                embedding_forward_row(te, wpe + (size_t)position_of(positions, n, T, pos0) * C, xr, C);
             } else {
                 token_embedding_forward_row(te, xr, C);
             }
@@ -43,8 +43,8 @@ struct Embedding {
     // Adds dx rows into the rows of dwte (and dwpe) they came from; a gradient whose mode is
     // write, into zeros (vocab and max_pos rows; a tied dwte already holds the LM head's part).
     // Column blocks in parallel: repeated tokens never race and the sum order is fixed.
-    void pullback(const int32_t* tokens, const float* dx, float* dwte, float* dwpe, int B,
-                  int T, GradMode wte_mode, GradMode wpe_mode) const {
+    void pullback(const int32_t* tokens, const int32_t* positions, const float* dx, float* dwte, float* dwpe,
+                  int B, int T, GradMode wte_mode, GradMode wpe_mode) const {
         clear_if_writing(dwte, dwpe, wte_mode, wpe_mode);
         const int block = 64;
 #pragma omp parallel for schedule(static)
@@ -55,7 +55,7 @@ struct Embedding {
                 float* dte = dwte + (size_t)tokens[n] * C;
                 for (int i = c0; i < c1; i++) dte[i] += dxr[i];
                 if (dwpe) {
-                    float* dpe = dwpe + (size_t)(n % T) * C;
+                    float* dpe = dwpe + (size_t)position_of(positions, n, T) * C;
                     for (int i = c0; i < c1; i++) dpe[i] += dxr[i];
                 }
             }
@@ -65,8 +65,9 @@ struct Embedding {
     // The Clad backend's pullback: Clad's gradient of the row kernels, applied to column
     // blocks of each row (the kernels are elementwise), blocks in parallel as above (defined
     // below, compiled only into a Clad build). The replayed forward reads wte and wpe.
-    void pullback_clad(const int32_t* tokens, const float* wte, const float* wpe, const float* dx,
-                       float* dwte, float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) const;
+    void pullback_clad(const int32_t* tokens, const int32_t* positions, const float* wte, const float* wpe,
+                       const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
+                       GradMode wpe_mode) const;
 
     void clear_if_writing(float* dwte, float* dwpe, GradMode wte_mode, GradMode wpe_mode) const {
         if ((wte_mode == GradMode::write && !vocab) || (dwpe && wpe_mode == GradMode::write && !max_pos))
@@ -77,17 +78,17 @@ struct Embedding {
 };
 
 // The registry entry (native/registry.hpp).
-using EmbeddingPullback = void (*)(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
-                                   const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
-                                   GradMode wpe_mode);
-void embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
-                             const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
-                             GradMode wpe_mode);
+using EmbeddingPullback = void (*)(const Embedding& e, const int32_t* tokens, const int32_t* positions,
+                                   const float* wte, const float* wpe, const float* dx, float* dwte, float* dwpe,
+                                   int B, int T, GradMode wte_mode, GradMode wpe_mode);
+void embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const int32_t* positions, const float* wte,
+                             const float* wpe, const float* dx, float* dwte, float* dwpe, int B, int T,
+                             GradMode wte_mode, GradMode wpe_mode);
 inline const FixedBlock<EmbeddingPullback> embedding_block{
     "embedding",
-    [](const Embedding& e, const int32_t* tokens, const float*, const float*, const float* dx, float* dwte,
-       float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) {
-        e.pullback(tokens, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
+    [](const Embedding& e, const int32_t* tokens, const int32_t* positions, const float*, const float*,
+       const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode, GradMode wpe_mode) {
+        e.pullback(tokens, positions, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
     },
     ZOO_CLAD_FN(embedding_pullback_clad),
     /*in_step=*/true,
@@ -96,8 +97,8 @@ inline const FixedBlock<EmbeddingPullback> embedding_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, const float* wpe,
-                                   const float* dx, float* dwte, float* dwpe, int B, int T,
+void zoo::Embedding::pullback_clad(const int32_t* tokens, const int32_t* positions, const float* wte,
+                                   const float* wpe, const float* dx, float* dwte, float* dwpe, int B, int T,
                                    GradMode wte_mode, GradMode wpe_mode) const {
     clear_if_writing(dwte, dwpe, wte_mode, wpe_mode);
     const int block = 64;
@@ -110,7 +111,7 @@ void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, cons
         for (int c0 = 0; c0 < C; c0 += block) {
             const int len = c0 + block < C ? block : C - c0;
             for (int n = 0; n < B * T; n++) {
-                const size_t te = (size_t)tokens[n] * C + c0, pe = (size_t)(n % T) * C + c0;
+                const size_t te = (size_t)tokens[n] * C + c0, pe = (size_t)position_of(positions, n, T) * C + c0;
                 for (int i = 0; i < len; i++) seed[i] = dx[(size_t)n * C + c0 + i];  // consumed
                 if (wpe)
                     grad.execute(wte + te, wpe + pe, x, len, dwte + te, dwpe + pe, seed);
@@ -121,9 +122,9 @@ void zoo::Embedding::pullback_clad(const int32_t* tokens, const float* wte, cons
     }
 }
 
-void zoo::embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const float* wte, const float* wpe,
-                                  const float* dx, float* dwte, float* dwpe, int B, int T, GradMode wte_mode,
-                                  GradMode wpe_mode) {
-    e.pullback_clad(tokens, wte, wpe, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
+void zoo::embedding_pullback_clad(const Embedding& e, const int32_t* tokens, const int32_t* positions,
+                                  const float* wte, const float* wpe, const float* dx, float* dwte, float* dwpe,
+                                  int B, int T, GradMode wte_mode, GradMode wpe_mode) {
+    e.pullback_clad(tokens, positions, wte, wpe, dx, dwte, dwpe, B, T, wte_mode, wpe_mode);
 }
 #endif

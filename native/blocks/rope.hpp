@@ -33,13 +33,13 @@ struct RoPE {
     }
 
     // In place on the first n_heads heads of each row of x (row stride `stride` floats):
-    // used on q and k inside the fused qkv rows. Row n is at position pos0 + n % T.
+    // used on q and k inside the fused qkv rows. Row n's position: position_of (block.hpp).
     void forward(float* x, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                 int B, int T, int pos0 = 0) const {
+                 int B, int T, const int32_t* positions, int pos0 = 0) const {
         int half = head_dim / 2;
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
-            size_t p = (size_t)(pos0 + n % T) * half;
+            size_t p = (size_t)position_of(positions, n, T, pos0) * half;
             for (int h = 0; h < n_heads; h++)
                 rope_forward_row(x + (size_t)n * stride + h * head_dim, cos_t + p, sin_t + p, half);
         }
@@ -47,12 +47,12 @@ struct RoPE {
 
     // The rotation is orthogonal: the pullback rotates the adjoint back, in place.
     void pullback(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                  int B, int T) const {
+                  int B, int T, const int32_t* positions) const {
         int half = head_dim / 2;
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
-            const float* c = cos_t + (size_t)(n % T) * half;
-            const float* s = sin_t + (size_t)(n % T) * half;
+            const float* c = cos_t + (size_t)position_of(positions, n, T) * half;
+            const float* s = sin_t + (size_t)position_of(positions, n, T) * half;
             for (int h = 0; h < n_heads; h++) {
                 float* d = dx + (size_t)n * stride + h * head_dim;
                 for (int i = 0; i < half; i++) {
@@ -70,18 +70,18 @@ struct RoPE {
     // scratch (clad_scratch_floats()) instead of the saved q and k.
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)head_dim + 15) / 16 * 16); }
     void pullback_clad(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                       int B, int T, float* scratch) const;
+                       int B, int T, const int32_t* positions, float* scratch) const;
 };
 
 // The registry entry (native/registry.hpp): in place on the adjoint.
 using RopePullback = void (*)(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
-                              const float* sin_t, int B, int T, float* scratch);
+                              const float* sin_t, int B, int T, const int32_t* positions, float* scratch);
 void rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                        int B, int T, float* scratch);
+                        int B, int T, const int32_t* positions, float* scratch);
 inline const FixedBlock<RopePullback> rope_block{
     "rope",
     [](const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t, int B, int T,
-       float*) { r.pullback(dx, stride, n_heads, cos_t, sin_t, B, T); },
+       const int32_t* positions, float*) { r.pullback(dx, stride, n_heads, cos_t, sin_t, B, T, positions); },
     ZOO_CLAD_FN(rope_pullback_clad),
     /*in_step=*/true,
 };
@@ -90,7 +90,7 @@ inline const FixedBlock<RopePullback> rope_block{
 
 #ifdef ZOO_CLAD_TU
 void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* cos_t,
-                              const float* sin_t, int B, int T, float* scratch) const {
+                              const float* sin_t, int B, int T, const int32_t* positions, float* scratch) const {
     const int half = head_dim / 2;
 #pragma omp parallel
     {
@@ -99,7 +99,7 @@ void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* c
         for (int i = 0; i < head_dim; i++) x[i] = 0.0f;
 #pragma omp for schedule(static)
         for (int n = 0; n < B * T; n++) {
-            const size_t p = (size_t)(n % T) * half;
+            const size_t p = (size_t)position_of(positions, n, T) * half;
             for (int h = 0; h < n_heads; h++)
                 grad.execute(x, cos_t + p, sin_t + p, half, dx + (size_t)n * stride + h * head_dim);
         }
@@ -107,7 +107,7 @@ void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* c
 }
 
 void zoo::rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
-                             const float* sin_t, int B, int T, float* scratch) {
-    r.pullback_clad(dx, stride, n_heads, cos_t, sin_t, B, T, scratch);
+                             const float* sin_t, int B, int T, const int32_t* positions, float* scratch) {
+    r.pullback_clad(dx, stride, n_heads, cos_t, sin_t, B, T, positions, scratch);
 }
 #endif
