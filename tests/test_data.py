@@ -92,10 +92,11 @@ def test_windows_are_reproducible_and_split(tmp_path):
     tokens = np.arange(1000, dtype=np.uint16)
     w = Windows(tokens, batch_size=4, seq_len=16, val_fraction=0.1, eval_batches=2, seed=3)
     assert (w.n_train, w.n_val) == (900, 100)
-    x, y = w.train_batch(5, 0)
+    x, y, positions = w.train_batch(5, 0)
+    assert positions is None  # one stream: no packed examples
     assert x.dtype == np.int32 and x.shape == (4, 16) and np.array_equal(x[:, 1:], y[:, :-1])
     assert (y.max() < 900)  # training windows never reach into the validation split
-    x2, _ = Windows(tokens, 4, 16, 0.1, 2, seed=3).train_batch(5, 0)
+    x2 = Windows(tokens, 4, 16, 0.1, 2, seed=3).train_batch(5, 0).x
     assert np.array_equal(x, x2)
     assert not np.array_equal(x, w.train_batch(5, 1)[0])
     val = list(w.val_batches())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
+import json
 import math
 import os
 import sys
@@ -365,7 +366,7 @@ def _run_training(cfg: TrainConfig) -> int:
     try:
         trainer = Trainer(cfg)
         trainer.run()  # its last line ("done: ...") names the run folder in full
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and trainer.tokenizer is not None:
             print("--- sample ---", file=sys.stderr)
             sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
     finally:
@@ -508,6 +509,149 @@ def _cmd_generate(args) -> int:
         raise NonFiniteLogits(f"--from {src}: {e}") from None
     stream.finish()
     return 0
+
+
+# --- eval, chat -----------------------------------------------------------------------
+
+EVAL_SETTINGS = {"batch_size": 8, "seq_len": 128, "val_fraction": 0.1, "eval_batches": 8, "seed": 0,
+                 "train_on_everything": False}
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="mean loss and perplexity of a checkpoint over a data set (any training "
+                                    "format, masked as in training)")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR",
+                   help="checkpoint folder, or a run folder (its training settings are then the defaults)")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="data files or folders (default: the run's)")
+    p.add_argument("--split", choices=["all", "val"], default="all",
+                   help="all the data (default), or the validation split the trainer evaluates")
+    for name, flag, kind, what in [("batch_size", "--batch-size", int, "sequences per batch"),
+                                   ("seq_len", "--seq-len", int, "tokens per sequence"),
+                                   ("val_fraction", "--val-fraction", float, "tail of the data held out as --split val"),
+                                   ("eval_batches", "--eval-batches", int, "batches in --split val")]:
+        p.add_argument(flag, dest=name, type=kind, default=None, metavar="N" if kind is int else "X",
+                       help=f"{what} (default: the run's, else {EVAL_SETTINGS[name]})")
+    p.add_argument("--train-on-everything", dest="train_on_everything", action="store_true", default=None,
+                   help="loss on prompts and user turns too (default: the run's setting)")
+    p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
+    p.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default: $ZOO_CACHE or ~/.cache/zoo)")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load weights holding NaN or Inf too (refused by default), saying how many and where")
+    p.set_defaults(run=_cmd_eval)
+
+
+def _run_settings(src: Path) -> dict:
+    """The training settings of the run whose folder src is ({} for a plain checkpoint folder)."""
+    from .trainer import latest_checkpoint, load_state
+
+    ckpt = latest_checkpoint(src)
+    return json.loads(load_state(ckpt).config.model_dump_json()) if ckpt is not None else {}
+
+
+def _cmd_eval(args) -> int:
+    import zoo
+
+    from .chat_template import chat_template_for
+    from .data import batches_for, tokenize_files
+    from .evaluate import evaluate
+    from .gemm import check_precision
+    from .tokenizers import Tokenizer
+
+    if args.threads is not None:
+        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
+        zoo.set_threads(args.threads)
+    check_precision(args.precision)
+    src = Path(args.from_dir)
+    if not src.is_dir():
+        raise ValueError(f"--from {src}: no such checkpoint folder")
+    run = _run_settings(src)
+    s = {k: getattr(args, k, None) if getattr(args, k, None) is not None else run.get(k, default)
+         for k, default in EVAL_SETTINGS.items()}
+    for flag, name in (("--batch-size", "batch_size"), ("--seq-len", "seq_len"), ("--eval-batches", "eval_batches")):
+        _check_flag(flag, s[name], isinstance(s[name], int) and s[name] > 0, "a positive integer")
+    _check_flag("--val-fraction", s["val_fraction"], 0 <= s["val_fraction"] <= 0.5, "a number in [0, 0.5]")
+    data = args.data or run.get("data")
+    if not data:
+        raise ValueError(f"--data: none given, and {src} is not a run folder whose data zoo could reuse")
+    model = _load_allowing_nonfinite(src, args.allow_nonfinite)
+    model.set_precision(args.precision)
+    if s["seq_len"] > model.config.max_seq_len:
+        raise ValueError(f"--seq-len {s['seq_len']}: beyond the model's max_seq_len {model.config.max_seq_len}")
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
+    token_file = tokenize_files(data, tokenizer, args.cache_dir, chat_template_for(Path(args.tokenizer or src)))
+    windows = batches_for(token_file, s["batch_size"], s["seq_len"], s["val_fraction"] if args.split == "val" else 0.0,
+                          s["eval_batches"], s["seed"], f"data {', '.join(map(str, data))}", s["train_on_everything"])
+    result = evaluate(model, windows, args.split)
+    if not result["tokens"]:
+        raise ValueError(f"--split {args.split}: no tokens that carry loss to evaluate (add data, or a larger "
+                         "--val-fraction)")
+    print(f"{src}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens "
+          f"({args.split}; {windows.describe()}), {result['tokens_per_s']:,.0f} tokens/s")
+    if args.json:
+        from .atomic import write_json
+
+        write_json(Path(args.json), {"schema": "zoo-eval/1", "from": str(src), "data": [str(d) for d in data],
+                                     "split": args.split, "precision": args.precision, **s, **result})
+    return 0
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="chat with a checkpoint (its chat template; streamed; --prompt for one turn)")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
+    p.add_argument("--prompt", default=None, metavar="TEXT", help="one message: print the reply and exit")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per reply at most")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="X", help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the k likeliest tokens")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the likeliest tokens that together reach probability p")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+    p.set_defaults(run=_cmd_chat)
+
+
+def _cmd_chat(args) -> int:
+    import zoo
+
+    from .chat import ChatSession
+    from .chat_template import chat_template_for
+    from .gemm import check_precision
+    from .generate import check_settings
+    from .tokenizers import Tokenizer
+
+    check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
+    if args.threads is not None:
+        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
+        zoo.set_threads(args.threads)
+    check_precision(args.precision)
+    src = Path(args.from_dir)
+    if not src.is_dir():
+        raise ValueError(f"--from {src}: no such checkpoint folder")
+    model = _load_allowing_nonfinite(src, False)
+    model.set_precision(args.precision)
+    tok_dir = Path(args.tokenizer or src)
+    tokenizer = Tokenizer.from_pretrained(tok_dir)
+    session = ChatSession(model, tokenizer, chat_template_for(tok_dir), args.system,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)
+    if args.prompt is not None:
+        session.reply(args.prompt)
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip():
+            session.reply(line)
 
 
 # Far above any machine's cores; below what the native int takes (a larger --threads would be
@@ -686,7 +830,8 @@ def _cmd_cards(args) -> int:
     return 0
 
 
-VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_plot, _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
+VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_chat, _add_eval, _add_plot,
+         _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,22 +1,34 @@
-"""Training data: text files tokenized once into a cached, memory-mapped token file, then
-cut into random training windows and fixed validation windows.
+"""Training data: files tokenized once into a cached, memory-mapped token file (with a loss
+mask and the examples' boundaries beside it), then cut into training and validation batches.
 
-The token stream is every document (one file = one document) encoded with the model's
-tokenizer, each preceded by BOS (when the tokenizer has one distinct from EOS) and followed
-by EOS. The cache file is keyed by the files' paths, sizes, mtimes and content hashes and
-by the tokenizer's identity, so changed data or a different tokenizer re-tokenizes.
+Each file's format is detected on its own (data_formats): plain text (the file is one
+document), JSONL of documents ({"text"}), of prompt/completion pairs, of chats ({"messages"},
+rendered with the checkpoint's chat template) or of Alpaca records ({"instruction", "input",
+"output"}, rendered as a two-turn chat), or token ids already (.npy, or a flat .bin of uint16
+ids, uint32 for vocabularies above 65,536). A document is framed by BOS (when the tokenizer has
+one distinct from EOS) and EOS, and every token of it is trained on; a prompt, a user turn or a
+system prompt is context only (loss on the completion and the assistant turns), unless the run
+trains on everything.
 
-Training windows are drawn from a generator seeded by (seed, step, micro-batch): the batch
-of any step is known without replaying earlier ones, which is what makes --resume exact.
+Data that is all documents is one token stream cut into windows (Windows). Data with masked
+examples is packed (PackedWindows): whole examples side by side in rows of seq_len tokens, each
+restarting at position 0, so attention never crosses from one into another.
+
+The cache file is keyed by the files' paths, sizes, mtimes and content hashes, the tokenizer's
+identity and the chat template, so changed data or a different tokenizer re-tokenizes.
+Training batches are drawn from a generator seeded by (seed, step, micro-batch): the batch of
+any step is known without replaying earlier ones, which is what makes --resume exact.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -25,7 +37,7 @@ from .atomic import atomic_open, write_json
 from .errors import CheckpointError
 from .files import read_json_model, regular_file
 
-CACHE_FORMAT = 1  # bump when the token file layout or document framing changes
+CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
 _HASH_CHUNK = 1 << 20
 
 
@@ -107,81 +119,302 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "zoo"
 
 
+# --- formats -------------------------------------------------------------------------
+
+IGNORE = -100  # a target that carries no loss (native CrossEntropy::ignore_index)
+
+# JSONL record shapes, by their keys; a file's records all have the first record's shape.
+RECORD_SHAPES = {
+    "text": ({"text"}, set()),
+    "prompt/completion": ({"prompt", "completion"}, set()),
+    "chat": ({"messages"}, set()),
+    "alpaca": ({"instruction", "output"}, {"input"}),
+}
+TOKEN_FILE_SUFFIXES = (".npy", ".bin")
+
+
+def _record_shape(record, where: str) -> str:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}")
+    keys = set(record)
+    for name, (required, optional) in RECORD_SHAPES.items():
+        if required <= keys <= required | optional:
+            return name
+    known = "; ".join("{" + ", ".join(sorted(r | o)) + "}" for r, o in RECORD_SHAPES.values())
+    raise DataError(f"{where}: a record with keys {sorted(keys)} is none of the known shapes ({known})")
+
+
+def _string_field(record: dict, key: str, where: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise DataError(f"{where}: \"{key}\" must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(record: dict, shape: str, where: str) -> list[dict]:
+    """The chat of a chat or Alpaca record: a list of {"role", "content"} (roles are checked by
+    the chat template, which knows which it renders)."""
+    if shape == "alpaca":
+        prompt = _string_field(record, "instruction", where)
+        extra = _string_field(record, "input", where) if "input" in record else ""
+        if extra:
+            prompt += "\n\n" + extra
+        return [{"role": "user", "content": prompt},
+                {"role": "assistant", "content": _string_field(record, "output", where)}]
+    messages = record["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise DataError(f"{where}: messages[{i}] must be an object with string \"role\" and \"content\"")
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message is {messages[-1]['role']!r}: a chat to train on ends with "
+                        "the assistant's turn")
+    return messages
+
+
+class _Encoder:
+    """Turns a file's contents into examples: (token ids, trained) pairs, where trained[i] says
+    whether token i is a target that carries loss."""
+
+    def __init__(self, tokenizer, chat_template):
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        eos, bos = tokenizer.eos_id, tokenizer.bos_id
+        if eos is None:
+            raise DataError("the tokenizer has no EOS token to end documents with")
+        self.before = [bos] if bos is not None and bos != eos else []
+        self.after = [eos]
+
+    def document(self, text: str) -> tuple[list[int], list[bool]]:
+        ids = self.before + list(self.tokenizer.encode(text)) + self.after
+        return ids, [True] * len(ids)
+
+    def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
+        context = self.before + list(self.tokenizer.encode(prompt))
+        answer = list(self.tokenizer.encode(completion)) + self.after
+        return context + answer, [False] * len(context) + [True] * len(answer)
+
+    def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        from .chat_template import ChatTemplateError
+
+        if self.chat_template is None:
+            raise DataError(f"{where}: a chat needs a chat template, and none was given")
+        try:
+            segments = self.chat_template.segments(messages)
+        except ChatTemplateError as e:
+            raise DataError(f"{where}: {e}") from None
+        ids: list[int] = []
+        trained: list[bool] = []
+        for text, is_answer in segments:
+            piece = list(self.tokenizer.encode(text))
+            ids += piece
+            trained += [is_answer] * len(piece)
+        return ids, trained
+
+
+def _jsonl_examples(path: Path, encoder: _Encoder):
+    """Yields (ids, trained) per record; the file's shape is its first record's."""
+    shape = None
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"data file {path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise DataError(f"{where}: not JSON (nested too deeply)") from None
+            this = _record_shape(record, where)
+            if shape is None:
+                shape = this
+            elif this != shape:
+                raise DataError(f"{where}: a {this} record in a file of {shape} records (line 1 decides)")
+            if shape == "text":
+                yield shape, encoder.document(_string_field(record, "text", where))
+            elif shape == "prompt/completion":
+                yield shape, encoder.prompt_completion(_string_field(record, "prompt", where),
+                                                       _string_field(record, "completion", where))
+            else:
+                yield shape, encoder.chat(_messages(record, shape, where), where)
+    if shape is None:
+        raise DataError(f"data file {path}: no records (an empty JSONL file)")
+
+
+def _token_file_ids(path: Path, vocab_size: int) -> np.ndarray:
+    """Token ids stored as such: a 1-D integer .npy, or a flat .bin of uint16 ids (uint32 for
+    vocabularies above 65,536), checked against the vocabulary."""
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise DataError(f"data file {path}: not a NumPy .npy file ({e})") from None
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise DataError(f"data file {path}: token ids must be a 1-D integer array, got {ids.ndim}-D {ids.dtype}")
+    else:
+        dtype = token_dtype(vocab_size)
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise DataError(f"data file {path}: {size} bytes is not a whole number of {dtype.name} token ids")
+        ids = np.fromfile(path, dtype=dtype)
+    if ids.size == 0:
+        raise DataError(f"data file {path}: empty (no token ids)")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        at = int(np.flatnonzero(ids == bad)[0])
+        raise DataError(f"data file {path}: token id {bad} at index {at} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def all_token_ids(paths: list[str | os.PathLike]) -> bool:
+    """Whether every data file holds token ids already (the run then needs no tokenizer)."""
+    return all(data_format(f) == "token ids" for f in list_text_files(paths))
+
+
+def data_format(path: Path) -> str:
+    """How a file is read, from its name: "jsonl", "token ids" or "text"."""
+    if path.suffix == ".jsonl":
+        return "jsonl"
+    if path.suffix in TOKEN_FILE_SUFFIXES:
+        return "token ids"
+    return "text"
+
+
 # --- tokenize once, cache -------------------------------------------------------------
 
 
 @dataclass
 class TokenFile:
     tokens: np.ndarray  # read-only memory map, uint16 or uint32
+    trained: np.ndarray  # uint8 per token: 1 where the token is a target that carries loss
+    starts: np.ndarray  # int64: where each example starts, then the end of the last one
     path: Path
-    key: str  # cache key: identifies the data and the tokenizer
+    key: str  # cache key: identifies the data, the tokenizer and the chat template
     files: list[Path]
+    formats: list[str]  # per file: "text", "token ids", or the JSONL record shape
     reused: bool  # True when the cache was hit
 
+    @property
+    def masked(self) -> bool:
+        """Whether some tokens carry no loss (prompts, user turns): the data is then packed."""
+        return bool(len(self.trained)) and not bool(self.trained.all())
 
-def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | os.PathLike | None = None) -> TokenFile:
-    """Tokenize the data into a cached token file (or reuse the cache) and memory-map it."""
+
+def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | os.PathLike | None = None,
+                   chat_template=None, vocab_size: Optional[int] = None) -> TokenFile:
+    """Tokenize the data into a cached token file (or reuse the cache) and memory-map it.
+    chat_template renders chat and Alpaca records (zoo.chat_template.ChatTemplate); tokenizer
+    may be None where every file holds token ids; vocab_size (the model's; default the
+    tokenizer's) bounds the ids of such files and sizes the cache's ids."""
     files = list_text_files(paths)
+    if vocab_size is None:
+        if tokenizer is None:
+            raise ValueError("tokenize_files: give a tokenizer or vocab_size")
+        vocab_size = tokenizer.vocab_size
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = _cache_key(files, tokenizer)
+    key = _cache_key(files, tokenizer, chat_template, vocab_size)
     tok_path = cache / f"tokens-{key[:24]}.bin"
     meta_path = tok_path.with_suffix(".json")
-    dtype = token_dtype(tokenizer.vocab_size)
+    trained_path, starts_path = tok_path.with_suffix(".trained"), tok_path.with_suffix(".starts")
+    dtype = token_dtype(vocab_size)
 
     meta = _read_meta(meta_path)
-    if meta is not None and meta.key == key and tok_path.is_file() \
-            and tok_path.stat().st_size == meta.n_tokens * dtype.itemsize:
-        return TokenFile(_map(tok_path, dtype), tok_path, key, files, reused=True)
+    if meta is not None and meta.key == key and meta.format == CACHE_FORMAT and _sizes_match(meta, tok_path, dtype):
+        return TokenFile(_map(tok_path, dtype), _map(trained_path, np.dtype(np.uint8)),
+                         _map(starts_path, np.dtype(np.int64)), tok_path, key, files, meta.formats, reused=True)
 
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"token cache folder {cache}: cannot create it ({e.strerror or e})") from None
-    n_tokens = _write_tokens(files, tokenizer, tok_path, dtype)
-    try:  # written after the tokens: a meta file always describes a complete token file
+    n_tokens, n_examples, formats = _write_tokens(files, tokenizer, chat_template, vocab_size, tok_path, dtype)
+    try:  # written after the tokens: a meta file always describes complete token files
         write_json(meta_path, {
-            "key": key, "format": CACHE_FORMAT, "n_tokens": n_tokens, "dtype": dtype.name,
-            "files": [str(f.resolve()) for f in files],
+            "key": key, "format": CACHE_FORMAT, "n_tokens": n_tokens, "n_examples": n_examples, "dtype": dtype.name,
+            "files": [str(f.resolve()) for f in files], "formats": formats,
         })
     except OSError as e:
         raise DataError(f"token cache file {meta_path}: cannot write it ({e.strerror or e})") from None
-    return TokenFile(_map(tok_path, dtype), tok_path, key, files, reused=False)
+    return TokenFile(_map(tok_path, dtype), _map(trained_path, np.dtype(np.uint8)),
+                     _map(starts_path, np.dtype(np.int64)), tok_path, key, files, formats, reused=False)
 
 
-def _cache_key(files: list[Path], tokenizer) -> str:
+def _sizes_match(meta: "CacheMeta", tok_path: Path, dtype: np.dtype) -> bool:
+    """Whether the three cache files are there, complete (a meta file is written last)."""
+    expected = {tok_path: meta.n_tokens * dtype.itemsize, tok_path.with_suffix(".trained"): meta.n_tokens,
+                tok_path.with_suffix(".starts"): 8 * (meta.n_examples + 1)}
+    return all(p.is_file() and p.stat().st_size == size for p, size in expected.items())
+
+
+def _cache_key(files: list[Path], tokenizer, chat_template, vocab_size: int) -> str:
     h = hashlib.sha256()
-    h.update(f"zoo-tokens-v{CACHE_FORMAT}\n{tokenizer_identity(tokenizer)}\n".encode())
+    template = getattr(chat_template, "source", "") if chat_template is not None else ""
+    identity = tokenizer_identity(tokenizer) if tokenizer is not None else "no tokenizer"
+    h.update(f"zoo-tokens-v{CACHE_FORMAT}\n{identity}\n{vocab_size}\n".encode())
+    h.update(hashlib.sha256(template.encode()).hexdigest().encode() + b"\n")
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{_file_digest(f)}\n".encode())
     return h.hexdigest()
 
 
-def _document_frame(tokenizer) -> tuple[list[int], list[int]]:
-    """Tokens put before and after each document."""
-    eos, bos = tokenizer.eos_id, tokenizer.bos_id
-    if eos is None:
-        raise DataError("the tokenizer has no EOS token to separate documents with")
-    before = [bos] if bos is not None and bos != eos else []
-    return before, [eos]
+def _file_examples(path: Path, encoder, vocab_size: int):
+    """(format, iterator of (ids, trained)) for one data file; encoder() gives the _Encoder."""
+    kind = data_format(path)
+    if kind == "token ids":
+        ids = _token_file_ids(path, vocab_size)
+        return kind, iter([(ids, None)])
+    encoder = encoder(path)
+    if kind == "jsonl":
+        records = _jsonl_examples(path, encoder)
+        first = next(records)  # the file's shape, and its errors, before anything is written
+        return first[0], (e for _, e in itertools.chain([first], records))
+    return kind, iter([encoder.document(read_text(path))])
 
 
-def _write_tokens(files: list[Path], tokenizer, tok_path: Path, dtype: np.dtype) -> int:
-    """Encode every file, one at a time, into the cache file (atomically: all or nothing)."""
-    before, after = _document_frame(tokenizer)
+def _write_tokens(files: list[Path], tokenizer, chat_template, vocab_size: int, tok_path: Path,
+                  dtype: np.dtype) -> tuple[int, int, list[str]]:
+    """Encode every file, one at a time, into the cache files (atomically: all or nothing):
+    the ids, a trained flag per id, and where each example starts."""
+    made: list[_Encoder] = []
+
+    def encoder(path: Path) -> _Encoder:  # text needs a tokenizer; token ids do not
+        if tokenizer is None:
+            raise DataError(f"data file {path}: text needs a tokenizer, and the checkpoint has none; give "
+                            "--tokenizer, or token ids (.npy, .bin)")
+        if not made:
+            made.append(_Encoder(tokenizer, chat_template))
+        return made[0]
+
     limit = np.iinfo(dtype).max
     n = 0
+    starts = [0]
+    formats = []
     try:
-        with atomic_open(tok_path) as out:
+        with atomic_open(tok_path) as out, atomic_open(tok_path.with_suffix(".trained")) as mask:
             for f in files:
-                ids = np.asarray(before + list(tokenizer.encode(read_text(f))) + after, dtype=np.int64)
-                if ids.min() < 0 or ids.max() > limit:
-                    raise DataError(f"data file {f}: tokenizer produced id {ids.max()} outside {dtype.name}")
-                out.write(ids.astype(dtype).tobytes())
-                n += ids.size
+                kind, examples = _file_examples(f, encoder, vocab_size)
+                formats.append(kind)
+                for ids, trained in examples:
+                    ids = np.asarray(ids, dtype=np.int64)
+                    if ids.size and (ids.min() < 0 or ids.max() > limit):
+                        raise DataError(f"data file {f}: tokenizer produced id {ids.max()} outside {dtype.name}")
+                    out.write(ids.astype(dtype).tobytes())
+                    flags = np.ones(ids.size, np.uint8) if trained is None else np.asarray(trained, np.uint8)
+                    mask.write(flags.tobytes())
+                    n += ids.size
+                    starts.append(n)
+            with atomic_open(tok_path.with_suffix(".starts")) as s:
+                s.write(np.asarray(starts, np.int64).tobytes())
     except OSError as e:
         raise DataError(f"token cache file {tok_path}: cannot write it ({e.strerror or e})") from None
-    return n
+    return n, len(starts) - 1, formats
 
 
 class CacheMeta(BaseModel):
@@ -191,8 +424,10 @@ class CacheMeta(BaseModel):
     key: str
     format: int
     n_tokens: int
+    n_examples: int
     dtype: str
     files: list[str]
+    formats: list[str]
 
 
 def _read_meta(path: Path) -> CacheMeta | None:
@@ -213,6 +448,22 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
 
 
 # --- windows --------------------------------------------------------------------------
+
+
+class Batch(NamedTuple):
+    """Inputs and targets (B, T); positions (B, T) where rows pack several examples, else None."""
+
+    x: np.ndarray
+    y: np.ndarray
+    positions: Optional[np.ndarray] = None
+
+
+def batches_for(token_file: TokenFile, batch_size: int, seq_len: int, val_fraction: float, eval_batches: int,
+                seed: int, source: str, train_on_everything: bool = False):
+    """Windows over a stream of documents, or PackedWindows where some tokens carry no loss."""
+    if token_file.masked and not train_on_everything:
+        return PackedWindows(token_file, batch_size, seq_len, val_fraction, eval_batches, seed, source)
+    return Windows(token_file.tokens, batch_size, seq_len, val_fraction, eval_batches, seed, source)
 
 
 class Windows:
@@ -246,7 +497,10 @@ class Windows:
             last = n - need  # windows start in [n_train, n - need]
             self._val_starts = np.linspace(n_train, last, eval_batches * batch_size).round().astype(np.int64)
 
-    def train_batch(self, step: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
+    def describe(self) -> str:
+        return f"{self.n_train:,} train tokens, {self.n_val:,} val"
+
+    def train_batch(self, step: int, micro: int) -> Batch:
         """The (inputs, targets) of micro-batch `micro` of optimizer step `step`."""
         rng = np.random.default_rng((self.seed, step, micro))
         starts = rng.integers(0, self.n_train - self.seq_len, size=self.batch_size)  # last start: n_train - need
@@ -259,6 +513,115 @@ class Windows:
         for i in range(0, len(self._val_starts), self.batch_size):
             yield self._gather(self._val_starts[i:i + self.batch_size])
 
-    def _gather(self, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def all_batches(self):
+        """The whole stream in consecutive windows (a last one shorter than seq_len is left out)."""
+        starts = np.arange(0, len(self.tokens) - self.seq_len, self.seq_len, dtype=np.int64)
+        for i in range(0, len(starts), self.batch_size):
+            yield self._gather(starts[i:i + self.batch_size])
+
+    def _gather(self, starts: np.ndarray) -> Batch:
         w = self.tokens[starts[:, None] + self._span].astype(np.int32)
-        return np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:])
+        return Batch(np.ascontiguousarray(w[:, :-1]), np.ascontiguousarray(w[:, 1:]))
+
+
+class PackedWindows:
+    """Training and validation batches of whole examples packed into rows of seq_len tokens.
+
+    An example of n tokens gives n - 1 (input, target) pairs; the targets of tokens that carry
+    no loss are IGNORE. Examples go into rows in order, each where the current row still has
+    room, else into a new row (the rest of a row is padding: IGNORE targets). Positions restart
+    at 0 with each example, so attention stays within it (Model.forward_backward's positions).
+    An example longer than a row is cut where it is all trained (a document: its pieces follow
+    each other), and kept to its first seq_len + 1 tokens otherwise (a prompt and its answer:
+    counted in `truncated`; left out, and counted in `dropped`, where no token that carries loss
+    is left). The last val_fraction of the examples is the validation split.
+    """
+
+    def __init__(self, token_file: TokenFile, batch_size: int, seq_len: int, val_fraction: float,
+                 eval_batches: int, seed: int, source: str = "the data"):
+        self.tokens, self.trained = token_file.tokens, token_file.trained
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        starts = np.asarray(token_file.starts, dtype=np.int64)
+        n_examples = len(starts) - 1
+        n_val = int(round(n_examples * val_fraction)) if val_fraction > 0 else 0
+        if val_fraction > 0 and n_examples > 1:
+            n_val = max(n_val, 1)
+        n_val = min(n_val, n_examples - 1)
+        self.truncated = self.dropped = 0
+        self.train_rows = self._pack(starts[: n_examples - n_val + 1])
+        self.val_rows = self._pack(starts[n_examples - n_val:]) if n_val else []
+        if not self.train_rows:
+            raise DataError(f"{source}: no example of two tokens or more to train on")
+        self.n_examples, self.n_val_examples = n_examples, n_val
+        self.n_train, self.n_val = len(self.train_rows) * seq_len, len(self.val_rows) * seq_len
+        picks = min(eval_batches * batch_size, len(self.val_rows))
+        self._val_picks = np.linspace(0, len(self.val_rows) - 1, picks).round().astype(np.int64) if picks else None
+
+    def _pack(self, starts: np.ndarray) -> list[list[tuple[int, int]]]:
+        """Rows of pieces (start, n): inputs tokens[start:start+n], targets the next n."""
+        T = self.seq_len
+        rows: list[list[tuple[int, int]]] = []
+        row: list[tuple[int, int]] = []
+        room = 0
+        for a, b in zip(starts[:-1].tolist(), starts[1:].tolist()):
+            n = b - a - 1  # (input, target) pairs
+            if n < 1:
+                continue
+            if n > T:
+                if self.trained[a + 1:b].all():
+                    pieces = [(s, min(T, b - 1 - s)) for s in range(a, b - 1, T)]
+                elif self.trained[a + 1:a + 1 + T].any():
+                    pieces = [(a, T)]
+                    self.truncated += 1
+                else:
+                    self.dropped += 1
+                    continue
+            else:
+                pieces = [(a, n)]
+            for piece in pieces:
+                if piece[1] > room:
+                    row = []
+                    rows.append(row)
+                    room = T
+                row.append(piece)
+                room -= piece[1]
+        return rows
+
+    def describe(self) -> str:
+        cut = f", {self.truncated:,} longer than a row cut to it" if self.truncated else ""
+        if self.dropped:
+            cut += f", {self.dropped:,} left out (nothing that carries loss within a row)"
+        return (f"{self.n_examples - self.n_val_examples:,} train examples in {len(self.train_rows):,} packed rows, "
+                f"{self.n_val_examples:,} val in {len(self.val_rows):,}{cut}")
+
+    def train_batch(self, step: int, micro: int) -> Batch:
+        rng = np.random.default_rng((self.seed, step, micro))
+        return self._gather([self.train_rows[i] for i in rng.integers(0, len(self.train_rows), self.batch_size)])
+
+    def val_batches(self):
+        if self._val_picks is None:
+            return
+        for i in range(0, len(self._val_picks), self.batch_size):
+            yield self._gather([self.val_rows[j] for j in self._val_picks[i:i + self.batch_size]])
+
+    def all_batches(self):
+        """Every row, training and validation, in order."""
+        rows = self.train_rows + self.val_rows
+        for i in range(0, len(rows), self.batch_size):
+            yield self._gather(rows[i:i + self.batch_size])
+
+    def _gather(self, rows: list[list[tuple[int, int]]]) -> Batch:
+        T = self.seq_len
+        x = np.zeros((len(rows), T), np.int32)
+        y = np.full((len(rows), T), IGNORE, np.int32)
+        positions = np.zeros((len(rows), T), np.int32)
+        for r, pieces in enumerate(rows):
+            at = 0
+            for start, n in pieces:
+                x[r, at:at + n] = self.tokens[start:start + n]
+                targets = self.tokens[start + 1:start + 1 + n].astype(np.int32)
+                y[r, at:at + n] = np.where(self.trained[start + 1:start + 1 + n] != 0, targets, IGNORE)
+                positions[r, at:at + n] = np.arange(n)
+                at += n
+            positions[r, at:] = np.arange(T - at)  # padding: a segment of its own, no loss
+        return Batch(x, y, positions)

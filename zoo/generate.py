@@ -63,9 +63,11 @@ def sample_token(logits: np.ndarray, temperature: float, top_k: Optional[int], t
 
 def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-             stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None) -> list[int]:
+             stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int], None]] = None,
+             stop_after: Optional[Callable[[list[int]], bool]] = None) -> list[int]:
     """The new token ids after `prompt_ids`, stopping after any of `stop_ids` (the tokenizer's
-    EOS ids), after max_new_tokens, or at the model's context length.
+    EOS ids), when `stop_after(new ids)` says so (a chat's end-of-turn text), after
+    max_new_tokens, or at the model's context length.
 
     `on_token` is called with each new id as soon as it is chosen (for streaming).
     NonFiniteLogits if the model's logits are NaN or Inf at some position.
@@ -100,7 +102,7 @@ def generate(model, prompt_ids: list[int], max_new_tokens: int, temperature: flo
         out.append(tok)
         if on_token is not None:
             on_token(tok)
-        if tok in stop or len(out) == budget:
+        if tok in stop or len(out) == budget or (stop_after is not None and stop_after(out)):
             return out
         logits = model.forward_cached(np.asarray([[tok]], dtype=np.int32), pos)[0]
         pos += 1

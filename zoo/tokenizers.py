@@ -648,3 +648,10 @@ def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dic
     return Tokenizer(backend, kind=kind, specials=specials, bos_id=bos[0] if bos else None, eos_ids=eos_ids,
                      vocab_size=vocab_size, files=files)
 
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a folder holds a tokenizer file that Tokenizer.from_pretrained would look at."""
+    folder = Path(folder)
+    return any((folder / name).exists() for name in ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model")) \
+        or ((folder / "vocab.json").exists() and (folder / "merges.txt").exists())

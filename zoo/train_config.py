@@ -68,7 +68,9 @@ class TrainConfig(BaseModel):
     model: Optional[ModelConfig] = Field(None, description="train from scratch: a model config (config files only)")
     tokenizer: Optional[str] = Field(None, description="tokenizer folder (default: the checkpoint's; "
                                                        "byte-level when training from scratch)")
-    data: list[str] = Field(default_factory=list, description="text files or folders of text files")
+    data: list[str] = Field(default_factory=list, description="data files or folders of them: text, JSONL (text, "
+                                                                 "prompt/completion, chat messages, Alpaca), or "
+                                                                 "token ids (.npy, .bin)")
     out: str = Field("runs/train", description="run folder: checkpoints, metrics, plot, final model")
     cache_dir: Optional[str] = Field(None, description="where tokenized data is cached "
                                                        "(default: $ZOO_CACHE or ~/.cache/zoo)")
@@ -114,6 +116,8 @@ class TrainConfig(BaseModel):
     threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all)")
     resume: bool = Field(False, description="continue the run in --out from its latest checkpoint; "
                                                 "with a larger --steps, --epochs or --tokens, extend it")
+    train_on_everything: bool = Field(False, description="loss on every token of prompts and chats too (default: "
+                                                         "on completions and assistant turns only)")
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="of the matrix products: fp32, or bf16 (bf16 operands, fp32 sums; weights, "

@@ -35,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
@@ -42,15 +43,16 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from .atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
-from .data import DataError, Windows, tokenize_files
+from .data import DataError, all_token_ids, batches_for, tokenize_files
 from .errors import CheckpointError, ResourceError
+from .evaluate import validation_loss
 from .files import read_json_model
 from .hf_config import CONFIG_FILE
 from .memory import finetune_memory_bytes, human_bytes
 from .gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
 from .safetensors_io import INDEX_FILE, SafetensorsFile, write_file
-from .tokenizers import TOKENIZER_FILES
+from .tokenizers import TOKENIZER_FILES, has_tokenizer
 from .train_config import BUDGET_FIELDS, TrainConfig
 
 CHECKPOINTS = "checkpoints"
@@ -297,9 +299,12 @@ class Trainer:
         if cfg.checkpointing:
             self.model.set_checkpointing(True)
 
-        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir)
-        self.windows = Windows(self.token_file.tokens, cfg.batch_size, cfg.seq_len, cfg.val_fraction,
-                               cfg.eval_batches, cfg.seed, source=f"data {', '.join(cfg.data)}")
+        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self._chat_template(),
+                                         vocab_size=self.model.config.vocab_size)
+        self.windows = batches_for(self.token_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction, cfg.eval_batches,
+                                   cfg.seed, f"data {', '.join(cfg.data)}", cfg.train_on_everything)
+        # what a resumed run must find again: the same tokens, masked the same way
+        self.data_key = self.token_file.key + (":all-tokens" if cfg.train_on_everything else "")
         self.total_steps = cfg.total_steps(self.windows.n_train)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         self.eval_every = cfg.eval_interval(self.total_steps)
@@ -390,6 +395,8 @@ class Trainer:
                 raise TrainError(f"--from {src}: no such checkpoint folder")
             model = load_pretrained(src, ad=cfg.ad)
             tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
+            if not cfg.tokenizer and not has_tokenizer(tok_dir) and cfg.data and all_token_ids(cfg.data):
+                return model, None, None  # token ids need no tokenizer, and this checkpoint has none
             return model, Tokenizer.from_pretrained(tok_dir), tok_dir
         if cfg.model is not None:
             model_cfg = cfg.model
@@ -400,10 +407,17 @@ class Trainer:
             return model, Tokenizer.from_pretrained(cfg.tokenizer), Path(cfg.tokenizer)
         return model, Tokenizer.byte_level(), None
 
+    def _chat_template(self):
+        """What chats in the data are rendered with: the tokenizer folder's template, else zoo's
+        fallback (docs/training.md)."""
+        from .chat_template import chat_template_for
+
+        return chat_template_for(self.tokenizer_dir)
+
     def _check_fit(self) -> None:
         mc, cfg = self.model.config, self.cfg
         where = cfg.from_dir or cfg.preset or "the model config"
-        if self.tokenizer.vocab_size > mc.vocab_size:
+        if self.tokenizer is not None and self.tokenizer.vocab_size > mc.vocab_size:
             tok = cfg.tokenizer or self.tokenizer_dir or "the byte-level tokenizer"
             raise TrainError(f"tokenizer {tok}: its vocabulary has {self.tokenizer.vocab_size} tokens but the model "
                              f"({where}) has vocab_size {mc.vocab_size}; use the tokenizer the model was trained with")
@@ -412,7 +426,7 @@ class Trainer:
 
     def _restore(self, ckpt: Path) -> None:
         state = load_state(ckpt)
-        if state.data_key != self.token_file.key:
+        if state.data_key != self.data_key:
             raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
                              "resume needs the same data (or start a new run)")
         self._check_budget(state)
@@ -508,8 +522,8 @@ class Trainer:
                 model.zero_grads()
                 loss = 0.0
                 for micro in range(cfg.grad_accum):
-                    x, y = windows.train_batch(step, micro)
-                    loss += model.forward_backward(x, y, scale)
+                    batch = windows.train_batch(step, micro)
+                    loss += model.forward_backward(batch.x, batch.y, scale, positions=batch.positions)
                 loss *= scale
                 if not math.isfinite(loss):
                     raise self._diverged("loss", loss, step + 1)
@@ -589,10 +603,10 @@ class Trainer:
                           "Try a lower --lr, more --warmup-steps or --max-grad-norm.")
 
     def _evaluate(self, metrics) -> None:
-        losses = [self.model.loss(x, y) for x, y in self.windows.val_batches()]
-        if not losses:
+        loss, n_tokens = validation_loss(self.model, self.windows.val_batches())
+        if not n_tokens:
             return
-        self.last_val_loss = float(np.mean(losses))
+        self.last_val_loss = loss
         self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss})
         self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}")
 
@@ -618,8 +632,12 @@ class Trainer:
                  f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
                  f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
                  f"{' with activation checkpointing' if m.checkpointing else ''}")
-        self.say(f"data: {len(tf.files)} file(s), {len(tf.tokens):,} tokens ({self.windows.n_train:,} train, "
-                 f"{self.windows.n_val:,} val){' from cache' if tf.reused else ''}")
+        formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
+        trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
+                                                                   if self.cfg.train_on_everything else "")
+                   if tf.masked else "")
+        self.say(f"data: {len(tf.files)} file(s) ({formats}), {len(tf.tokens):,} tokens{trained}; "
+                 f"{self.windows.describe()}{' (from cache)' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
         evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
                  else "evaluation at start and end")
@@ -650,7 +668,7 @@ class Trainer:
             write_json(tmp / STATE_FILE, {
                 "step": self.step, "optimizer_step": int(opt["step"]), "total_steps": self.total_steps,
                 "tokens": self.step * self.tokens_per_step, "val_loss": self.last_val_loss,
-                "data_key": self.token_file.key, "threads": self.threads,
+                "data_key": self.data_key, "threads": self.threads,
                 # The data order is drawn from a generator seeded by (seed, step, micro-batch):
                 # seed and step are the whole random state of the run.
                 "rng": {"kind": "numpy-default_rng(seed, step, micro)", "seed": self.cfg.seed},

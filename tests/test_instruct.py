@@ -1,0 +1,196 @@
+"""Instruction and chat data: the formats, the loss mask, packing, `zoo eval` and `zoo chat`,
+and an end-to-end instruction finetune that answers held-out questions."""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import zoo
+from zoo.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+from zoo.data import IGNORE, DataError, PackedWindows, Windows, batches_for, tokenize_files
+from zoo.tokenizers import Tokenizer
+
+ZOO = [sys.executable, "-m", "zoo.cli"]
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def tok():
+    return Tokenizer.byte_level()
+
+
+def _template():
+    return ChatTemplate(FALLBACK_TEMPLATE, "the fallback template")
+
+
+def _examples(tf):
+    starts = np.asarray(tf.starts)
+    return [(np.asarray(tf.tokens[a:b]), np.asarray(tf.trained[a:b]).astype(bool)) for a, b in zip(starts, starts[1:])]
+
+
+def test_prompt_completion_trains_on_the_completion_only(tmp_path, tok):
+    f = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: 2+2?\nA:", "completion": " 4"}])
+    tf = tokenize_files([f], tok, tmp_path / "cache")
+    assert tf.formats == ["prompt/completion"] and tf.masked
+    (ids, trained), = _examples(tf)
+    assert tok.decode(ids[trained].tolist()) == " 4" + tok.decode([tok.eos_id])
+    assert not trained[: 1 + len(tok.encode("Q: 2+2?\nA:"))].any()  # BOS and the prompt
+
+
+def test_chats_train_on_the_assistant_turns_only(tmp_path, tok):
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"},
+                         {"role": "assistant", "content": "Bye!"}]}
+    f = _jsonl(tmp_path / "chat.jsonl", [chat])
+    tf = tokenize_files([f], tok, tmp_path / "cache", _template())
+    (ids, trained), = _examples(tf)
+    assert tok.decode(ids.tolist()) == _template().render(chat["messages"])
+    answers = tok.decode(ids[trained].tolist())
+    assert "Hello." in answers and "Bye!" in answers
+    assert "Hi" not in answers and "Be brief" not in answers and "user" not in answers
+
+
+def test_alpaca_records_are_a_two_turn_chat(tmp_path, tok):
+    f = _jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Add them.", "input": "2 and 3", "output": "5"},
+                                           {"instruction": "Say hi.", "output": "hi"}])
+    tf = tokenize_files([f], tok, tmp_path / "cache", _template())
+    assert tf.formats == ["alpaca"]
+    (ids, trained), _ = _examples(tf)
+    assert tok.decode(ids.tolist()) == _template().render(
+        [{"role": "user", "content": "Add them.\n\n2 and 3"}, {"role": "assistant", "content": "5"}])
+    assert tok.decode(ids[trained].tolist()).startswith("5")
+
+
+def test_text_records_and_text_files_are_one_stream(tmp_path, tok):
+    f = _jsonl(tmp_path / "docs.jsonl", [{"text": "first document " * 20}, {"text": "second " * 30}])
+    (tmp_path / "more.txt").write_text("plain text " * 40)
+    tf = tokenize_files([f, tmp_path / "more.txt"], tok, tmp_path / "cache")
+    assert tf.formats == ["text", "text"] and not tf.masked and len(tf.starts) == 4
+    assert isinstance(batches_for(tf, 2, 16, 0.1, 1, 0, "data"), Windows)
+
+
+def test_short_examples_are_packed_with_positions_restarting(tmp_path, tok):
+    f = _jsonl(tmp_path / "pc.jsonl", [{"prompt": f"q{i}", "completion": f" a{i}"} for i in range(12)])
+    tf = tokenize_files([f], tok, tmp_path / "cache")
+    w = batches_for(tf, 4, 32, 0.0, 1, 0, "data")
+    assert isinstance(w, PackedWindows) and len(w.train_rows) < 12  # several examples per row
+    x, y, positions = w.train_batch(0, 0)
+    for r in range(x.shape[0]):
+        starts = np.flatnonzero(positions[r] == 0)
+        assert len(starts) >= 2 and starts[0] == 0
+        for a in starts[1:]:  # no target crosses into the next example
+            assert y[r, a - 1] in (tok.eos_id, IGNORE)
+    # --train-on-everything: one stream again, every token a target
+    assert isinstance(batches_for(tf, 4, 32, 0.0, 1, 0, "data", train_on_everything=True), Windows)
+
+
+def test_an_answer_beyond_the_row_is_left_out_and_a_long_one_cut(tmp_path, tok):
+    f = _jsonl(tmp_path / "pc.jsonl", [{"prompt": "p" * 40, "completion": "c"},
+                                       {"prompt": "p", "completion": "c" * 40}, {"prompt": "q", "completion": "a"}])
+    w = PackedWindows(tokenize_files([f], tok, tmp_path / "cache"), 2, 16, 0.0, 1, 0)
+    assert (w.dropped, w.truncated) == (1, 1)
+
+
+def test_token_id_files(tmp_path):
+    np.save(tmp_path / "a.npy", np.arange(100, dtype=np.int64) % 50)
+    (np.arange(60, dtype=np.uint16) % 50).tofile(tmp_path / "b.bin")
+    tf = tokenize_files([tmp_path / "a.npy", tmp_path / "b.bin"], None, tmp_path / "cache", vocab_size=64)
+    assert tf.formats == ["token ids", "token ids"] and len(tf.tokens) == 160
+    np.save(tmp_path / "bad.npy", np.array([1, 2, 70]))
+    with pytest.raises(DataError, match=r"bad.npy: token id 70 at index 2 is outside the vocabulary \[0, 64\)"):
+        tokenize_files([tmp_path / "bad.npy"], None, tmp_path / "cache", vocab_size=64)
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(DataError, match="odd.bin: 3 bytes is not a whole number of uint16 token ids"):
+        tokenize_files([tmp_path / "odd.bin"], None, tmp_path / "cache", vocab_size=64)
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"prompt": "a", "completion": "b"}', "{not json"], r"bad.jsonl, line 2: not JSON"),
+    (['{"question": "a", "answer": "b"}'], r"bad.jsonl, line 1: a record with keys \['answer', 'question'\] is none"),
+    (['{"prompt": "a", "completion": "b"}', '{"text": "c"}'], r"line 2: a text record in a file of prompt/completion"),
+    (['{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}'],
+     r"bad.jsonl, line 1: .*wizard"),
+    (['{"messages": [{"role": "user", "content": "x"}]}'], r"line 1: the last message is 'user'"),
+    (['{"prompt": 3, "completion": "b"}'], r"line 1: \"prompt\" must be a string"),
+])
+def test_bad_records_name_the_file_and_line(tmp_path, tok, lines, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=message):
+        tokenize_files([f], tok, tmp_path / "cache", _template())
+
+
+def test_a_template_that_fails_to_render_names_the_line(tmp_path, tok):
+    f = _jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "x"},
+                                                       {"role": "assistant", "content": "y"}]}])
+    broken = ChatTemplate("{{ raise_exception('no chats here') }}", "tokenizer_config.json chat_template")
+    with pytest.raises(DataError, match=r"chat.jsonl, line 1: .*no chats here"):
+        tokenize_files([f], tok, tmp_path / "cache", broken)
+
+
+# --- end to end -------------------------------------------------------------------------
+
+COLORS = {"banana": "yellow", "apple": "red", "lime": "green", "plum": "purple", "cherry": "red",
+          "kiwi": "brown", "lemon": "yellow", "pear": "green", "blueberry": "blue", "grape": "purple"}
+FORMS = ["What color is the {}?", "Tell me the color of the {}.", "Which color does a {} have?"]
+
+
+def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
+    """A tiny Llama trained on a few hundred chats of one form answers questions of that form it
+    never saw (other phrasing and fruit combinations); eval reproduces the trainer's val loss."""
+    pairs = [(form, fruit) for form in FORMS for fruit in COLORS]
+    random.Random(0).shuffle(pairs)
+    held, train = pairs[:4], pairs[4:]
+    chats = [{"messages": [{"role": "user", "content": form.format(fruit)},
+                           {"role": "assistant", "content": f"The {fruit} is {COLORS[fruit]}."}]}
+             for form, fruit in (train * 20)[:400]]
+    data = _jsonl(tmp_path / "qa.jsonl", chats)
+    run = tmp_path / "run"
+    env_cache = ["--cache-dir", str(tmp_path / "cache")]
+    out = subprocess.run(ZOO + ["train", "--preset", "tiny-llama", "--data", str(data), "--steps", "300",
+                                "--batch-size", "8", "--seq-len", "256", "--lr", "3e-3", "--out", str(run),
+                                "--no-progress", "--sample-tokens", "0", "--threads", "2", *env_cache],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "(1 chat)" in out.stderr + out.stdout and "packed rows" in out.stderr + out.stdout
+    for form, fruit in held:
+        reply = subprocess.run(ZOO + ["chat", "--from", str(run), "--prompt", form.format(fruit),
+                                      "--temperature", "0", "--max-new-tokens", "40"],
+                               capture_output=True, text=True, timeout=120)
+        assert reply.returncode == 0, reply.stderr
+        assert reply.stdout.strip() == f"The {fruit} is {COLORS[fruit]}.", (form, fruit, reply.stdout)
+
+    result = tmp_path / "eval.json"
+    ev = subprocess.run(ZOO + ["eval", "--from", str(run), "--split", "val", "--json", str(result), *env_cache],
+                        capture_output=True, text=True, timeout=120)
+    assert ev.returncode == 0, ev.stderr
+    last_val = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                if "val_loss" in line][-1]["val_loss"]
+    assert json.loads(result.read_text())["loss"] == pytest.approx(last_val, rel=1e-9)
+
+
+def test_token_ids_train_a_checkpoint_without_a_tokenizer(tmp_path):
+    folder = tmp_path / "bare"
+    model = zoo.Model(zoo.preset("tiny-llama"), seed=0)
+    model.save_pretrained(folder)
+    assert not any(folder.glob("*token*"))
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, 4000))
+    out = subprocess.run(ZOO + ["finetune", "--from", str(folder), "--data", str(tmp_path / "ids.npy"),
+                                "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path / "run"),
+                                "--no-progress", "--cache-dir", str(tmp_path / "cache")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "(1 token ids)" in out.stderr + out.stdout
+    (tmp_path / "text.txt").write_text("some text")
+    out = subprocess.run(ZOO + ["finetune", "--from", str(folder), "--data", str(tmp_path / "text.txt"),
+                                "--steps", "1", "--out", str(tmp_path / "run2"), "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no tokenizer here" in out.stderr
