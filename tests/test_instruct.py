@@ -194,3 +194,39 @@ def test_token_ids_train_a_checkpoint_without_a_tokenizer(tmp_path):
                                 "--steps", "1", "--out", str(tmp_path / "run2"), "--no-progress"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "no tokenizer here" in out.stderr
+
+
+# --- chat templates against transformers -------------------------------------------------
+
+LLAMA3_STYLE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+SYSTEM_BRANCH = ("{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+                 "{% set messages = messages[1:] %}{% else %}{% set system = 'You are helpful.' %}{% endif %}"
+                 "<|system|>\n{{ system }}{{ eos_token }}\n"
+                 "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% elif m['role'] == 'assistant' %}<|assistant|>\n{{ m['content'] }}{{ eos_token }}\n"
+                 "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize("source", [FALLBACK_TEMPLATE, LLAMA3_STYLE, SYSTEM_BRANCH], ids=["chatml", "llama3", "system"])
+@pytest.mark.parametrize("generation_prompt", [False, True])
+@pytest.mark.parametrize("system", [False, True])
+def test_rendering_equals_transformers_apply_chat_template(source, generation_prompt, system):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        bos_token="<s>", eos_token="</s>")
+    hf.chat_template = source
+    messages = ([{"role": "system", "content": "Answer in French."}] if system else []) + [
+        {"role": "user", "content": "  Bonjour? "}, {"role": "assistant", "content": "Salut, ça va ? 🙂"},
+        {"role": "user", "content": "Oui"}]
+    ours = ChatTemplate(source, "test", bos_token="<s>", eos_token="</s>")
+    assert ours.render(messages, add_generation_prompt=generation_prompt) == hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt)
+    with_answer = messages + [{"role": "assistant", "content": "Très bien."}]
+    pieces = ours.segments(with_answer)
+    assert "".join(p for p, _ in pieces) == ours.render(with_answer)
+    assert [p for p, trained in pieces if trained][-1].startswith("Très bien.")
