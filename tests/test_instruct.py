@@ -167,6 +167,15 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
                                capture_output=True, text=True, timeout=120)
         assert reply.returncode == 0, reply.stderr
         assert reply.stdout.strip() == f"The {fruit} is {COLORS[fruit]}.", (form, fruit, reply.stdout)
+    # interactive: one reply per line read (blank lines skipped), the conversation carried along
+    # (a second turn is beyond what one-turn training data teaches: only that it comes)
+    (form1, fruit1), (form2, fruit2) = held[:2]
+    talk = subprocess.run(ZOO + ["chat", "--from", str(run), "--temperature", "0", "--max-new-tokens", "40"],
+                          input=f"{form1.format(fruit1)}\n\n{form2.format(fruit2)}\n", capture_output=True, text=True,
+                          timeout=120)
+    assert talk.returncode == 0, talk.stderr
+    lines = talk.stdout.strip().split("\n")
+    assert lines[0] == f"The {fruit1} is {COLORS[fruit1]}." and len(lines) >= 2
 
     result = tmp_path / "eval.json"
     ev = subprocess.run(ZOO + ["eval", "--from", str(run), "--split", "val", "--json", str(result), *env_cache],

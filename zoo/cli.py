@@ -524,7 +524,7 @@ def _add_eval(sub) -> None:
                    help="checkpoint folder, or a run folder (its training settings are then the defaults)")
     p.add_argument("--data", nargs="+", metavar="PATH", help="data files or folders (default: the run's)")
     p.add_argument("--split", choices=["all", "val"], default="all",
-                   help="all the data (default), or the validation split the trainer evaluates")
+                   help="all the data, or the validation split the trainer evaluates (default all)")
     for name, flag, kind, what in [("batch_size", "--batch-size", int, "sequences per batch"),
                                    ("seq_len", "--seq-len", int, "tokens per sequence"),
                                    ("val_fraction", "--val-fraction", float, "tail of the data held out as --split val"),

@@ -116,8 +116,8 @@ class TrainConfig(BaseModel):
     threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all)")
     resume: bool = Field(False, description="continue the run in --out from its latest checkpoint; "
                                                 "with a larger --steps, --epochs or --tokens, extend it")
-    train_on_everything: bool = Field(False, description="loss on every token of prompts and chats too (default: "
-                                                         "on completions and assistant turns only)")
+    train_on_everything: bool = Field(False, description="loss on every token, prompts and user turns included, "
+                                                         "not only on completions and assistant turns")
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="of the matrix products: fp32, or bf16 (bf16 operands, fp32 sums; weights, "
