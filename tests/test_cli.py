@@ -82,6 +82,17 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     np.testing.assert_allclose(hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
     assert (out / "loss.png").is_file()
 
+    # The tokenizer hands over (AutoTokenizer gives zoo's ids, BOS where zoo puts one) and
+    # transformers' generation_config.json of --from comes along unchanged.
+    import transformers
+
+    from zoo.tokenizers import Tokenizer
+
+    tok, ref = Tokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "Crème brûlée — Съешь ещё 日本語 🙂\n\n  def f(): return 1  "
+    assert ref.encode(text) == tok.encode(text, add_bos=tok.adds_bos) and tok.adds_bos == (family == "llama")
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+
 
 # --- the embedded demo, generate, plot ------------------------------------------------
 
