@@ -21,7 +21,7 @@ from typing import Optional, Union
 from .atomic import copy_file, write_bytes, write_json
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import parse_model, regular_file
+from .files import parse_model, read_json, regular_file
 from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
                         read_config_json)
 from .layout import ParamSpec, parameter_layout
@@ -158,6 +158,18 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
     model.pretrained_generation_config = _read_generation_config(folder)  # read now: written back on save
     return model
+
+
+def stop_ids(folder: str | os.PathLike) -> list[int]:
+    """The ids generation stops at for a checkpoint folder read without a tokenizer: the
+    eos_token_id of generation_config.json, else of config.json (as transformers' generate)."""
+    for name in (GENERATION_FILE, CONFIG_FILE):
+        path = Path(folder) / name
+        if path.exists():
+            ids = parse_model(path, IdsConfig, read_json(path, name), name).eos_token_id
+            if ids is not None:
+                return list(ids) if isinstance(ids, list) else [ids]
+    return []
 
 
 def _read_generation_config(folder: Path) -> Optional[bytes]:
