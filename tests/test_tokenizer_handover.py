@@ -179,7 +179,8 @@ def test_byte_level_bpe_tokenizer_json(tmp_path):
     from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
     lib = tokenizers.Tokenizer(models.BPE())
-    pattern = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
     lib.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     lib.decoder = decoders.ByteLevel()
@@ -197,6 +198,23 @@ def test_byte_level_bpe_tokenizer_json(tmp_path):
     assert (tok.bos_id, tok.eos_id, tok.adds_bos) == (0, 1, True)
     tok.save(tmp_path / "saved")
     assert (tmp_path / "saved" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    assert_hands_over(tmp_path / "saved", tok)
+
+
+def test_gpt2_vocab_and_merges(tmp_path):
+    """GPT-2's own files (vocab.json + merges.txt): <|endoftext|> is BOS and EOS, so no BOS is
+    added, by zoo or by transformers' GPT2Tokenizer that the written config names."""
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(SAMPLES * 20, vocab_size=500, special_tokens=["<|endoftext|>"], show_progress=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    bpe.save_model(str(src))
+    tok = Tokenizer.from_pretrained(src)
+    assert not tok.adds_bos and tok.bos_id == tok.eos_id
+    tok.save(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "GPT2Tokenizer" and config["add_bos_token"] is False
+    assert not (tmp_path / "saved" / "tokenizer.json").exists()
     assert_hands_over(tmp_path / "saved", tok)
 
 
