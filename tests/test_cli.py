@@ -82,6 +82,17 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     np.testing.assert_allclose(hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
     assert (out / "loss.png").is_file()
 
+    # The tokenizer hands over (AutoTokenizer gives zoo's ids, BOS where zoo puts one) and
+    # transformers' generation_config.json of --from comes along unchanged.
+    import transformers
+
+    from zoo.tokenizers import Tokenizer
+
+    tok, ref = Tokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "Crème brûlée — Съешь ещё 日本語 🙂\n\n  def f(): return 1  "
+    assert ref.encode(text) == tok.encode(text, add_bos=tok.adds_bos) and tok.adds_bos == (family == "llama")
+    assert (out / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
+
 
 # --- the embedded demo, generate, plot ------------------------------------------------
 
@@ -111,6 +122,46 @@ def test_demo_generate_and_plot(tmp_path, capsys, cache):
     (out / "loss.png").unlink()
     rc, stdout, _ = run(capsys, "plot", out)
     assert rc == 0 and Path(stdout.strip()) == out / "loss.png" and (out / "loss.png").stat().st_size > 1000
+
+
+def test_generate_from_token_ids(tmp_path, capsys):
+    """--prompt-ids: a checkpoint without tokenizer files generates (stopping at its config's
+    EOS), printing ids; with a tokenizer, their text follows; bad ids are refused by name."""
+    import zoo
+    from zoo.checkpoints import load_pretrained, save_pretrained
+    from zoo.generate import generate
+
+    stories = SHAKESPEARE.parent / "stories260K-hf"  # a Llama that transformers wrote, with no tokenizer files
+    if not stories.is_dir():
+        pytest.skip("shared/data/stories260K-hf not present")
+    greedy = ["--temperature", 0, "--threads", 1]
+    rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", "1,403, 407", "--max-new-tokens", 40,
+                          *greedy)
+    assert rc == 0, err
+    new = generate(load_pretrained(stories), [1, 403, 407], 40, stop_ids=[2])
+    assert stdout == " ".join(map(str, [1, 403, 407] + new)) + "\n"
+    assert new[-1] == 2 or len(new) == 40  # config.json's eos_token_id 2 ends it
+    rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", 1, 403, 407, "--no-echo",
+                          "--max-new-tokens", 5, *greedy)
+    assert rc == 0 and stdout == " ".join(map(str, new[:5])) + "\n", err
+
+    for ids, message in (("1,x", "'x' is not a token id"), ("1 -2", "'-2' is not a token id"), (",", "no token ids"),
+                         ("3 512", "id 512 is outside the model's vocabulary (vocab_size 512: ids 0 to 511)"),
+                         (" ".join(["5"] * 513), "513 ids, beyond the model's max_seq_len 512")):
+        rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", ids, *greedy)
+        assert rc == 1 and f"--prompt-ids: {message}" in err and stdout == "", (ids, err)
+    rc, _, err = run(capsys, "generate", "--from", stories, "--prompt", "Once", *greedy)
+    assert rc == 1 and "no tokenizer here" in err and "--prompt-ids" in err
+
+    folder = save_pretrained(zoo.Model(zoo.preset("tiny-llama"), seed=0), tmp_path / "bytes",
+                             tokenizer=zoo.Tokenizer.byte_level())
+    rc, stdout, err = run(capsys, "generate", "--from", folder, "--prompt-ids", "257 72 105", "--max-new-tokens", 6,
+                          *greedy)
+    assert rc == 0, err
+    ids_line, _, text = stdout.partition("\n")  # the text may hold newlines of its own
+    ids = [int(i) for i in ids_line.split()]
+    assert ids[:3] == [257, 72, 105] and 3 < len(ids) <= 9
+    assert text == zoo.Tokenizer.byte_level().decode(ids) + "\n" and text.startswith("<|bos|>Hi")
 
 
 def test_config_file_and_flags(tmp_path, capsys, cache):

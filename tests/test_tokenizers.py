@@ -162,7 +162,10 @@ def test_llama2_folder_with_config_files(tmp_path):
     assert tok.encode("a<pad>b")[1] == 32000 and tok.decode([32000]) == "<pad>"
     saved = tmp_path / "saved"
     tok.save(saved)
-    assert sorted(p.name for p in saved.iterdir()) == ["tokenizer.model", "tokenizer_config.json"]
+    # Its own files back unchanged, plus what hands it over to transformers.
+    assert sorted(p.name for p in saved.iterdir()) == ["special_tokens_map.json", "tokenizer.json", "tokenizer.model",
+                                                       "tokenizer_config.json"]
+    assert (saved / "tokenizer_config.json").read_bytes() == (tmp_path / "tokenizer_config.json").read_bytes()
     assert Tokenizer.from_pretrained(saved).encode(SAMPLE) == tok.encode(SAMPLE)
     (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32000}))
     with pytest.raises(CheckpointError, match=r"config\.json.*vocab_size"):

@@ -5,6 +5,7 @@ from .config import ModelConfig, RopeScaling
 from .gemm import gemm_info, set_gemm_library
 from .model import Model
 from .presets import PRESETS, preset
+from .tokenizers import Tokenizer
 
 __version__ = "0.1.0"
 
@@ -27,7 +28,7 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "PRESETS", "preset", "set_threads", "get_threads",
+__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "PRESETS", "preset", "set_threads", "get_threads",
            "build_info", "gemm_info", "set_gemm_library"]
 
 # OMP_NUM_THREADS (or OpenMP's default) decides; the BLAS follows the same count.

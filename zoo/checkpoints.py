@@ -10,6 +10,7 @@ error, since ignoring it would silently change the model.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from collections import Counter
@@ -17,20 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from .atomic import copy_file, write_json
+from .atomic import copy_file, write_bytes, write_json
 from .config import ModelConfig
 from .errors import CheckpointError
-from .files import parse_model, regular_file
+from .files import parse_model, read_json, regular_file
 from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
                         read_config_json)
 from .layout import ParamSpec, parameter_layout
 from .memory import finetune_memory_bytes, human_bytes
 from .safetensors_io import (DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
                              write_checkpoint)
-from .tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer
+from .tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokenizer
 
-# Model-side files copied along with the tokenizer (they carry generation's bos/eos ids).
-_COPIED_FILES = TOKENIZER_FILES + ("generation_config.json",)
+# transformers' generation settings (bos/eos ids, sampling defaults): the model's, carried from
+# the folder it was loaded from unchanged, or written from the tokenizer's ids.
+GENERATION_FILE = "generation_config.json"
 _PREFIXES = {"gpt2": "transformer.", "llama": "model."}
 
 
@@ -154,7 +156,30 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
             warnings.warn(f"{error.path}: loaded with {nonfinite_message(nonfinite, len(matches))} "
                           "(allow_nonfinite=True)", RuntimeWarning, stacklevel=2)
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
+    model.pretrained_generation_config = _read_generation_config(folder)  # read now: written back on save
     return model
+
+
+def stop_ids(folder: str | os.PathLike) -> list[int]:
+    """The ids generation stops at for a checkpoint folder read without a tokenizer: the
+    eos_token_id of generation_config.json, else of config.json (as transformers' generate)."""
+    for name in (GENERATION_FILE, CONFIG_FILE):
+        path = Path(folder) / name
+        if path.exists():
+            ids = parse_model(path, IdsConfig, read_json(path, name), name).eos_token_id
+            if ids is not None:
+                return list(ids) if isinstance(ids, list) else [ids]
+    return []
+
+
+def _read_generation_config(folder: Path) -> Optional[bytes]:
+    path = folder / GENERATION_FILE
+    if not path.exists():
+        return None
+    try:
+        return regular_file(path, "generation config").read_bytes()  # a FIFO would block
+    except OSError as e:
+        raise CheckpointError(path, f"cannot read it ({e.strerror or e})") from None
 
 
 def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenizer, str, os.PathLike, None] = None,
@@ -166,8 +191,10 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
     with a warning: zoo loads it, transformers does not.
 
     tokenizer: a Tokenizer (its files are written) or a folder whose tokenizer files are
-    copied; by default the folder the model was loaded from, if it had any. dtype: float32,
-    bfloat16 or float16 storage.
+    copied; by default the folder the model was loaded from, if it had any. Either way the
+    folder gets the files transformers needs to encode as zoo does (Tokenizer.handover_files),
+    and generation_config.json: the loaded model's, else the tokenizer folder's, else one with
+    the bos/eos ids. dtype: float32, bfloat16 or float16 storage.
     """
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
@@ -192,8 +219,26 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
         tokenizer.save(folder)
     elif tokenizer is not None:
         _copy_tokenizer_files(Path(tokenizer), folder)
+    generation = _generation_config(model, tokenizer, bos, eos)
+    if generation is not None:
+        write_bytes(folder / GENERATION_FILE, generation)
     write_json(folder / CONFIG_FILE, hf)  # last: a folder with a config.json is complete
     return folder
+
+
+def _generation_config(model, tokenizer, bos, eos) -> Optional[bytes]:
+    """generation_config.json's content: the loaded model's unchanged, else the tokenizer
+    folder's, else the bos/eos ids config.json gets (none if neither is known)."""
+    own = getattr(model, "pretrained_generation_config", None)
+    if own is not None:
+        return own
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        theirs = _read_generation_config(Path(tokenizer))
+        if theirs is not None:
+            return theirs
+    if bos is None and eos is None:
+        return None
+    return (json.dumps({"bos_token_id": bos, "eos_token_id": eos}, indent=2) + "\n").encode()
 
 
 def _special_ids(tokenizer) -> tuple[Optional[int], Union[int, list[int], None]]:
@@ -208,19 +253,30 @@ def _special_ids(tokenizer) -> tuple[Optional[int], Union[int, list[int], None]]
         ids = parse_model(folder / CONFIG_FILE, IdsConfig, read_config_json(folder), CONFIG_FILE)
         if ids.bos_token_id is not None or ids.eos_token_id is not None:
             return ids.bos_token_id, ids.eos_token_id
-    if any((folder / name).exists() for name in TOKENIZER_FILES):
+    if has_tokenizer(folder):
         return _special_ids(Tokenizer.from_pretrained(folder))
     return None, None
 
 
 def _copy_tokenizer_files(src: Path, dst: Path) -> None:
+    """Copy a folder's tokenizer files unchanged, then add the hand-over files it lacks."""
     if not src.is_dir():
         raise CheckpointError(src, "tokenizer folder not found")
-    if src.resolve() == dst.resolve():
+    if src.resolve() != dst.resolve():
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                copy_file(regular_file(src / name, "tokenizer file"), dst / name)  # copying a FIFO would block
+    if not has_tokenizer(src):
         return
-    for name in _COPIED_FILES:
-        if (src / name).exists():
-            copy_file(regular_file(src / name, "tokenizer file"), dst / name)  # copying a FIFO would block
+    try:
+        missing = Tokenizer.from_pretrained(src).handover_files()
+    except CheckpointError as e:
+        # Passengers zoo cannot read (e.g. a WordPiece tokenizer.json) still go along as they are.
+        warnings.warn(f"{dst}: tokenizer files copied as they are, without the files that hand them over to "
+                      f"transformers (zoo cannot read them: {e})", stacklevel=3)
+        return
+    for name, content in missing.items():
+        write_bytes(dst / name, content)
 
 
 # --- zoo inspect -------------------------------------------------------------------------------

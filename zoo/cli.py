@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from .errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
-                     ResourceError)
+                     CheckpointError, ResourceError)
 from .train_config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
@@ -455,7 +455,11 @@ def _add_demo(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
     p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
-    p.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
+    prompt.add_argument("--prompt-ids", nargs="+", default=None, metavar="ID",
+                        help="the prompt as token ids, comma- or space-separated (1,2,3 or 1 2 3); needs no "
+                             "tokenizer. Prints the ids, then their text where the checkpoint has a tokenizer")
     p.add_argument("--no-echo", dest="echo", action="store_false",
                    help="print only the continuation, not the prompt before it")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
@@ -478,9 +482,10 @@ def _cmd_generate(args) -> int:
     import zoo
 
     from .generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
-    from .tokenizers import Tokenizer
+    from .tokenizers import Tokenizer, has_tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
+    prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
     if args.threads is not None:
         _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
         zoo.set_threads(args.threads)
@@ -492,10 +497,18 @@ def _cmd_generate(args) -> int:
         raise ValueError(f"--from {src}: no such checkpoint folder")
     model = _load_allowing_nonfinite(src, args.allow_nonfinite)
     model.set_precision(args.precision)
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
-                         f"model's vocab_size {model.config.vocab_size}")
+    tokenizer = None
+    if args.tokenizer is not None or has_tokenizer(src):
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
+        if tokenizer.vocab_size > model.config.vocab_size:
+            raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
+                             f"model's vocab_size {model.config.vocab_size}")
+    if prompt_ids is not None:
+        return _generate_ids(args, model, src, prompt_ids, tokenizer)
+    if tokenizer is None:
+        raise CheckpointError(src, "no tokenizer here (looked for zoo_tokenizer.json, tokenizer.json, tokenizer.model, "
+                                   "vocab.json + merges.txt); give the prompt as token ids with --prompt-ids, or a "
+                                   "tokenizer folder with --tokenizer")
     ids = prompt_tokens(tokenizer, args.prompt)
     stream = TextStream(tokenizer, ids)
     if args.echo:  # as the trainer's sample: the continuation reads on from the prompt
@@ -555,7 +568,7 @@ def _run_settings(src: Path) -> dict:
 def _cmd_eval(args) -> int:
     import zoo
 
-    from .chat_template import chat_template_for
+    from .chat_template import ChatTemplate
     from .data import batches_for, tokenize_files
     from .evaluate import evaluate
     from .gemm import check_precision
@@ -582,7 +595,7 @@ def _cmd_eval(args) -> int:
     if s["seq_len"] > model.config.max_seq_len:
         raise ValueError(f"--seq-len {s['seq_len']}: beyond the model's max_seq_len {model.config.max_seq_len}")
     tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
-    token_file = tokenize_files(data, tokenizer, args.cache_dir, chat_template_for(Path(args.tokenizer or src)))
+    token_file = tokenize_files(data, tokenizer, args.cache_dir, ChatTemplate.for_folder(Path(args.tokenizer or src)))
     windows = batches_for(token_file, s["batch_size"], s["seq_len"], s["val_fraction"] if args.split == "val" else 0.0,
                           s["eval_batches"], s["seed"], f"data {', '.join(map(str, data))}", s["train_on_everything"])
     result = evaluate(model, windows, args.split)
@@ -621,7 +634,7 @@ def _cmd_chat(args) -> int:
     import zoo
 
     from .chat import ChatSession
-    from .chat_template import chat_template_for
+    from .chat_template import ChatTemplate
     from .gemm import check_precision
     from .generate import check_settings
     from .tokenizers import Tokenizer
@@ -638,7 +651,7 @@ def _cmd_chat(args) -> int:
     model.set_precision(args.precision)
     tok_dir = Path(args.tokenizer or src)
     tokenizer = Tokenizer.from_pretrained(tok_dir)
-    session = ChatSession(model, tokenizer, chat_template_for(tok_dir), args.system,
+    session = ChatSession(model, tokenizer, ChatTemplate.for_folder(tok_dir), args.system,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed)
     if args.prompt is not None:
@@ -652,6 +665,52 @@ def _cmd_chat(args) -> int:
             return 0
         if line.strip():
             session.reply(line)
+
+
+def _token_ids(flag: str, values: list[str]) -> list[int]:
+    """Token ids from a flag's values, each holding ids separated by commas or spaces."""
+    parts = [part for value in values for part in value.replace(",", " ").split()]
+    if not parts:
+        raise ValueError(f"{flag}: no token ids given")
+    bad = next((part for part in parts if not (part.isascii() and part.isdigit())), None)
+    if bad is not None:
+        raise ValueError(f"{flag}: {bad!r} is not a token id (an integer >= 0)")
+    return [int(part) for part in parts]
+
+
+def _generate_ids(args, model, src: Path, prompt_ids: list[int], tokenizer) -> int:
+    """zoo generate --prompt-ids: the ids (the prompt's unless --no-echo, then the new ones) on
+    one line as they come, then their text on the next where there is a tokenizer."""
+    from .checkpoints import stop_ids
+    from .generate import NonFiniteLogits, generate
+
+    vocab, context = model.config.vocab_size, model.config.max_seq_len
+    outside = next((i for i in prompt_ids if i >= vocab), None)
+    if outside is not None:
+        raise ValueError(f"--prompt-ids: id {outside} is outside the model's vocabulary (vocab_size {vocab}: "
+                         f"ids 0 to {vocab - 1})")
+    if len(prompt_ids) > context:
+        raise ValueError(f"--prompt-ids: {len(prompt_ids)} ids, beyond the model's max_seq_len {context}")
+    shown = list(prompt_ids) if args.echo else []
+    sys.stdout.write(" ".join(map(str, shown)))
+    sys.stdout.flush()
+
+    def show(token: int) -> None:
+        sys.stdout.write(f" {token}" if shown else str(token))
+        sys.stdout.flush()
+        shown.append(token)
+
+    stop = tokenizer.eos_ids if tokenizer is not None else stop_ids(src)
+    try:
+        generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                 stop_ids=stop, on_token=show)
+    except NonFiniteLogits as e:
+        sys.stdout.write("\n")
+        raise NonFiniteLogits(f"--from {src}: {e}") from None
+    sys.stdout.write("\n")
+    if tokenizer is not None:
+        sys.stdout.write(tokenizer.decode(shown) + "\n")
+    return 0
 
 
 # Far above any machine's cores; below what the native int takes (a larger --threads would be

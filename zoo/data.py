@@ -190,9 +190,24 @@ class _Encoder:
         return ids, [True] * len(ids)
 
     def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[bool]]:
-        context = self.before + list(self.tokenizer.encode(prompt))
-        answer = list(self.tokenizer.encode(completion)) + self.after
-        return context + answer, [False] * len(context) + [True] * len(answer)
+        ids, trained = self._encode_pieces([(prompt, False), (completion, True)])
+        return self.before + ids + self.after, [False] * len(self.before) + trained + [True] * len(self.after)
+
+    def _encode_pieces(self, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+        """The ids of the pieces' text, encoded as one text (pieces encoded one by one would change
+        the tokens at their seams: SentencePiece's word-start marks, BPE merges across them), each
+        flagged as the piece it comes from: the ids a piece's end encodes to are its and the
+        pieces' before it; a token across a seam goes to the later piece."""
+        text = "".join(piece for piece, _ in pieces)
+        ids = list(self.tokenizer.encode(text))
+        trained: list[bool] = []
+        end = 0
+        for piece, flag in pieces:
+            end += len(piece)
+            upto = ids if end == len(text) else list(self.tokenizer.encode(text[:end]))
+            n = next((i for i, (a, b) in enumerate(zip(upto, ids)) if a != b), min(len(upto), len(ids)))
+            trained += [flag] * max(n - len(trained), 0)
+        return ids, trained + [pieces[-1][1]] * (len(ids) - len(trained))
 
     def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
         from .chat_template import ChatTemplateError
@@ -203,13 +218,7 @@ class _Encoder:
             segments = self.chat_template.segments(messages)
         except ChatTemplateError as e:
             raise DataError(f"{where}: {e}") from None
-        ids: list[int] = []
-        trained: list[bool] = []
-        for text, is_answer in segments:
-            piece = list(self.tokenizer.encode(text))
-            ids += piece
-            trained += [is_answer] * len(piece)
-        return ids, trained
+        return self._encode_pieces(segments)
 
 
 def _jsonl_examples(path: Path, encoder: _Encoder):

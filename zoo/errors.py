@@ -17,6 +17,17 @@ class CheckpointError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that cannot render a conversation (a syntax error, raise_exception, a
+    template that is not prefix-stable) or a conversation it cannot take (an unknown role).
+    The message starts with where the template came from, e.g. "DIR/tokenizer_config.json
+    chat_template", then what failed."""
+
+    def __init__(self, origin: str, message: str):
+        self.origin = origin
+        super().__init__(f"{origin}: {message}")
+
+
 class ResourceError(RuntimeError):
     """The machine lacks the memory or disk space something needs; the message gives both numbers
     (what is needed, what there is) and what would make it fit."""

@@ -14,7 +14,13 @@ first, as transformers does, and each stretch between them is encoded on its own
 
 bos/eos come from the checkpoint's own files, first found wins: tokenizer_config.json,
 special_tokens_map.json, generation_config.json, config.json, then the tokenizer itself.
-encode() adds no BOS unless asked: callers frame documents and prompts themselves.
+encode() adds no BOS unless asked: callers frame documents and prompts themselves, with BOS
+first when the tokenizer has one distinct from EOS (`Tokenizer.adds_bos`).
+
+Hand-over (save): a saved folder also carries what transformers needs to encode as zoo does
+(`Tokenizer.handover_files`): tokenizer_config.json and special_tokens_map.json where the
+source had none, and a tokenizer.json for zoo's byte-level tokenizer and for SentencePiece BPE
+models (Llama-2's kind) that lack one. Files the source had are written back unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ from .files import parse_model, read_json, read_text, regular_file
 from .hf_config import show_value
 
 ZOO_FILE = "zoo_tokenizer.json"
-# Files that make up a tokenizer: copied along when a checkpoint is saved.
+# Files that make up a tokenizer: copied along when a checkpoint is saved. chat_template.jinja
+# is where recent transformers versions save the chat template (it wins over tokenizer_config.json's).
 TOKENIZER_FILES = ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+                   "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+# The files one of which makes a folder hold a tokenizer (the others only describe one).
+_MAIN_FILES = ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 # Files that only say which ids are bos/eos.
 _ID_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
 
@@ -188,6 +197,7 @@ class _ByteBPE:
         self.add_prefix_space = add_prefix_space
         self.nfc = nfc
         self.size = max(vocab.values(), default=-1) + 1
+        self.settings = {"pattern": pattern, "add_prefix_space": add_prefix_space, "nfc": nfc}
 
     def encode(self, text: str) -> list[int]:
         if self.nfc:
@@ -247,9 +257,10 @@ class Tokenizer:
     """encode/decode text, with the checkpoint's special tokens and bos/eos ids."""
 
     def __init__(self, backend, *, kind: str, specials: dict[str, int], bos_id: Optional[int],
-                 eos_ids: list[int], vocab_size: int, files: dict[str, bytes]):
+                 eos_ids: list[int], vocab_size: int, files: dict[str, bytes], main: tuple[str, ...]):
         self._backend = backend
         self.kind = kind
+        self._main = main  # the names in `files` that hold the vocabulary (the rest describe it)
         self.special_tokens = dict(specials)  # text -> id, matched in encode's input
         self._special_text = {i: s for s, i in specials.items()}
         self.bos_id = bos_id
@@ -257,6 +268,7 @@ class Tokenizer:
         self.eos_id = eos_ids[0] if eos_ids else None
         self.vocab_size = vocab_size
         self.files = dict(files)  # file name -> content, written back by save()
+        self._handover: Optional[dict[str, bytes]] = None  # made once: every checkpoint save writes them
         # Longest first, so a special that contains another wins.
         alternatives = sorted(specials, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
@@ -264,6 +276,23 @@ class Tokenizer:
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
                 f"{len(self.special_tokens)} special tokens)")
+
+    @property
+    def adds_bos(self) -> bool:
+        """Whether zoo starts documents and prompts with BOS: when the tokenizer has one distinct
+        from EOS (GPT-2's <|endoftext|> is both, and only ends documents). Saved folders tell
+        transformers the same (add_bos_token), so its encode() adds BOS exactly when zoo does."""
+        return self.bos_id is not None and self.bos_id != self.eos_id
+
+    @property
+    def bos_token(self) -> Optional[str]:
+        """The text of the BOS token (as tokenizer_config.json and chat templates name it), or None."""
+        return self._special_text.get(self.bos_id)
+
+    @property
+    def eos_token(self) -> Optional[str]:
+        """The text of the EOS token, or None."""
+        return self._special_text.get(self.eos_id)
 
     # --- encode / decode ---
 
@@ -310,22 +339,69 @@ class Tokenizer:
     # --- identity and saving ---
 
     def fingerprint(self) -> str:
-        """Changes whenever the files (so the encoding) change."""
+        """Changes whenever the encoding changes: the vocabulary file(s), the backend's settings,
+        the special tokens and the bos/eos ids. Not the files that only restate them (a folder
+        saved with its hand-over files has the fingerprint of the tokenizer it was saved from)."""
         h = hashlib.sha256(self.kind.encode())
-        for name in sorted(self.files):
+        for name in self._main:
             h.update(f"\0{name}\0{len(self.files[name])}\0".encode())
             h.update(self.files[name])
+        rest = {"specials": sorted(self.special_tokens.items()), "bos": self.bos_id, "eos": list(self.eos_ids),
+                "backend": getattr(self._backend, "settings", {})}
+        h.update(json.dumps(rest, sort_keys=True).encode())
         return h.hexdigest()
 
     def save(self, folder: str | os.PathLike) -> list[Path]:
-        """Write the tokenizer's files into `folder` (each atomically)."""
+        """Write the tokenizer's files into `folder` (each atomically): the files it was read
+        from, unchanged, and the hand-over files it lacks (handover_files)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         written = []
-        for name, content in self.files.items():
+        for name, content in {**self.files, **self.handover_files()}.items():
             write_bytes(folder / name, content)
             written.append(folder / name)
         return written
+
+    def handover_files(self) -> dict[str, bytes]:
+        """The files transformers needs to encode as zoo does that this tokenizer's own files
+        lack: name -> content. tokenizer.json for zoo's byte-level tokenizer (bytes in GPT-2's
+        alphabet, no merges, no regex split) and for a SentencePiece BPE model that has none;
+        tokenizer_config.json (bos/eos, add_bos_token = adds_bos, the class to load) and
+        special_tokens_map.json where the source had none."""
+        if self._handover is None:
+            self._handover = self._make_handover_files()
+        return dict(self._handover)
+
+    def _make_handover_files(self) -> dict[str, bytes]:
+        out: dict[str, dict] = {}
+        if "tokenizer.json" not in self.files:
+            if self.kind == "byte-level":
+                out["tokenizer.json"] = _byte_level_json(self)
+            elif self.kind == "sentencepiece":
+                spec = _sentencepiece_json(self, self._backend, self.files["tokenizer.model"])
+                if spec is not None:
+                    out["tokenizer.json"] = spec
+        fast = "tokenizer.json" in self.files or "tokenizer.json" in out
+        texts = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        if self.kind == "sentencepiece" and self._backend.sp.unk_id() >= 0:
+            texts["unk_token"] = self._special_text.get(self._backend.sp.unk_id())
+        texts = {key: text for key, text in texts.items() if text is not None}
+        if "tokenizer_config.json" not in self.files:
+            config: dict[str, Any] = {
+                # PreTrainedTokenizerFast reads tokenizer.json as it is; a model's own class (LlamaTokenizer
+                # in transformers 5) would rebuild its pre-tokenizer and encode differently.
+                "tokenizer_class": "PreTrainedTokenizerFast" if fast else
+                                   "GPT2Tokenizer" if self.kind == "byte-level-bpe" else "LlamaTokenizer",
+                **texts, "pad_token": None, "add_bos_token": self.adds_bos, "add_eos_token": False,
+                "clean_up_tokenization_spaces": False}
+            if self.kind == "byte-level-bpe" and not fast:
+                config["add_prefix_space"] = self._backend.add_prefix_space
+            if self.kind == "sentencepiece" and not fast:
+                config["legacy"] = True  # each stretch between special tokens gets the "▁" prefix, as sentencepiece
+            out["tokenizer_config.json"] = config
+        if "special_tokens_map.json" not in self.files:
+            out["special_tokens_map.json"] = texts
+        return {name: (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode() for name, value in out.items()}
 
     # --- constructors ---
 
@@ -336,7 +412,7 @@ class Tokenizer:
         spec = {"zoo_tokenizer": "byte-level", "version": 1, "special_tokens": {"<|eos|>": 256, "<|bos|>": 257},
                 "bos_token": "<|bos|>", "eos_token": "<|eos|>"}
         content = (json.dumps(spec, indent=2) + "\n").encode()
-        return _from_zoo_file(content, Path(ZOO_FILE), {})
+        return _from_zoo_file(content, Path(ZOO_FILE), {}, {ZOO_FILE: content})
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -364,7 +440,143 @@ class Tokenizer:
                                     "tokenizer.model, vocab.json + merges.txt)")
 
 
+# --- hand-over: tokenizer.json as the tokenizers library reads it ---------------------------
+
+
+def _added_tokens(specials: dict[str, int]) -> list[dict]:
+    """tokenizer.json's added_tokens: zoo's specials, matched whole in the text before anything else."""
+    return [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+             "special": True} for text, i in sorted(specials.items(), key=lambda item: item[1])]
+
+
+def _bos_processor(tok: Tokenizer) -> Optional[dict]:
+    """A post-processor that puts BOS first when zoo does (adds_bos), else none."""
+    bos = tok.bos_token
+    if not tok.adds_bos or bos is None:  # (a BOS id with no token text cannot be named here)
+        return None
+    first = {"SpecialToken": {"id": bos, "type_id": 0}}
+    return {"type": "TemplateProcessing",
+            "single": [first, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [first, {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": bos, "type_id": 1}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {bos: {"id": bos, "ids": [tok.bos_id], "tokens": [bos]}}}
+
+
+def _bpe_model(vocab: dict[str, int], merges: list[tuple[str, str]], **settings) -> dict:
+    # Merges as "a b" strings (read by every tokenizers version) unless a piece holds a space.
+    plain = not any(" " in a or " " in b for a, b in merges)
+    return {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+            **settings, "vocab": vocab, "merges": [f"{a} {b}" if plain else [a, b] for a, b in merges]}
+
+
+def _byte_level_json(tok: Tokenizer) -> dict:
+    """zoo's byte-level tokenizer as tokenizers' BPE: the 256 bytes in GPT-2's alphabet with their
+    byte values as ids and no merges, so every byte is one token; no regex split (zoo splits
+    nothing); the specials as added tokens."""
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tok.special_tokens),
+            "normalizer": None, "pre_tokenizer": byte_level, "post_processor": _bos_processor(tok),
+            "decoder": byte_level, "model": _bpe_model(vocab, [])}
+
+
+def _proto_fields(data: bytes) -> dict[int, list]:
+    """The fields of one protocol-buffer message: number -> values (ints for varints, bytes for
+    the rest). Enough to read the few settings of a SentencePiece model that sentencepiece's
+    Python API does not show (without a protobuf dependency). ValueError on malformed bytes."""
+    def varint(at: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            if at >= len(data) or shift > 63:
+                raise ValueError("truncated varint")
+            byte = data[at]
+            value |= (byte & 0x7F) << shift
+            at, shift = at + 1, shift + 7
+            if byte < 0x80:
+                return value, at
+
+    fields: dict[int, list] = {}
+    at = 0
+    while at < len(data):
+        key, at = varint(at)
+        wire = key & 7
+        if wire == 0:
+            value, at = varint(at)
+        elif wire == 2:
+            size, at = varint(at)
+            value, at = data[at:at + size], at + size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            value, at = data[at:at + size], at + size
+        else:
+            raise ValueError(f"wire type {wire}")
+        if at > len(data):
+            raise ValueError("truncated field")
+        fields.setdefault(key >> 3, []).append(value)
+    return fields
+
+
+def _sentencepiece_json(tok: Tokenizer, backend: _SentencePiece, model: bytes) -> Optional[dict]:
+    """A SentencePiece BPE model as tokenizers' BPE, the way Llama-2's own tokenizer.json is made:
+    "▁" put before each stretch of text and for every space, merges ranked by the score of the
+    piece they make, bytes that no piece covers as <0xNN> pieces. Only for models where that is
+    exact: BPE with byte fallback, no normalization rule, add_dummy_prefix, spaces kept as they
+    are, no user-defined pieces. None otherwise (transformers then converts tokenizer.model itself)."""
+    try:
+        top = _proto_fields(model)
+        trainer = _proto_fields(top.get(2, [b""])[-1])
+        normalizer = _proto_fields(top.get(3, [b""])[-1])
+    except ValueError:
+        return None
+    # Field numbers and defaults of sentencepiece_model.proto (TrainerSpec, NormalizerSpec).
+    bpe = trainer.get(3, [1])[-1] == 2
+    byte_fallback = bool(trainer.get(35, [0])[-1])
+    suffix = bool(trainer.get(24, [0])[-1])
+    identity = normalizer.get(1, [b""])[-1] in (b"identity", b"") and not normalizer.get(2, [b""])[-1]
+    dummy_prefix = bool(normalizer.get(3, [1])[-1])
+    squeeze = bool(normalizer.get(4, [1])[-1])
+    escape = bool(normalizer.get(5, [1])[-1])
+    try:  # ModelProto.pieces: SentencePiece messages; type 4 is USER_DEFINED (matched whole, like added tokens)
+        user_defined = any(_proto_fields(piece).get(3, [1])[-1] == 4 for piece in top.get(1, []))
+    except ValueError:
+        return None
+    sp = backend.sp
+    size = sp.get_piece_size()
+    if not (bpe and byte_fallback and identity and dummy_prefix and escape and not squeeze and not suffix) \
+            or user_defined or sp.unk_id() < 0:
+        return None
+    vocab = {sp.id_to_piece(i): i for i in range(size)}
+    normal = {p: i for p, i in vocab.items() if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i)
+                                                     or sp.is_unused(i))}
+    ranked = []
+    for piece, i in normal.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-sp.get_score(i), i, normal[left], normal[right], left, right))
+    merges = [(left, right) for *_, left, right in sorted(ranked)]
+    space = "\u2581"
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": _added_tokens(tok.special_tokens),
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": space},
+            {"type": "Replace", "pattern": {"String": " "}, "content": space}]},
+        "pre_tokenizer": None, "post_processor": _bos_processor(tok),
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": space}, "content": " "}, {"type": "ByteFallback"},
+            {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": _bpe_model(vocab, merges, unk_token=sp.id_to_piece(sp.unk_id()), fuse_unk=True, byte_fallback=True),
+    }
+
+
 # --- loading -------------------------------------------------------------------------------
+
+
+def has_tokenizer(folder: str | os.PathLike) -> bool:
+    """Whether a folder holds a tokenizer's vocabulary (not only files that describe one)."""
+    folder = Path(folder)
+    return any((folder / name).exists() for name in _MAIN_FILES)
 
 
 def _read_json(path: Path) -> Any:
@@ -397,14 +609,14 @@ def _read_id_files(folder: Path) -> dict[str, tuple[Path, Any]]:
     return out
 
 
-def _tokenizer_files(folder: Path, main: Path) -> dict[str, bytes]:
+def _tokenizer_files(folder: Path, main: Path, canonical: str) -> dict[str, bytes]:
     """Contents of the tokenizer's files, to write back on save. `main` is saved under its
-    canonical name (a SentencePiece model may be called anything.model)."""
+    canonical name (a SentencePiece model may be called anything.model, tokenizer.json
+    anything.json)."""
     files = {}
     for name in TOKENIZER_FILES:
         if (folder / name).exists():
             files[name] = _read_bytes(folder / name)
-    canonical = "tokenizer.model" if main.suffix == ".model" else main.name
     files[canonical] = _read_bytes(main)
     return files
 
@@ -423,11 +635,12 @@ def _load_file(path: Path, side: dict) -> "Tokenizer":
         return _from_sentencepiece(path, side)
     data = _read_json(path)
     if isinstance(data, dict) and "zoo_tokenizer" in data:
-        return _from_zoo_file(_read_bytes(path), path, side)
+        files = _tokenizer_files(path.parent, path, ZOO_FILE)
+        return _from_zoo_file(files[ZOO_FILE], path, side, files)
     return _from_tokenizer_json(path, data, side)
 
 
-def _from_zoo_file(content: bytes, source: Path, side: dict) -> Tokenizer:
+def _from_zoo_file(content: bytes, source: Path, side: dict, files: dict[str, bytes]) -> Tokenizer:
     """zoo's byte-level tokenizer from the content of its file (already known to be JSON)."""
     spec = parse_model(source, ZooTokenizerFile, json.loads(content), ZOO_FILE)
     if spec.zoo_tokenizer != "byte-level" or spec.version != 1:
@@ -435,7 +648,7 @@ def _from_zoo_file(content: bytes, source: Path, side: dict) -> Tokenizer:
                                       "(this zoo reads byte-level version 1)", key="zoo_tokenizer")
     specials = spec.special_tokens
     own = {"bos": specials.get(spec.bos_token), "eos": specials.get(spec.eos_token)}
-    return _assemble(_Bytes(), "byte-level", specials, own, side, {ZOO_FILE: content}, source)
+    return _assemble(_Bytes(), "byte-level", specials, own, side, files, (ZOO_FILE,), source)
 
 
 def _from_sentencepiece(path: Path, side: dict) -> Tokenizer:
@@ -444,7 +657,8 @@ def _from_sentencepiece(path: Path, side: dict) -> Tokenizer:
     specials.update(_configured_specials(side, backend.piece_id))
     sp = backend.sp
     own = {"bos": sp.bos_id() if sp.bos_id() >= 0 else None, "eos": sp.eos_id() if sp.eos_id() >= 0 else None}
-    return _assemble(backend, "sentencepiece", specials, own, side, _tokenizer_files(path.parent, path), path,
+    files = _tokenizer_files(path.parent, path, "tokenizer.model")
+    return _assemble(backend, "sentencepiece", specials, own, side, files, ("tokenizer.model",), path,
                      lookup=backend.piece_id)
 
 
@@ -481,14 +695,16 @@ def _from_tokenizer_json(path: Path, data, side: dict) -> Tokenizer:
         backend.id_to_bytes[entry.id] = entry.content.encode("utf-8")
     specials.update(_configured_specials(side, lambda s: vocab.get(s)))
     own = {"bos": _template_bos(tok.post_processor, specials), "eos": None}
-    return _assemble(backend, "byte-level-bpe", specials, own, side, _tokenizer_files(path.parent, path), path,
+    files = _tokenizer_files(path.parent, path, "tokenizer.json")
+    return _assemble(backend, "byte-level-bpe", specials, own, side, files, ("tokenizer.json",), path,
                      lookup=vocab.get)
 
 
 def _byte_level_pattern(path: Path, pre) -> tuple[str, bool]:
     """The regex and add_prefix_space of a byte-level pre-tokenizer: ByteLevel(use_regex=True)
     means GPT-2's regex; Sequence[Split(regex, Isolated), ByteLevel(use_regex=False)] gives its own;
-    Sequence[Digits(individual_digits), ByteLevel(use_regex=True)] is GPT-2's with lone digits."""
+    Sequence[Digits(individual_digits), ByteLevel(use_regex=True)] is GPT-2's with lone digits;
+    ByteLevel(use_regex=False) alone splits nothing."""
     def unsupported(why: str) -> CheckpointError:
         return CheckpointError(path, f"{why}; zoo reads ByteLevel, Split(Regex) then ByteLevel, or Digits then "
                                      "ByteLevel", key="pre_tokenizer")
@@ -508,8 +724,10 @@ def _byte_level_pattern(path: Path, pre) -> tuple[str, bool]:
         if len(splits) == 1 and splits[0].get("type") == "Digits" and splits[0].get("individual_digits"):
             return GPT2_DIGITS_PATTERN, add_prefix_space  # SmolLM's tokenizer
         raise unsupported("a step before a ByteLevel that also splits (other than Digits(individual_digits))")
+    if not splits:
+        return r"[\s\S]+", add_prefix_space  # nothing splits the text (zoo's byte-level tokenizer.json)
     if len(splits) != 1 or splits[0].get("type") != "Split":
-        raise unsupported("ByteLevel(use_regex=false) needs exactly one Split before it")
+        raise unsupported("ByteLevel(use_regex=false) takes one Split before it, or nothing")
     split = splits[0]
     pattern = split.get("pattern")
     regex = pattern.get("Regex") if isinstance(pattern, dict) else None
@@ -570,8 +788,9 @@ def _from_vocab_merges(folder: Path, side: dict) -> Tokenizer:
     if endoftext is not None:
         specials.setdefault("<|endoftext|>", endoftext)
     own = {"bos": endoftext, "eos": endoftext}
-    return _assemble(backend, "byte-level-bpe", specials, own, side, _tokenizer_files(folder, merges_path),
-                     merges_path, lookup=vocab.get)
+    files = _tokenizer_files(folder, merges_path, "merges.txt")
+    return _assemble(backend, "byte-level-bpe", specials, own, side, files, ("vocab.json", "merges.txt"), merges_path,
+                     lookup=vocab.get)
 
 
 def _token_text(value: Union[str, AddedToken, None]) -> Optional[str]:
@@ -605,7 +824,8 @@ def _configured_specials(side: dict, lookup: Callable[[str], Optional[int]]) -> 
 
 
 def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dict, files: dict[str, bytes],
-              source: Path, lookup: Optional[Callable[[str], Optional[int]]] = None) -> Tokenizer:
+              main: tuple[str, ...], source: Path,
+              lookup: Optional[Callable[[str], Optional[int]]] = None) -> Tokenizer:
     """Resolve bos/eos from the checkpoint's files and check every id against config.json's vocab_size."""
     def resolve(which: str) -> list[int]:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -646,12 +866,4 @@ def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dic
                                             f"uses ids up to {size - 1}", key="vocab_size")
             vocab_size = declared
     return Tokenizer(backend, kind=kind, specials=specials, bos_id=bos[0] if bos else None, eos_ids=eos_ids,
-                     vocab_size=vocab_size, files=files)
-
-
-
-def has_tokenizer(folder: Path) -> bool:
-    """Whether a folder holds a tokenizer file that Tokenizer.from_pretrained would look at."""
-    folder = Path(folder)
-    return any((folder / name).exists() for name in ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model")) \
-        or ((folder / "vocab.json").exists() and (folder / "merges.txt").exists())
+                     vocab_size=vocab_size, files=files, main=main)

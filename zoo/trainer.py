@@ -409,10 +409,15 @@ class Trainer:
 
     def _chat_template(self):
         """What chats in the data are rendered with: the tokenizer folder's template, else zoo's
-        fallback (docs/training.md)."""
-        from .chat_template import chat_template_for
+        fallback (docs/chat_templates.md); none where there is no tokenizer (token ids)."""
+        from .chat_template import FALLBACK_TEMPLATE, ChatTemplate
 
-        return chat_template_for(self.tokenizer_dir)
+        if self.tokenizer_dir is not None:
+            return ChatTemplate.for_folder(self.tokenizer_dir)
+        if self.tokenizer is None:
+            return None
+        return ChatTemplate(FALLBACK_TEMPLATE, "zoo's fallback chat template (training from scratch)",
+                            self.tokenizer.bos_token, self.tokenizer.eos_token)
 
     def _check_fit(self) -> None:
         mc, cfg = self.model.config, self.cfg
