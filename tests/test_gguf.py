@@ -244,6 +244,29 @@ def test_round_trip_float32_is_exact_and_q8_0_within_its_error(tmp_path, cfg):
     assert 0 < diff < 0.025 * np.abs(ref).max(), diff
 
 
+def test_round_trip_of_llama_variants(tmp_path):
+    """Tied head (no output.weight), biases, a head size other than d_model / n_head
+    (attention.key_length) and Llama 3 scaling (rope_freqs.weight) come back."""
+    cfg = zoo.ModelConfig(vocab_size=64, max_seq_len=32, d_model=64, n_layer=2, n_head=4, n_kv_head=1, head_dim=32,
+                          d_ff=96, norm="rmsnorm", mlp="swiglu", positions="rope", rope_theta=500000.0,
+                          rope_scaling=zoo.RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                       original_max_position_embeddings=8192),
+                          attention_bias=True, mlp_bias=True, tied_embeddings=True)
+    model = zoo.Model(cfg, seed=5)
+    from zoo.gguf_model import save_gguf
+    from zoo.model import rope_inv_freq
+
+    save_gguf(model, tmp_path / "m.gguf")
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert "output.weight" not in names and {"rope_freqs.weight", "blk.0.attn_q.bias", "blk.1.ffn_gate.bias"} <= names
+    back = zoo.Model.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.model_copy(update={"rope_scaling": cfg.rope_scaling}) == cfg
+    # One frequency of 16 lies in the blended band here: the scaling's parameters are not all
+    # determined by the divisors, those chosen give the same frequencies.
+    np.testing.assert_allclose(rope_inv_freq(back.config), rope_inv_freq(cfg), rtol=1e-6)
+    np.testing.assert_allclose(back.logits(TOKENS), model.logits(TOKENS), rtol=0, atol=1e-5)
+
+
 def test_export_types_and_metadata_as_gguf_reads_them(tmp_path):
     from zoo.gguf_model import save_gguf
 
@@ -691,6 +714,21 @@ def test_not_a_gguf_and_extra_tensor(tmp_path):
                                                                                     Q.F32)})
     msg = load_error(path)
     assert "'blk.0.ffn_gate_exps.weight'" in msg and "has no place" in msg
+
+
+def test_bad_tokenizer_metadata_names_the_key(tmp_path):
+    T = gguf.GGUFValueType
+    keys = {"tokenizer.ggml.model": ("gpt2", T.STRING), "tokenizer.ggml.pre": ("gpt-2", T.STRING),
+            "tokenizer.ggml.tokens": (["a", "b", "c"], T.ARRAY), "tokenizer.ggml.merges": (["a b"], T.ARRAY)}
+    path = small_llama(tmp_path / "m.gguf", keys=keys)  # the merge makes "ab", which is no token
+    msg = load_error(path)
+    assert str(path) in msg and "'tokenizer.ggml.merges'" in msg and "'ab'" in msg and "zoo-gguf-tokenizer" not in msg
+    path = small_llama(tmp_path / "p.gguf", keys={**keys, "tokenizer.ggml.pre": ("qwen2", T.STRING)})
+    assert "'tokenizer.ggml.pre': pre-tokenizer 'qwen2' is not supported" in load_error(path)
+    path = small_llama(tmp_path / "d.gguf", keys={**keys, "tokenizer.ggml.tokens": (["a", "b", "a"], T.ARRAY)})
+    assert "token 'a' appears twice (ids 0 and 2)" in load_error(path)
+    path = small_llama(tmp_path / "b.gguf", keys={**keys, "tokenizer.ggml.model": ("bert", T.STRING)})
+    assert "'tokenizer.ggml.model': tokenizer model 'bert' is not supported" in load_error(path)
 
 
 def test_cli_error_is_one_line_naming_the_file(tmp_path):

@@ -79,9 +79,10 @@ def tokenizer_from_gguf(f, vocab_size: int) -> Optional[Tokenizer]:
         try:
             return Tokenizer.from_pretrained(tmp)
         except CheckpointError as e:  # the files are made from the metadata: the metadata is at fault
-            detail = str(e).split(": ", 1)[-1] if str(e).startswith(tmp) else str(e)
-            raise CheckpointError(f.path, f"its tokenizer does not load: {detail}", key="tokenizer.ggml.tokens") \
-                from None
+            where = f"{e.path}: {e.key!r}: " if e.key is not None else f"{e.path}: "
+            key = "tokenizer.ggml.merges" if e.key in ("merges", "model.merges") else "tokenizer.ggml.tokens"
+            raise CheckpointError(f.path, f"the tokenizer it describes does not load: {str(e).removeprefix(where)}",
+                                  key=key) from None
 
 
 def tokenizer_files(f, vocab_size: int) -> Optional[dict[str, bytes]]:
