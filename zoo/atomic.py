@@ -67,6 +67,28 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file beside `path` for a writer that opens files by name (gguf's GGUFWriter);
+    it replaces `path` when the block ends without error, and is removed when it fails."""
+    path = Path(path)
+    fd, tmp = _create_temp(path)
+    os.close(fd)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError):
+            raise named(e, path) from None
+        raise
+    fsync_dir(path.parent)
+
+
 def _discard(f: BinaryIO, tmp: Path) -> None:
     """Close and remove a temporary file whose write failed. Closing flushes what is buffered,
     which fails again on a full disk: that second error says nothing new."""

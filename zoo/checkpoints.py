@@ -121,13 +121,16 @@ def scan_nonfinite(reader: CheckpointReader, matches: list[TensorMatch]) -> dict
 def _checkpoint_folder(path: str | os.PathLike) -> Path:
     folder = Path(path)
     if not folder.is_dir():
+        if folder.is_file() and folder.suffix.lower() == ".gguf":
+            raise CheckpointError(folder, f"a GGUF file, not a checkpoint folder: zoo convert {folder} DIR makes one")
         raise CheckpointError(folder, "not a checkpoint folder (expected config.json and model.safetensors)")
     return folder
 
 
 def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
                     allow_nonfinite: bool = False):
-    """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors).
+    """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors), or from a
+    GGUF file (gguf_model.py: weights dequantized to float32, the tokenizer from its metadata).
 
     max_seq_len: cap the context of a RoPE model (its positions are computed, so this changes
     no weight; it keeps arenas small for models with 128K-token configs).
@@ -135,8 +138,11 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     allow_nonfinite: load weights holding NaN or Inf (refused by default: such a model computes
     NaN, or garbage from greedy decoding) with a RuntimeWarning that says how many and where.
     """
+    from .gguf_model import is_gguf, load_gguf
     from .model import Model
 
+    if is_gguf(path):
+        return load_gguf(path, max_seq_len=max_seq_len, ad=ad, allow_nonfinite=allow_nonfinite)
     folder = _checkpoint_folder(path)
     cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
@@ -191,17 +197,19 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
     with a warning: zoo loads it, transformers does not.
 
     tokenizer: a Tokenizer (its files are written) or a folder whose tokenizer files are
-    copied; by default the folder the model was loaded from, if it had any. Either way the
-    folder gets the files transformers needs to encode as zoo does (Tokenizer.handover_files),
-    and generation_config.json: the loaded model's, else the tokenizer folder's, else one with
-    the bos/eos ids. dtype: float32, bfloat16 or float16 storage.
+    copied; by default the model's own: the folder it was loaded from, if it had any, or the
+    tokenizer of the GGUF file it was loaded from. Either way the folder gets the files
+    transformers needs to encode as zoo does (Tokenizer.handover_files), and
+    generation_config.json: the loaded model's, else the tokenizer folder's, else one with the
+    bos/eos ids. dtype: float32, bfloat16 or float16 storage.
     """
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    if tokenizer is None:
-        tokenizer = tokenizer_dir if tokenizer_dir is not None else getattr(model, "pretrained_path", None)
+    if tokenizer is None:  # the model's own: a GGUF file's (made from its metadata), or its folder's files
+        tokenizer = tokenizer_dir if tokenizer_dir is not None else (getattr(model, "pretrained_tokenizer", None)
+                                                                     or getattr(model, "pretrained_path", None))
     bos, eos = _special_ids(tokenizer)
     cfg = model.config
     problem = hf_incompatibility(cfg)

@@ -454,7 +454,8 @@ def _add_demo(sub) -> None:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
-    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR",
+                   help="checkpoint folder, or a GGUF file (read as zoo convert reads it)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     prompt.add_argument("--prompt-ids", nargs="+", default=None, metavar="ID",
@@ -492,17 +493,25 @@ def _cmd_generate(args) -> int:
     from .gemm import check_precision
 
     check_precision(args.precision)  # before the weights are read
+    from .gguf_model import is_gguf
+
     src = Path(args.from_dir)
-    if not src.is_dir():
-        raise ValueError(f"--from {src}: no such checkpoint folder")
+    gguf_file = is_gguf(src)
+    if not src.is_dir() and not gguf_file:
+        raise ValueError(f"--from {src}: no such checkpoint folder or GGUF file")
     model = _load_allowing_nonfinite(src, args.allow_nonfinite)
     model.set_precision(args.precision)
     tokenizer = None
-    if args.tokenizer is not None or has_tokenizer(src):
+    if gguf_file and args.tokenizer is None:  # the vocabulary its metadata carries
+        tokenizer = model.pretrained_tokenizer
+        if tokenizer is None and prompt_ids is None:
+            raise ValueError(f"--from {src}: this GGUF file carries no vocabulary (no tokenizer.ggml.* keys); "
+                             "give a tokenizer folder with --tokenizer, or the prompt as token ids with --prompt-ids")
+    elif args.tokenizer is not None or has_tokenizer(src):
         tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
-                             f"model's vocab_size {model.config.vocab_size}")
+    if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocab_size {model.config.vocab_size}")
     if prompt_ids is not None:
         return _generate_ids(args, model, src, prompt_ids, tokenizer)
     if tokenizer is None:
@@ -776,26 +785,58 @@ def _load_allowing_nonfinite(src, allow: bool):
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="rewrite a checkpoint folder: storage dtype, shard size")
-    p.add_argument("src", metavar="SRC", help="checkpoint folder to read")
-    p.add_argument("dst", metavar="DST", help="folder to write (tokenizer files are copied along)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="how the weights are stored")
-    p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB", help="shard the weights above this size")
+    p = sub.add_parser("convert", help="rewrite a checkpoint: a folder's storage dtype and shards, GGUF in and out",
+                       epilog="A GGUF file (llama.cpp's format, llama and gpt2 architectures) is read as SRC like a "
+                              "folder: its weights dequantized to float32, its tokenizer written as files. With "
+                              "--to gguf, DST is one GGUF file for llama.cpp (docs/checkpoints.md, GGUF).")
+    p.add_argument("src", metavar="SRC", help="checkpoint folder or GGUF file to read")
+    p.add_argument("dst", metavar="DST", help="folder to write (tokenizer files are copied along), or the .gguf file "
+                                              "that --to gguf writes")
+    p.add_argument("--to", choices=["hf", "gguf"], default=None,
+                   help="what to write: a Hugging Face folder (hf) or one GGUF file for llama.cpp (gguf) "
+                        "(default: gguf when DST ends in .gguf, else hf)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q8_0"], default="float32",
+                   help="how the weights are stored (q8_0: GGUF only; a GGUF keeps norms and biases in float32)")
+    p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
+                   help="shard the weights above this size (folders only)")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="convert weights holding NaN or Inf too (refused by default), saying how many and where")
     p.set_defaults(run=_cmd_convert)
 
 
 def _cmd_convert(args) -> int:
-    from .checkpoints import load_pretrained, save_pretrained
+    from .checkpoints import save_pretrained
 
     _check_flag("--max-shard-gb", args.max_shard_gb, math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0,
                 "a finite number > 0")
+    to = args.to or ("gguf" if str(args.dst).lower().endswith(".gguf") else "hf")
+    if to == "hf":
+        _check_flag("--dtype", args.dtype, args.dtype != "q8_0",
+                    "float32, bfloat16 or float16 for a folder (q8_0 is a GGUF type: --to gguf)")
+    elif Path(args.dst).is_dir():
+        raise ValueError(f"DST {args.dst}: a folder; --to gguf writes one file (e.g. {Path(args.dst) / 'model.gguf'})")
     model = _load_allowing_nonfinite(args.src, args.allow_nonfinite)
+    if to == "gguf":
+        from .gguf_model import save_gguf
+
+        out = _printing_warnings(lambda: save_gguf(model, args.dst, dtype=args.dtype))
+        print(f"wrote {out} (GGUF, {args.dtype})")
+        return 0
     out = save_pretrained(model, args.dst, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1024**3))
     print(f"wrote {out} ({args.dtype})")
     return 0
+
+
+def _printing_warnings(work):
+    """work(), its warnings printed as one `zoo: warning:` line each."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = work()
+    for w in caught:
+        print(f"zoo: warning: {w.message}", file=sys.stderr)
+    return result
 
 
 # --- bench ------------------------------------------------------------------------------

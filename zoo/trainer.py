@@ -392,7 +392,9 @@ class Trainer:
         if resume_from is not None or cfg.from_dir is not None:
             src = resume_from if resume_from is not None else Path(cfg.from_dir)
             if not src.is_dir():
-                raise TrainError(f"--from {src}: no such checkpoint folder")
+                gguf = src.is_file() and src.suffix.lower() == ".gguf"
+                raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
+                                                      "then --from DIR" if gguf else "no such checkpoint folder"))
             model = load_pretrained(src, ad=cfg.ad)
             tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
             if not cfg.tokenizer and not has_tokenizer(tok_dir) and cfg.data and all_token_ids(cfg.data):

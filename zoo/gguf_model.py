@@ -1,0 +1,409 @@
+"""GGUF files <-> zoo models, for llama.cpp's `llama` and `gpt2` architectures.
+
+Names: each zoo parameter (Hugging Face names, layout.py) gets its GGUF name from llama.cpp's own
+map (gguf.get_tensor_name_map, the one its converter uses): model.layers.N.self_attn.q_proj ->
+blk.N.attn_q, transformer.h.N.attn.c_attn -> blk.N.attn_qkv, lm_head -> output, ... GGUF
+matrices are stored with rows of in_features, which is zoo's (out, in) layout: nothing is
+transposed, GPT-2's Conv1D weights included (llama.cpp's converter transposes those).
+
+The q/k permutation: llama.cpp rotates pairs of adjacent values of a head (x0, x1), (x2, x3) ...,
+Hugging Face (and zoo) pairs each value with the one half a head away (x0, x_{d/2}) ... So its
+converter reorders the rows of q_proj and k_proj (weights and biases) within each head, taking
+row i of the first half to 2i and row i of the second half to 2i + 1:
+    gguf = hf.reshape(n_heads, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(hf.shape)
+Reading undoes it (reshape(n_heads, head_dim // 2, 2, -1).swapaxes(1, 2)); writing applies it;
+n_heads is n_head for q and n_kv_head for k.
+
+Config: from the architecture's keys (llama.context_length, embedding_length, block_count,
+feed_forward_length, attention.head_count, head_count_kv, layer_norm_rms_epsilon,
+rope.freq_base, attention.key_length ...), the vocabulary size from token_embd.weight's rows,
+tied embeddings where the file has no output.weight (or one equal to token_embd.weight, as
+llama.cpp's GPT-2 converter writes it). Llama 3's RoPE scaling travels as the tensor
+rope_freqs.weight (one divisor per frequency, as llama.cpp applies it); zoo recovers the
+scaling's parameters from it and checks that they give back every divisor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+from pydantic import ValidationError
+
+from .atomic import atomic_path
+from .config import ModelConfig, RopeScaling
+from .errors import CheckpointError
+from .hf_config import hf_incompatibility
+from .layout import ParamSpec, parameter_layout
+from .safetensors_io import count_nonfinite
+
+ARCHITECTURES = ("llama", "gpt2")
+ROPE_FREQS = "rope_freqs.weight"
+# Export: what --dtype names -> the GGUF type of the 2-D weights (norms, biases, GPT-2's positions
+# and rope_freqs stay F32, as llama.cpp's converter keeps them) and general.file_type.
+EXPORT_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
+# Which ModelConfig field each metadata key feeds (for errors), with {arch} filled in.
+_KEY_OF_FIELD = {"vocab_size": "token_embd.weight", "max_seq_len": "{arch}.context_length",
+                 "d_model": "{arch}.embedding_length", "n_layer": "{arch}.block_count",
+                 "n_head": "{arch}.attention.head_count", "n_kv_head": "{arch}.attention.head_count_kv",
+                 "head_dim": "{arch}.attention.key_length", "d_ff": "{arch}.feed_forward_length",
+                 "norm_eps": "{arch}.attention.layer_norm_rms_epsilon", "rope_theta": "{arch}.rope.freq_base"}
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """A file that starts with GGUF's magic, or a path named *.gguf that is no folder (loading it
+    then says why it is no GGUF file it can read: missing, a FIFO, another format)."""
+    p = Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(p).st_mode):  # a folder; a FIFO would block open()
+            return not p.is_dir() and p.suffix.lower() == ".gguf"
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF" or p.suffix.lower() == ".gguf"
+    except OSError:
+        return p.suffix.lower() == ".gguf"
+
+
+# --- names and the permutation -------------------------------------------------------------
+
+
+def tensor_names(cfg: ModelConfig) -> list[tuple[ParamSpec, str]]:
+    """(zoo parameter, its GGUF name) for every parameter of cfg, by llama.cpp's name map."""
+    import gguf
+
+    arch = gguf.MODEL_ARCH.LLAMA if cfg.family == "llama" else gguf.MODEL_ARCH.GPT2
+    names = gguf.get_tensor_name_map(arch, cfg.n_layer)
+    out = []
+    for spec in parameter_layout(cfg):
+        name = names.get_name(spec.name, try_suffixes=(".weight", ".bias"))
+        if name is None:  # a layout.py name llama.cpp's map lacks: a bug here, not bad input
+            raise RuntimeError(f"gguf's {cfg.family} name map has no name for {spec.name}")
+        out.append((spec, name))
+    return out
+
+
+def _rope_heads(cfg: ModelConfig, spec: ParamSpec) -> Optional[int]:
+    """How many heads a llama tensor's rows are permuted over (q: n_head, k: n_kv_head), else None."""
+    if cfg.family != "llama":
+        return None
+    if ".self_attn.q_proj." in spec.name:
+        return cfg.n_head
+    if ".self_attn.k_proj." in spec.name:
+        return cfg.n_kv_head
+    return None
+
+
+def to_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's permutation of q/k rows (Hugging Face order -> GGUF order)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def from_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """The inverse of to_gguf_rows (GGUF order -> Hugging Face order)."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- GGUF -> zoo ---------------------------------------------------------------------------
+
+
+def config_from_gguf(f, max_seq_len: Optional[int] = None) -> ModelConfig:
+    """The ModelConfig a GGUFFile's metadata and tensor shapes describe; errors name the file and key."""
+    arch = f.value("general.architecture", str, why=" (it says which model the file holds)")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f.path, f"unsupported architecture {arch!r} (zoo reads {', '.join(ARCHITECTURES)})",
+                              key="general.architecture")
+
+    def key(name: str, kind: type, default=...):
+        return f.value(f"{arch}.{name}", kind, default, why=f" (the {arch} architecture needs it)")
+
+    d_model, n_head = key("embedding_length", int), key("attention.head_count", int)
+    embedding = f.tensor("token_embd.weight")
+    vocab_size = embedding.shape[0]
+    declared = key("vocab_size", int, vocab_size)
+    if declared != vocab_size:
+        raise CheckpointError(f.path, f"{declared}, but token_embd.weight has {vocab_size} rows",
+                              key=f"{arch}.vocab_size")
+    fields = dict(vocab_size=vocab_size, max_seq_len=key("context_length", int), d_model=d_model,
+                  n_layer=key("block_count", int), n_head=n_head, d_ff=key("feed_forward_length", int),
+                  tied_embeddings=_tied(f))
+    if arch == "gpt2":
+        fields.update(norm="layernorm", norm_eps=key("attention.layer_norm_epsilon", float), mlp="gelu",
+                      positions="learned", attention_bias=True, mlp_bias=True)
+    else:
+        head_dim = key("attention.key_length", int, d_model // n_head if n_head and d_model % n_head == 0 else None)
+        if head_dim is None:
+            raise CheckpointError(f.path, f"required when embedding_length {d_model} is not a multiple of "
+                                          f"head_count {n_head}", key=f"{arch}.attention.key_length")
+        for name in ("attention.value_length", "rope.dimension_count"):
+            if key(name, int, head_dim) != head_dim:
+                raise CheckpointError(f.path, f"{key(name, int)} differs from the head size {head_dim}: zoo's heads "
+                                              "use one size for keys, values and rotation", key=f"{arch}.{name}")
+        scaling_type = key("rope.scaling.type", str, "none")
+        if scaling_type != "none":
+            raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (zoo computes Llama 3's, "
+                                          f"which GGUF stores as {ROPE_FREQS})", key=f"{arch}.rope.scaling.type")
+        if key("rope.scale_linear", float, 1.0) != 1.0:
+            raise CheckpointError(f.path, "linear rope scaling is not supported", key=f"{arch}.rope.scale_linear")
+        theta = key("rope.freq_base", float, 10000.0)
+        fields.update(n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim, norm="rmsnorm",
+                      norm_eps=key("attention.layer_norm_rms_epsilon", float), mlp="swiglu", positions="rope",
+                      rope_theta=theta, attention_bias="blk.0.attn_q.bias" in f.tensors,
+                      mlp_bias="blk.0.ffn_up.bias" in f.tensors)
+        if ROPE_FREQS in f.tensors:
+            fields["rope_scaling"] = _llama3_scaling(f, theta, head_dim)
+    if max_seq_len is not None and arch == "llama":
+        fields["max_seq_len"] = max_seq_len
+    elif max_seq_len is not None and max_seq_len != fields["max_seq_len"]:
+        raise ValueError(f"max_seq_len: {f.path} has learned positions; its context is fixed at "
+                         f"{fields['max_seq_len']}")
+    try:
+        return ModelConfig(**fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        msg = first["msg"].removeprefix("Value error, ")
+        field = str(first["loc"][0]) if first["loc"] else msg.split(":", 1)[0]
+        raise CheckpointError(f.path, f"invalid value: {msg}",
+                              key=_KEY_OF_FIELD.get(field, "general.architecture").format(arch=arch)) from None
+
+
+def _tied(f) -> bool:
+    """No output.weight, or one byte for byte equal to token_embd.weight (GPT-2's converter
+    writes the tied head out again)."""
+    if "output.weight" not in f.tensors:
+        return True
+    out, emb = f.tensor("output.weight"), f.tensor("token_embd.weight")
+    return (out.type, out.shape) == (emb.type, emb.shape) and np.array_equal(f.raw("output.weight"),
+                                                                            f.raw("token_embd.weight"))
+
+
+def _inv_freq(theta: float, head_dim: int) -> np.ndarray:
+    """RoPE's unscaled inverse frequencies (float64)."""
+    return 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+def _llama3_scaling(f, theta: float, head_dim: int) -> Optional[RopeScaling]:
+    """Llama 3 RoPE scaling from llama.cpp's rope_freqs.weight divisors d_i (freq_i / d_i is used).
+    Llama 3 divides long wavelengths by `factor`, keeps short ones, and blends in between:
+    1 / d = (1 - s) / factor + s with s linear in 1 / wavelength, s = 0 at low_wavelen
+    (= original_max_position_embeddings / low_freq_factor) and 1 at high_wavelen. Only the two
+    wavelengths matter, so original_max_position_embeddings is taken as low_wavelen rounded and
+    the factors follow; the result is checked against every divisor."""
+    if f.tensor(ROPE_FREQS).shape != (head_dim // 2,):
+        raise CheckpointError(f.path, f"shape {list(f.tensor(ROPE_FREQS).shape)}, expected [{head_dim // 2}] "
+                                      "(one divisor per rotated pair)", key=ROPE_FREQS)
+    divisors = f.read(ROPE_FREQS).astype(np.float64)
+    if np.all(divisors == 1.0):
+        return None
+    unsupported = CheckpointError(f.path, "these frequency divisors are not Llama 3 RoPE scaling, the one "
+                                          "zoo computes", key=ROPE_FREQS)
+    if not np.all(np.isfinite(divisors)) or divisors.min() < 1.0 - 1e-6:
+        raise unsupported
+    x = 1.0 / (2 * math.pi / _inv_freq(theta, head_dim))  # 1 / wavelength
+    factor = float(divisors.max())
+    ones = np.isclose(divisors, 1.0, rtol=1e-6, atol=0)
+    full = np.isclose(divisors, factor, rtol=1e-6, atol=0)
+    mid = ~ones & ~full
+    s = (1.0 / divisors - 1.0 / factor) / (1.0 - 1.0 / factor)  # the blend, 0 at full, 1 at ones
+    x_full = x[full].max()  # full scaling below x_low, none above x_high
+    if mid.sum() >= 2:
+        slope, intercept = np.polyfit(x[mid], s[mid], 1)  # s = (x - x_low) / (x_high - x_low)
+        x_low = -intercept / slope
+        x_high = x_low + 1.0 / slope
+    elif mid.sum() == 1:
+        x_low = (x_full + x[mid][0]) / 2
+        x_high = x_low + (x[mid][0] - x_low) / s[mid][0]
+    else:
+        x_one = x[ones].min() if ones.any() else 2 * x_full
+        x_low, x_high = x_full + (x_one - x_full) / 3, x_full + 2 * (x_one - x_full) / 3
+    if not 0 < x_low < x_high:
+        raise unsupported
+    original = max(1, round(1.0 / x_low))
+    try:
+        scaling = RopeScaling(factor=factor, low_freq_factor=original * x_low, high_freq_factor=original * x_high,
+                              original_max_position_embeddings=original)
+    except ValidationError:
+        raise unsupported from None
+    from .model import rope_inv_freq
+
+    cfg = ModelConfig(vocab_size=1, max_seq_len=1, d_model=head_dim, n_layer=1, n_head=1, positions="rope",
+                      norm="rmsnorm", mlp="swiglu", rope_theta=theta, rope_scaling=scaling)
+    expected = _inv_freq(theta, head_dim) / divisors
+    if not np.allclose(rope_inv_freq(cfg), expected, rtol=1e-5, atol=0):
+        raise unsupported
+    return scaling
+
+
+def check_tensors(cfg: ModelConfig, f) -> list[tuple[ParamSpec, str]]:
+    """Pair every zoo parameter with a GGUF tensor of the right shape and a type zoo reads; any
+    tensor left over is an error (ignoring it would change the model silently)."""
+    pairs = tensor_names(cfg)
+    for spec, name in pairs:
+        t = f.tensor(name)
+        if t.shape != spec.shape:
+            raise CheckpointError(f.path, f"shape {list(t.shape)}, expected {list(spec.shape)} from the metadata",
+                                  key=name)
+        f.check_type(name)
+    used = {name for _, name in pairs} | {ROPE_FREQS}
+    if cfg.tied_embeddings:
+        used.add("output.weight")  # absent, or equal to token_embd.weight
+    for name in f.tensors:
+        if name not in used:
+            raise CheckpointError(f.path, f"tensor has no place in the {cfg.family} model the metadata describes",
+                                  key=name)
+    return pairs
+
+
+def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
+              allow_nonfinite: bool = False):
+    """A zoo.Model from a GGUF file: weights dequantized to float32, the q/k permutation undone,
+    the tokenizer the metadata carries as model.pretrained_tokenizer (save_pretrained writes it)."""
+    from .checkpoints import nonfinite_message
+    from .gguf_file import GGUFFile
+    from .gguf_tokenizer import tokenizer_from_gguf
+    from .model import Model
+
+    with GGUFFile(path) as f:
+        cfg = config_from_gguf(f, max_seq_len)
+        pairs = check_tensors(cfg, f)
+        tokenizer = tokenizer_from_gguf(f, cfg.vocab_size)  # all checks before the arena is allocated
+        model = Model(cfg, seed=None, ad=ad)
+        params = model.parameters()
+        nonfinite: dict[str, int] = {}
+        for spec, name in pairs:
+            w = f.read(name)
+            heads = _rope_heads(cfg, spec)
+            params[spec.name][...] = w if heads is None else from_gguf_rows(w, heads)
+            n = count_nonfinite(params[spec.name])
+            if n:
+                nonfinite[name] = n
+        if nonfinite:
+            message = nonfinite_message(nonfinite, len(pairs))
+            if not allow_nonfinite:
+                raise CheckpointError(f.path, f"{message}; a model with them computes NaN. To load it anyway: "
+                                              "--allow-nonfinite (zoo convert) or allow_nonfinite=True "
+                                              "(zoo.Model.from_pretrained)")
+            warnings.warn(f"{f.path}: loaded with {message} (allow_nonfinite=True)", RuntimeWarning, stacklevel=3)
+    model.pretrained_tokenizer = tokenizer
+    return model
+
+
+# --- zoo -> GGUF ---------------------------------------------------------------------------
+
+
+def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokenizer=None,
+              name: Optional[str] = None) -> Path:
+    """Write `model` as one GGUF file for llama.cpp, atomically (a temporary file renamed over
+    `path`). dtype: float32, float16, bfloat16 or q8_0 for the matrices (norms, biases, GPT-2's
+    positions stay F32). tokenizer: a Tokenizer or a folder holding one, written as the
+    tokenizer.ggml.* keys with its tokenizer_config.json's chat template and bos/eos settings; by
+    default the model's own (the GGUF or folder it was loaded from). Without one the file has no
+    vocabulary, and llama.cpp cannot tokenize text with it. name: general.name (default: the
+    file's stem)."""
+    import gguf
+
+    from .gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
+    from .tokenizers import TOKENIZER_FILES, Tokenizer
+
+    if dtype not in EXPORT_TYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_TYPES)}")
+    path = Path(path)
+    cfg = model.config
+    problem = hf_incompatibility(cfg)
+    if problem is not None:
+        raise CheckpointError(path, f"GGUF's {cfg.family} architecture, as llama.cpp computes it, is the "
+                                    f"transformers one: {problem[1]}", key=problem[0])
+    folder = None
+    if tokenizer is None:
+        tokenizer = getattr(model, "pretrained_tokenizer", None)
+        folder = getattr(model, "pretrained_path", None)
+        if tokenizer is None and folder is not None and any((Path(folder) / n).exists() for n in TOKENIZER_FILES):
+            tokenizer = Tokenizer.from_pretrained(folder)
+    elif not isinstance(tokenizer, Tokenizer):
+        folder = Path(tokenizer)
+        tokenizer = Tokenizer.from_pretrained(folder)
+    keys = _architecture_keys(cfg, name or path.stem, EXPORT_TYPES[dtype][1])
+    if tokenizer is not None:
+        keys.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab_size,
+                                            tokenizer_settings(tokenizer, Path(folder) if folder else None),
+                                            folder or "the tokenizer"))
+    tensors = _export_tensors(model, EXPORT_TYPES[dtype][0])
+    with atomic_path(path) as tmp:
+        writer = gguf.GGUFWriter(tmp, cfg.family)
+        try:
+            for key, (value, kind) in keys.items():
+                sub = gguf.GGUFValueType.get_type(value[0]) if kind == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, value, kind, sub_type=sub)
+            for gguf_name, shape, qtype, _ in tensors:  # the table first: shapes in numpy order
+                block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+                writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), math.prod(shape) // block * block_bytes,
+                                       raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            for _, _, qtype, make in tensors:  # one converted tensor in memory at a time
+                writer.write_tensor_data(make())
+        finally:
+            writer.close()
+    return path
+
+
+def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str, tuple]:
+    from gguf.constants import GGML_QUANT_VERSION
+    from gguf.constants import GGUFValueType as T
+
+    arch = cfg.family
+    keys = {"general.name": (name, T.STRING), "general.file_type": (file_type, T.UINT32),
+            "general.quantization_version": (GGML_QUANT_VERSION, T.UINT32),
+            f"{arch}.context_length": (cfg.max_seq_len, T.UINT32),
+            f"{arch}.embedding_length": (cfg.d_model, T.UINT32), f"{arch}.block_count": (cfg.n_layer, T.UINT32),
+            f"{arch}.feed_forward_length": (cfg.d_ff, T.UINT32), f"{arch}.attention.head_count": (cfg.n_head, T.UINT32)}
+    if arch == "gpt2":
+        keys[f"{arch}.attention.layer_norm_epsilon"] = (cfg.norm_eps, T.FLOAT32)
+        return keys
+    keys.update({f"{arch}.attention.head_count_kv": (cfg.n_kv_head, T.UINT32),
+                 f"{arch}.attention.layer_norm_rms_epsilon": (cfg.norm_eps, T.FLOAT32),
+                 f"{arch}.rope.freq_base": (cfg.rope_theta, T.FLOAT32),
+                 f"{arch}.rope.dimension_count": (cfg.head_dim, T.UINT32),
+                 f"{arch}.vocab_size": (cfg.vocab_size, T.UINT32)})
+    if cfg.head_dim * cfg.n_head != cfg.d_model:
+        keys[f"{arch}.attention.key_length"] = (cfg.head_dim, T.UINT32)
+        keys[f"{arch}.attention.value_length"] = (cfg.head_dim, T.UINT32)
+    return keys
+
+
+def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...], object, Callable[[], np.ndarray]]]:
+    """(GGUF name, shape, GGML type, a function making its stored bytes) for every tensor written:
+    matrices in matrix_type (F16 where a row does not divide into Q8_0 blocks, as llama.cpp's
+    converter falls back), 1-D tensors and positions in F32; llama's q/k rows permuted."""
+    import gguf
+    from gguf.constants import GGMLQuantizationType as Q
+
+    cfg = model.config
+    params = model.parameters()
+    out = []
+    for spec, gguf_name in tensor_names(cfg):
+        qtype = Q[matrix_type]
+        if len(spec.shape) == 1 or gguf_name == "position_embd.weight":
+            qtype = Q.F32
+        elif spec.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+            qtype = Q.F16
+        heads = _rope_heads(cfg, spec)
+
+        def make(value=params[spec.name], heads=heads, qtype=qtype) -> np.ndarray:
+            w = value if heads is None else to_gguf_rows(value, heads)
+            return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype) \
+                if qtype != Q.F32 else np.ascontiguousarray(w, dtype=np.float32)
+
+        out.append((gguf_name, spec.shape, qtype, make))
+    if cfg.family == "gpt2" and cfg.tied_embeddings:  # llama.cpp's GPT-2 converter writes the tied head out
+        out.append(("output.weight",) + out[0][1:])
+    if cfg.rope_scaling is not None:
+        from .model import rope_inv_freq
+
+        divisors = (_inv_freq(cfg.rope_theta, cfg.head_dim) / rope_inv_freq(cfg).astype(np.float64)).astype(np.float32)
+        out.append((ROPE_FREQS, divisors.shape, Q.F32, lambda: divisors))
+    return out
