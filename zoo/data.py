@@ -212,6 +212,37 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+# --- a rank's share of a global batch ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """What one of `ranks` processes computes of every optimizer step's global batch
+    (batch_size x grad_accum sequences): rows [rows[0], rows[1]) of each of the micro-batches
+    `micros`, each pullback scaled by `scale`, so that the gradients summed over the ranks are
+    the gradient of the whole batch (every sequence holds seq_len targets: a mean over rows
+    is the mean of equal-sized parts' means)."""
+
+    rows: tuple[int, int]
+    micros: range
+    scale: float
+
+
+def batch_share(batch_size: int, grad_accum: int, rank: int = 0, ranks: int = 1) -> BatchShare:
+    """A contiguous slice of the rows of every micro-batch where batch_size divides among the
+    ranks; else whole micro-batches dealt round robin (rank r: r, r + ranks, ...), where
+    grad_accum does. The data order depends on (seed, step, micro-batch) only, never on the
+    ranks: any rank count trains on the same batches."""
+    if batch_size % ranks == 0:
+        part = batch_size // ranks
+        return BatchShare((rank * part, (rank + 1) * part), range(grad_accum), 1.0 / (grad_accum * ranks))
+    if grad_accum % ranks == 0:
+        return BatchShare((0, batch_size), range(rank, grad_accum, ranks), 1.0 / grad_accum)
+    raise DataError(f"{ranks} ranks cannot share a global batch of --batch-size {batch_size} x --grad-accum "
+                    f"{grad_accum}: one of the two must be a multiple of {ranks} (each rank takes a slice of every "
+                    "micro-batch, or whole micro-batches)")
+
+
 # --- windows --------------------------------------------------------------------------
 
 
