@@ -5,7 +5,8 @@ the first on PATH. With Open MPI, on one host, every rank is bound to its share 
 (--map-by slot:PE=k), or, when there are more ranks than cores, the host is oversubscribed and
 nothing is bound; root is allowed (CI runs as root) through Open MPI's two variables, set for
 mpirun alone. The ranks run this Python (sys.executable -m zoo.cli): across hosts it must be at
-the same path on each, with zoo installed.
+the same path on each, with zoo installed. A Ctrl-C stops the ranks after a checkpoint, as
+it stops one process (see run).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from importlib import metadata
@@ -93,11 +95,27 @@ def run(ranks: int, verb_args: list[str], hostfile: Optional[str] = None, mpirun
         raise ValueError(f"--hostfile {hostfile}: no such file")
     path = find_mpirun(mpirun)
     cmd, env = launch_command(path, ranks, verb_args, is_open_mpi(path), hostfile, extra)
-    process = subprocess.Popen(cmd, env=env)
+    # mpirun in a process group of its own, so that a Ctrl-C reaches this process alone: mpirun
+    # would end the ranks at once. The first one becomes SIGUSR1, which mpirun forwards to every
+    # rank (the trainer's Ctrl-C: all ranks save a checkpoint after the same step and stop); a
+    # second one ends them now. No terminal input for mpirun: from the background it would stop.
+    process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, preexec_fn=os.setpgrp)
+    interrupts = 0
     while True:
         try:
             status = process.wait()
             break
-        except KeyboardInterrupt:  # Ctrl-C reached mpirun too (one process group): it ends the ranks
-            continue
+        except KeyboardInterrupt:
+            interrupts += 1
+            if interrupts == 1:
+                print("zoo launch: Ctrl-C: every rank saves a checkpoint after the step in progress "
+                      "(press again to stop them at once)", file=sys.stderr, flush=True)
+            _signal(process, signal.SIGUSR1 if interrupts == 1 else signal.SIGTERM)
     return 128 - status if status < 0 else status
+
+
+def _signal(process: subprocess.Popen, signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except ProcessLookupError:  # ended meanwhile
+        pass

@@ -624,7 +624,7 @@ class Trainer:
         try:
             self._print_header()
             interrupted = threading.Event()
-            old_handler = self._catch_sigint(interrupted)
+            old_handlers = self._catch_sigint(interrupted)
             try:
                 loss = self._train(interrupted, on_step)
                 if self.writer:
@@ -634,8 +634,8 @@ class Trainer:
                     self._stopped(e)
                 raise
             finally:
-                if old_handler is not None:
-                    signal.signal(signal.SIGINT, old_handler)
+                for signum, handler in old_handlers.items():
+                    signal.signal(signum, handler)
             plot = self._plot() if self.writer else None
             self.say(f"done: step {self.step}"
                      + (f", train loss {loss:.4f}" if loss is not None else "")
@@ -766,17 +766,23 @@ class Trainer:
         except Exception:
             pass  # the error that stopped the run matters more than its plot or log
 
-    def _catch_sigint(self, flag: threading.Event):
-        """First Ctrl-C: finish the step, save, stop. A second one stops at once."""
+    def _catch_sigint(self, flag: threading.Event) -> dict:
+        """First Ctrl-C: finish the step, save, stop. A second one stops at once. The ranks of a
+        distributed run take SIGUSR1 as their Ctrl-C: mpirun forwards it to every rank (zoo
+        launch sends it on a Ctrl-C), where a SIGINT would end the job. Returns the handlers
+        replaced, by signal."""
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return {}
 
         def handler(signum, frame):
             flag.set()
             self.say("Ctrl-C: saving a checkpoint after this step (press again to stop at once)")
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-        return signal.signal(signal.SIGINT, handler)
+        replaced = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
+        if self.group is not None:
+            replaced[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, handler)
+        return replaced
 
     def _diverged(self, what: str, value, step: int) -> TrainError:
         where = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
