@@ -139,10 +139,12 @@ def _flags(**settings) -> list[str]:
     return out
 
 
-def _launch(ranks: int, out: Path, env: dict | None = None, timeout: float = TIMEOUT, **settings):
+def _launch(ranks: int, out: Path, env: dict | None = None, timeout: float = TIMEOUT, verb: str = "train",
+            **settings):
     """`zoo launch -n RANKS train ...` in a subprocess: (exit status, console text, seconds)."""
-    cmd = [sys.executable, "-m", "zoo.cli", "launch", "-n", str(ranks), "train",
-           *_flags(**{**RUN, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})]
+    run = {k: v for k, v in RUN.items() if not (verb == "finetune" and k == "preset")}
+    cmd = [sys.executable, "-m", "zoo.cli", "launch", "-n", str(ranks), verb,
+           *_flags(**{**run, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})]
     start = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     return p.returncode, p.stdout + p.stderr, time.monotonic() - start
@@ -152,8 +154,9 @@ def _one_process(out: Path, **settings):
     from zoo.trainer import Trainer
 
     n = zoo.get_threads()
+    run = {k: v for k, v in RUN.items() if not ("from_dir" in settings and k == "preset")}
     try:
-        Trainer(TrainConfig(**{**RUN, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})).run()
+        Trainer(TrainConfig(**{**run, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})).run()
     finally:
         zoo.set_threads(n)
 
@@ -215,6 +218,21 @@ def test_ranks_train_as_one_process_with_accumulation(references, tmp_path, rank
     assert console.count("done: step 6") == 1  # rank 0 alone speaks
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("step 6: val loss") == 1
+
+
+@needs_mpi
+def test_finetuning_a_hugging_face_checkpoint_on_two_ranks(tmp_path):
+    """GPT-2 with its BPE files (vocab.json, merges.txt; its ids from config.json): rank 0
+    loads it and sends the other rank the model config, the tokenizer's files and the weights."""
+    pytest.importorskip("transformers")
+    from hf_tiny import gpt2_checkpoint
+
+    text = "".join((DEMO_DATA / name).read_text() for name in sorted(os.listdir(DEMO_DATA)))
+    ckpt = gpt2_checkpoint(tmp_path / "gpt2", text)
+    _one_process(tmp_path / "one", from_dir=str(ckpt))
+    status, console, _ = _launch(2, tmp_path / "two", verb="finetune", from_dir=str(ckpt))
+    assert status == 0, console
+    _assert_same_run(tmp_path / "two", tmp_path / "one")
 
 
 @needs_mpi
@@ -431,3 +449,20 @@ def test_launch_command_binds_cores_or_oversubscribes():
         assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
     cmd, _ = launch_command("/x/mpiexec", 2, ["train"], open_mpi=False, hostfile="hosts")
     assert cmd[:5] == ["/x/mpiexec", "-n", "2", "-f", "hosts"]
+
+
+@needs_mpi
+def test_bench_dist_reports_every_system(tmp_path):
+    out = tmp_path / "dist.json"
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.bench_dist", "--preset", "tiny-llama", "--batch-size", "4",
+                        "--seq-len", "16", "--steps", "2", "--warmup", "1", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    s = r["systems"]
+    assert set(s) == {"single", "dp", "zero1"} and "| dp | 2 x 1 |" in p.stdout
+    assert s["dp"]["loss_first"] == pytest.approx(s["single"]["loss_first"], rel=1e-6)  # the same step
+    assert [x["moment_mib"] for x in s["zero1"]["per_rank"]] == pytest.approx([s["dp"]["per_rank"][0]["moment_mib"] / 2] * 2,
+                                                                             rel=1e-3)
+    assert {row["preset"] for row in r["cost_model"]} >= {"gpt2", "llama-3.1-8b"}
+    assert "overlap_probe_median_ms" in s["dp"]

@@ -74,7 +74,7 @@ def _worker(args) -> None:
     def step() -> tuple[float, float]:
         t0 = time.perf_counter()
         model.zero_grads()
-        loss = model.forward_backward(x, y, 1.0 / ranks)
+        loss = model.forward_backward(x, y, 1.0 / ranks) / ranks  # the ranks' parts add up to the batch's mean
         t1 = time.perf_counter()
         norm = None
         if group is not None:
