@@ -518,7 +518,8 @@ def _add_launch(sub) -> None:
                    help="hosts to start them on (mpirun's --hostfile; default: this host)")
     p.add_argument("--mpirun", metavar="PATH", default=None, help="the mpirun to use (default: found as above)")
     p.add_argument("--mpirun-args", metavar="ARGS", default=None, help="more arguments for mpirun, in one string")
-    p.add_argument("command", nargs=argparse.REMAINDER, metavar="VERB ...", help="train, finetune or demo, and its flags")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="VERB ...",
+                   help="train, finetune or demo, and its flags")
     p.set_defaults(run=_cmd_launch)
 
 
@@ -768,7 +769,8 @@ def _cmd_cards(args) -> int:
     return 0
 
 
-VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_launch, _add_generate, _add_plot, _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
+VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_launch, _add_generate, _add_plot, _add_inspect,
+         _add_convert, _add_bench, _add_card, _add_cards]
 
 if __name__ == "__main__":
     sys.exit(main())

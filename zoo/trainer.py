@@ -424,10 +424,11 @@ class Trainer:
         seen = self.group.gather("the data check", mine)
         differ = [r for r, got in enumerate(seen) if got != seen[0]]
         if differ:
+            counts = ", ".join(f"rank {r}: {seen[r][0]:,} tokens" for r in [0, *differ])
             raise self._everyone(DistributedError(
                 f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} read other data than rank 0 "
-                f"from {', '.join(self.cfg.data)} ({', '.join(f'rank {r}: {seen[r][0]:,} tokens' for r in [0, *differ])}, "
-                "or the same count with other ids); every host needs the same data at the same path"))
+                f"from {', '.join(self.cfg.data)} ({counts}, or the same count with other ids); every host needs the "
+                "same data at the same path"))
 
     def _clear_run(self) -> None:
         """A fresh run: drop what an earlier run left (checkpoints and model only with --overwrite)."""

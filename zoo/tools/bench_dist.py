@@ -154,8 +154,9 @@ def _run(mode: str, args) -> dict:
     else:
         mpirun = launch.find_mpirun(args.mpirun)
         cmd, env = launch.launch_command(mpirun, args.ranks, [], launch.is_open_mpi(mpirun))
+        probe = ["--overlap-probe"] if mode == "dp" else []
         cmd = cmd[:cmd.index(sys.executable)] + [sys.executable, "-m", "zoo.tools.bench_dist", *worker, "--threads",
-                                                 str(args.threads_per_rank)] + (["--overlap-probe"] if mode == "dp" else [])
+                                                 str(args.threads_per_rank), *probe]
     print(f"bench_dist: {mode}: {' '.join(cmd)}", file=sys.stderr, flush=True)
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if p.returncode != 0:
@@ -231,14 +232,15 @@ def render(r: dict) -> str:
         f"{x['dp']:.3f}, {x['zero1']:.3f}" for x in r["ratios_by_round"]))
     probe = s["dp"].get("overlap_probe_median_ms")
     if probe:
-        lines.append(f"Overlap probe (dp, per rank): forward+backward then the all-reduce {probe['sequential_s']:.0f} ms; "
-                     f"both at once {probe['concurrent_s']:.0f} ms")
-    lines.append(f"All-reduce of {r['gradient_mib']:.0f} MiB on this host: {s['dp']['phases_median_ms']['reduce']:.0f} ms, "
-                 f"{r['allreduce_gbps']:.1f} Gb/s per rank (bus rate: bytes a rank sends / time)")
+        lines.append(f"Overlap probe (dp, per rank): forward+backward then the all-reduce "
+                     f"{probe['sequential_s']:.0f} ms; both at once {probe['concurrent_s']:.0f} ms")
+    lines.append(f"All-reduce of {r['gradient_mib']:.0f} MiB on this host: "
+                 f"{s['dp']['phases_median_ms']['reduce']:.0f} ms, {r['allreduce_gbps']:.1f} Gb/s per rank "
+                 "(bus rate: bytes a rank sends / time)")
     lines += ["", f"Cost model, {r['cost_ranks']} ranks on {r['cost_ranks']} hosts: per step each rank sends and "
                   "receives the bytes below (ring all-reduce); efficiency = compute / (compute + communication), no "
-                  f"overlap, compute from this machine's step time per parameter at {r['batch'] // r['systems']['dp']['ranks']} "
-                  f"x {r['seq_len']} tokens per rank",
+                  "overlap, compute from this machine's step time per parameter at "
+                  f"{r['batch'] // r['systems']['dp']['ranks']} x {r['seq_len']} tokens per rank",
               "", "| preset | parameters | sent per rank MiB | compute s | " +
               " | ".join(f"{g:g} Gb/s" for g in r["links_gbps"]) + " |",
               "|---|---|---|---|" + "---|" * len(r["links_gbps"])]
@@ -282,7 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"bench_dist: round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
         for mode in SYSTEMS:
             runs[mode].append(_run(mode, args))
-    r = {"schema": 1, "command": "python -m zoo.tools.bench_dist " + " ".join(argv if argv is not None else sys.argv[1:]),
+    command = "python -m zoo.tools.bench_dist " + " ".join(argv if argv is not None else sys.argv[1:])
+    r = {"schema": "zoo-bench-dist/1", "command": command,  # not zoo-bench/: zoo cards skips it
          "date": datetime.date.today().isoformat(), "model": args.preset, "batch": args.batch_size,
          "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
          "cpus": os.cpu_count(), **summarize(runs, args)}
