@@ -22,9 +22,9 @@ optimizer moments are saved bit for bit. A resume with a larger budget extends t
 the checkpoint on, the schedule is the one of the new total, as if the run had been planned so.
 
 A distributed run (several processes, its ranks, under mpirun, srun or `zoo launch`; a
-distributed.Group) splits every global batch across the ranks (_Share), sums their gradients
-in place in the arena, and clips by the norm of the sum; every rank then holds the same
-weights. Rank 0 alone owns the run folder: it takes the lock, reads the checkpoint it resumes
+distributed.Group) splits every global batch across the ranks (data.batch_share), sums their
+gradients in place in the arena, and clips by the norm of the sum; every rank then holds the
+same weights. Rank 0 alone owns the run folder: it takes the lock, reads the checkpoint it resumes
 from and sends the others what they need (the model, the weights, the moments), and writes
 every file; the other ranks never open anything in it. docs/distributed.md.
 """
@@ -276,6 +276,7 @@ class Trainer:
         self.log_path: Optional[Path] = None  # train.log, set once this run owns the folder
         self._early_lines: list[str] = []  # what was said before that
         self._lock = None  # the open lock file of --out while this run uses it
+        self.last_checkpoint: Optional[Path] = None  # named by a fault report from the start
         try:
             self._set_up()
         except BaseException:

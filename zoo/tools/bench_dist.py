@@ -191,21 +191,21 @@ def summarize(runs: dict[str, list[dict]], args) -> dict:
             "ratios_by_round": [{m: r[m] / r["single"] for m in r if m != "single"} for r in by_round]}
 
 
-def cost_model(n_params_of: dict[str, int], ranks: int, allreduce_gbps: float, step_s_per_param: float,
-               links_gbps: list[float]) -> list[dict]:
+def cost_model(n_params_of: dict[str, int], ranks: int, step_s_per_param: float, links_gbps: list[float]) -> list[dict]:
     """Per preset: bytes each rank sends (and receives) per step for a ring all-reduce of the
     float32 gradients (ZeRO-1's reduce-scatter and all-gather move the same), and the scaling
-    efficiency compute / (compute + communication) with no overlap, compute taken as this
-    machine's measured step time per parameter (same tokens per rank), communication as those
-    bytes at the link's rate (or this host's measured rate, if slower)."""
+    efficiency compute / (compute + communication) with no overlap: compute, this machine's
+    measured step time per parameter (same tokens per rank); communication, those bytes at the
+    link's rate (one rank per host: the link carries them all)."""
     rows = []
     for name, n in n_params_of.items():
         sent = 2 * (ranks - 1) / ranks * 4 * n
         compute = step_s_per_param * n
         row = {"preset": name, "parameters": n, "gradient_mib": 4 * n / 2**20, "sent_per_rank_mib": sent / 2**20,
-               "compute_s": compute, "host_comm_s": sent / (allreduce_gbps * 1e9 / 8)}
+               "compute_s": compute}
         for link in links_gbps:
-            comm = sent / (min(link, allreduce_gbps) * 1e9 / 8)
+            comm = sent / (link * 1e9 / 8)
+            row[f"comm_{link:g}gbps_s"] = comm
             row[f"efficiency_{link:g}gbps"] = compute / (compute + comm)
         rows.append(row)
     return rows
@@ -230,6 +230,9 @@ def render(r: dict) -> str:
     lines.append("")
     lines.append("Ratios by round (dp, zero1 vs single): " + "; ".join(
         f"{x['dp']:.3f}, {x['zero1']:.3f}" for x in r["ratios_by_round"]))
+    # On a machine others use too, each system's fastest step is the one least disturbed.
+    lines.append("Ratios of the fastest steps (dp, zero1 vs single): " + ", ".join(
+        f"{s['single']['min_ms'] / s[m]['min_ms']:.3f}" for m in ("dp", "zero1")))
     probe = s["dp"].get("overlap_probe_median_ms")
     if probe:
         lines.append(f"Overlap probe (dp, per rank): forward+backward then the all-reduce "
@@ -238,8 +241,8 @@ def render(r: dict) -> str:
                  f"{s['dp']['phases_median_ms']['reduce']:.0f} ms, {r['allreduce_gbps']:.1f} Gb/s per rank "
                  "(bus rate: bytes a rank sends / time)")
     lines += ["", f"Cost model, {r['cost_ranks']} ranks on {r['cost_ranks']} hosts: per step each rank sends and "
-                  "receives the bytes below (ring all-reduce); efficiency = compute / (compute + communication), no "
-                  "overlap, compute from this machine's step time per parameter at "
+                  "receives the bytes below (ring all-reduce) over its host's link; efficiency = compute / (compute + "
+                  "communication), no overlap, compute from this machine's step time per parameter at "
                   f"{r['batch'] // r['systems']['dp']['ranks']} x {r['seq_len']} tokens per rank",
               "", "| preset | parameters | sent per rank MiB | compute s | " +
               " | ".join(f"{g:g} Gb/s" for g in r["links_gbps"]) + " |",
@@ -300,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     r["links_gbps"] = [float(x) for x in args.links.split(",")]
     r["cost_ranks"] = args.cost_ranks
     r["cost_model"] = cost_model({p.name: p.config.num_parameters() for p in PRESETS if not p.name.startswith("tiny-")},
-                                 args.cost_ranks, r["allreduce_gbps"], compute_s / n, r["links_gbps"])
+                                 args.cost_ranks, compute_s / n, r["links_gbps"])
     print(render(r))
     if args.json:
         with open(args.json, "w") as f:
