@@ -465,3 +465,33 @@ def test_bench_dist_reports_every_system(tmp_path):
     assert [x["moment_mib"] for x in s["zero1"]["per_rank"]] == pytest.approx([half, half], rel=1e-3)
     assert {row["preset"] for row in r["cost_model"]} >= {"gpt2", "llama-3.1-8b"}
     assert "overlap_probe_median_ms" in s["dp"]
+
+
+GATHER = '''
+import sys, numpy as np
+from zoo import distributed
+group = distributed.world()
+if sys.argv[1] == "bcast":
+    distributed.MAX_COUNT = 100  # as if the block were beyond MPI's int counts
+distributed.BUCKET_FLOATS = 64
+bounds = distributed.shard_bounds(0, 1000, group.size)
+block = np.zeros(1000, np.float32)
+block[bounds[group.rank]:bounds[group.rank + 1]] = group.rank + 1
+group.all_gather("the test", block, bounds)
+expected = np.concatenate([np.full(bounds[r + 1] - bounds[r], r + 1, np.float32) for r in range(group.size)])
+print("ok" if np.array_equal(block, expected) else f"rank {group.rank} wrong", flush=True)
+'''
+
+
+@needs_mpi
+@pytest.mark.parametrize("way", ["allgatherv", "bcast"])
+def test_all_gather_of_shards(tmp_path, way):
+    """The weights' all-gather, in one Allgatherv and in the bucketed broadcasts used where a
+    block's offsets are beyond MPI's int counts (a model of 2^31 parameters and more)."""
+    from zoo.launch import OPEN_MPI_ROOT_ENV, find_mpirun
+
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    p = subprocess.run([find_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script), way],
+                       capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, **OPEN_MPI_ROOT_ENV})
+    assert p.returncode == 0 and p.stdout.split() == ["ok"] * 3, p.stdout + p.stderr

@@ -43,6 +43,8 @@ DEFAULT_RANK_TIMEOUT = 300.0  # seconds; TrainConfig.rank_timeout
 # Floats per bucket of a reduction (16 MiB). GPT-2's 124M gradients, 2 ranks on one host: one
 # all-reduce of the whole block 174 ms, buckets of 1M floats 95 ms, 4M 94 ms, 16M 108 ms.
 BUCKET_FLOATS = 1 << 22
+# The largest count or offset MPI's int arguments hold (Allgatherv's displacements).
+MAX_COUNT = 2**31 - 1
 # Shards start on 16-float (64-byte) boundaries, as the arena's tensors do.
 SHARD_ALIGN = 16
 # After its deadline, a rank that is not the one to report waits this long for the report
@@ -274,11 +276,18 @@ class Group:
                         self.comm.Reduce(part, None, MPI.SUM, root=owner)
 
     def all_gather(self, what: str, block: np.ndarray, bounds: list[int]) -> None:
-        """Every rank's shard of block (bounds) into every rank's block, in place."""
+        """Every rank's shard of block (bounds) into every rank's block, in place: one
+        Allgatherv, or, where a shard or an offset is beyond MPI's int counts, a bucketed
+        broadcast from each owner."""
         MPI = self.MPI
         counts = [bounds[r + 1] - bounds[r] for r in range(self.size)]
         with self._together(what):
-            self.comm.Allgatherv(MPI.IN_PLACE, [block, counts, bounds[:-1], MPI.FLOAT])
+            if bounds[-1] <= MAX_COUNT:
+                self.comm.Allgatherv(MPI.IN_PLACE, [block, counts, bounds[:-1], MPI.FLOAT])
+                return
+            for owner in range(self.size):
+                for s in range(bounds[owner], bounds[owner + 1], BUCKET_FLOATS):
+                    self.comm.Bcast(block[s:min(s + BUCKET_FLOATS, bounds[owner + 1])], root=owner)
 
     def shards_to_root(self, what: str, local: np.ndarray, bounds: list[int]) -> Iterator[np.ndarray]:
         """Every rank's shard (bounds) to rank 0, which writes full moments without holding
