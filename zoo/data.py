@@ -456,6 +456,38 @@ def _map(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
+# --- a rank's share of a global batch ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """What one of `ranks` processes computes of every optimizer step's global batch
+    (batch_size x grad_accum sequences): rows [rows[0], rows[1]) of each of the micro-batches
+    `micros`, each pullback scaled by `scale`, so that the gradients summed over the ranks are
+    the gradient of the whole batch (where every sequence holds seq_len targets a mean over
+    rows is the mean of equal-sized parts' means; packed rows, whose targets that carry loss
+    differ in number, scale each slice by its share of them instead: the trainer's _step)."""
+
+    rows: tuple[int, int]
+    micros: range
+    scale: float
+
+
+def batch_share(batch_size: int, grad_accum: int, rank: int = 0, ranks: int = 1) -> BatchShare:
+    """A contiguous slice of the rows of every micro-batch where batch_size divides among the
+    ranks; else whole micro-batches dealt round robin (rank r: r, r + ranks, ...), where
+    grad_accum does. The data order depends on (seed, step, micro-batch) only, never on the
+    ranks: any rank count trains on the same batches."""
+    if batch_size % ranks == 0:
+        part = batch_size // ranks
+        return BatchShare((rank * part, (rank + 1) * part), range(grad_accum), 1.0 / (grad_accum * ranks))
+    if grad_accum % ranks == 0:
+        return BatchShare((0, batch_size), range(rank, grad_accum, ranks), 1.0 / grad_accum)
+    raise DataError(f"{ranks} ranks cannot share a global batch of --batch-size {batch_size} x --grad-accum "
+                    f"{grad_accum}: one of the two must be a multiple of {ranks} (each rank takes a slice of every "
+                    "micro-batch, or whole micro-batches)")
+
+
 # --- windows --------------------------------------------------------------------------
 
 
@@ -465,6 +497,14 @@ class Batch(NamedTuple):
     x: np.ndarray
     y: np.ndarray
     positions: Optional[np.ndarray] = None
+
+    def rows(self, lo: int, hi: int) -> "Batch":
+        """Rows lo..hi-1 (of C-ordered arrays: still contiguous)."""
+        return Batch(self.x[lo:hi], self.y[lo:hi], None if self.positions is None else self.positions[lo:hi])
+
+    def targets(self) -> int:
+        """How many targets carry loss."""
+        return int(np.count_nonzero(self.y != IGNORE))
 
 
 def batches_for(token_file: TokenFile, batch_size: int, seq_len: int, val_fraction: float, eval_batches: int,

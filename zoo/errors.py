@@ -28,6 +28,11 @@ class ChatTemplateError(ValueError):
         super().__init__(f"{origin}: {message}")
 
 
+class DistributedError(RuntimeError):
+    """A distributed run that cannot start or go on as launched (MPI missing or not the
+    launcher's, ranks that disagree on their data or weights); the message says which rank."""
+
+
 class ResourceError(RuntimeError):
     """The machine lacks the memory or disk space something needs; the message gives both numbers
     (what is needed, what there is) and what would make it fit."""
@@ -39,5 +44,6 @@ EXIT_INPUT = 1  # a file, config, flag value or data set zoo cannot use as it is
 EXIT_USAGE = 2  # the command line itself (unknown flag, missing argument: argparse)
 EXIT_RESOURCES = 3  # not enough memory or disk space
 EXIT_FILESYSTEM = 4  # a file or folder that cannot be read or written (permissions, read-only)
+EXIT_RANK_LOST = 5  # a distributed run lost a rank (died, hung); every rank stopped, the run can --resume
 EXIT_INTERNAL = 70  # a bug in zoo: a one-line summary and the path of a file with the traceback
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM; the run can --resume

@@ -1,9 +1,10 @@
 """How much memory finetuning a config takes, from the config alone (no arena is built, so it
 works for models far larger than the machine).
 
-Everything is float32: parameters, gradients, AdamW's two moments (16 bytes per parameter),
-plus the activation arena the native planner lays out for one micro-batch of
-batch x seq_len tokens (activation_bytes, the same figure a built model uses).
+Everything is float32: parameters, gradients, AdamW's two moments (16 bytes per parameter;
+under ZeRO-1 each of N processes keeps 1/N of the moments), plus the activation arena the
+native planner lays out for one micro-batch of batch x seq_len tokens (activation_bytes, the
+same figure a built model uses).
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 from .errors import ResourceError
 
 FLOAT_BYTES = 4
-# Weights, gradients and AdamW's two moments: the parameter arena a Model maps.
-PARAMETER_ARENA_BYTES = 4 * FLOAT_BYTES
 
 # Set to 1 to skip the memory checks (check_memory), for users who know better than the estimate.
 SKIP_CHECK_ENV = "ZOO_SKIP_MEMORY_CHECK"
@@ -69,13 +68,15 @@ class FinetuneMemory:
 
 
 def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                          precision: str = "fp32") -> FinetuneMemory:
+                          precision: str = "fp32", moment_floats: Optional[int] = None) -> FinetuneMemory:
     """Memory for full finetuning with AdamW at micro-batch (batch, seq_len); checkpointing:
     with activation checkpointing (each layer recomputed in the pullback); precision: of the
-    products (a bf16 step keeps some activations in bf16)."""
+    products (a bf16 step keeps some activations in bf16); moment_floats: the parameters whose
+    AdamW moments this process keeps (default all; a ZeRO-1 shard)."""
     check_batch_shape(batch, seq_len)
     n = cfg.num_parameters()
-    return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * n,
+    moments = n if moment_floats is None else moment_floats
+    return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * moments,
                           activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision))
 
 

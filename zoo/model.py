@@ -5,7 +5,7 @@ native call: forward, forward + pullback, or an optimizer step."""
 from __future__ import annotations
 
 import math
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 import numpy as np
 
@@ -14,7 +14,7 @@ from ._load_native import _native
 from .config import ModelConfig
 from .gemm import apply_gemm_environment, check_precision
 from .layout import ParamSpec, initial_value, layout_table, parameter_layout, parameter_offsets
-from .memory import FLOAT_BYTES, PARAMETER_ARENA_BYTES, activation_bytes, check_memory
+from .memory import FLOAT_BYTES, activation_bytes, check_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -189,6 +189,7 @@ class Model:
         self._exec = _native.Executor(config.model_dump(), self.n_params, layout_table(self.layout), inv_freq)
         self._params = self._views(self._exec.params())
         self._grads = self._views(self._exec.grads())
+        self._grad_block = self._exec.grads()  # writable: only reduce_gradients hands it out
         for g in self._grads.values():  # written by the pullbacks only (the clipping norm relies on it)
             g.flags.writeable = False
         self.set_decay_mask({p.name: p.decay for p in self.layout})
@@ -208,6 +209,11 @@ class Model:
     def parameters(self) -> dict[str, np.ndarray]:
         """Writable float32 views into the arena, in zoo's layout (see layout.py)."""
         return dict(self._params)
+
+    def parameter_block(self) -> np.ndarray:
+        """Every parameter as one writable flat float32 view of the arena (layout order): what a
+        broadcast or an all-gather of the weights takes whole."""
+        return self._exec.params()
 
     def gradients(self) -> dict[str, np.ndarray]:
         """Read-only views of the gradient arena: the sum of what the forward_backward calls
@@ -252,7 +258,8 @@ class Model:
         if B <= checked_B and T == checked_T and not state:
             return
         needed = self.activation_bytes(B, T) + (FLOAT_BYTES * B * T * self.config.vocab_size if logits else 0)
-        needed += (PARAMETER_ARENA_BYTES - FLOAT_BYTES) * self.n_params if state else 0
+        moments = 2 * FLOAT_BYTES * (self.moment_range[1] - self.moment_range[0])
+        needed += FLOAT_BYTES * self.n_params + moments if state else 0
         check_memory(needed, (f"training on a batch of {B} x {T} tokens (the gradients and AdamW moments of "
                               f"{self.n_params:,} parameters, and the activation arena)" if state else
                               f"a batch of {B} x {T} tokens (the activation arena"
@@ -318,13 +325,28 @@ class Model:
     def grad_norm(self) -> float:
         return float(self._exec.grad_norm())
 
+    def grad_sum_squares(self, begin: int, end: int) -> float:
+        """Sum of squares of the gradients [begin, end) of the flat block: one rank's part of a
+        global norm (the parts summed across ranks, its square root is the norm)."""
+        return float(self._exec.grad_sum_squares(int(begin), int(end)))
+
+    def reduce_gradients(self, reduce: Callable[[np.ndarray], None]) -> None:
+        """reduce(block): rewrite the gradient block (one flat float32 array, layout order) in
+        place, e.g. an all-reduce across processes. The norm the pullbacks took on the way is
+        stale afterwards: pass the reduced one to adamw_step."""
+        reduce(self._grad_block)
+        self._exec.grads_written_outside()
+
     def adamw_step(self, lr: float, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
-                   weight_decay: float = 0.0, max_grad_norm: Optional[float] = None) -> float:
-        """Global-norm clipping, then AdamW over every parameter; the gradients read zero
-        afterwards (consumed). Returns the norm before clipping. Hyper-parameters that would
-        spoil the weights (non-finite; lr or weight_decay < 0, betas outside [0, 1), eps <= 0,
-        max_grad_norm < 0) are refused with ValueError, naming the argument, before any weight
-        is touched."""
+                   weight_decay: float = 0.0, max_grad_norm: Optional[float] = None,
+                   grad_norm: Optional[float] = None) -> float:
+        """Global-norm clipping, then AdamW over the parameters of moment_range (all of them
+        unless set_moment_range chose a shard); the gradients it read are zero afterwards
+        (consumed). grad_norm: the global norm to clip by (a distributed step's, from the
+        reduced gradients); None: this model's own. Returns the norm before clipping.
+        Hyper-parameters that would spoil the weights (non-finite; lr or weight_decay < 0,
+        betas outside [0, 1), eps <= 0, max_grad_norm < 0) are refused with ValueError, naming
+        the argument, before any weight is touched."""
         lr, beta1, beta2, eps, weight_decay = (
             _finite_float32(name, value) for name, value in
             (("lr", lr), ("beta1", beta1), ("beta2", beta2), ("eps", eps), ("weight_decay", weight_decay)))
@@ -336,10 +358,34 @@ class Model:
                                        ">= 0 (or None: no clipping)")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {value!r}")
-        return float(self._exec.adamw_step(lr, beta1, beta2, eps, weight_decay, max_norm))
+        norm = -1.0
+        if grad_norm is not None:
+            norm = float(grad_norm)
+            if not (norm >= 0):  # NaN too: clipping by it would spoil every weight
+                raise ValueError(f"grad_norm must be >= 0, got {grad_norm!r}")
+        return float(self._exec.adamw_step(lr, beta1, beta2, eps, weight_decay, max_norm, norm))
 
     def optimizer_state(self) -> dict:
+        """AdamW's moments m and v (writable views, for the parameters of moment_range) and
+        its step count."""
         return {"m": self._exec.adam_m(), "v": self._exec.adam_v(), "step": self._exec.step_count}
+
+    @property
+    def moment_range(self) -> tuple[int, int]:
+        """[begin, end) of the flat parameter block that AdamW's moments cover."""
+        begin, end = self._exec.moment_range()
+        return int(begin), int(end)
+
+    def set_moment_range(self, begin: int, end: int) -> None:
+        """Keep AdamW's moments for the parameters [begin, end) only, and update only those
+        (ZeRO-1: each process its shard; docs/distributed.md). The moments are allocated for
+        the range alone, at their first use: set it before the first step or optimizer_state()."""
+        begin, end = int(begin), int(end)
+        if not 0 <= begin < end <= self.n_params:
+            raise ValueError(f"moment range [{begin}, {end}) is not a non-empty range of the "
+                             f"{self.n_params:,} parameters")
+        self._exec.set_moment_range(begin, end)
+        self._training_memory_checked = False  # the training state's size changed
 
     def set_optimizer_step(self, step: int) -> None:
         self._exec.step_count = int(step)

@@ -139,6 +139,20 @@ class SafetensorsFile:
         out[...] = src.T if transpose else src  # F16/F64 cast during assignment, no full copy
         del src
 
+    def read_flat(self, name: str, begin: int, end: int) -> np.ndarray:
+        """Values [begin, end) of the tensor, flattened, as float32: a view of the map for F32
+        (no copy), converted otherwise. For reading a 1-D tensor piece by piece."""
+        info = self.info(name)
+        count = math.prod(info.shape)
+        if info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(self.path, f"dtype {info.dtype} is not a floating-point tensor", key=name)
+        if not 0 <= begin <= end <= count:
+            raise CheckpointError(self.path, f"has {count} values; [{begin}, {end}) is not within them", key=name)
+        src = self._raw(info).reshape(-1)[begin:end]
+        if info.dtype == "BF16":
+            return (src.astype(np.uint32) << 16).view(np.float32)
+        return src.astype(np.float32, copy=False)
+
     def count_nonfinite(self, name: str) -> int:
         """NaN and Inf values of the tensor as loading would see them (converted to float32, so an
         F64 value beyond float32's range counts as Inf), read chunk by chunk from the map."""
@@ -371,10 +385,23 @@ def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(f"cannot write dtype {dtype!r}; choose one of {', '.join(DTYPE_NAMES)}")
 
 
-def write_file(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]], dtype: str = "F32",
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor written from pieces, never whole in memory: `pieces()` yields its values in
+    order, flattened (e.g. a distributed run's moment shards, as they arrive)."""
+
+    shape: tuple[int, ...]
+    pieces: Any  # Callable[[], Iterable[np.ndarray]]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def write_file(path: str | os.PathLike, tensors: Iterable[tuple[str, "np.ndarray | Pieces"]], dtype: str = "F32",
                metadata: dict[str, str] | None = None) -> None:
     """Write one .safetensors file atomically. `tensors` is read twice (header, then data),
-    so pass a list; arrays may be views (e.g. transposed), converted one at a time."""
+    so pass a list; arrays may be views (e.g. transposed), converted one at a time, or Pieces."""
     tensors = list(tensors)
     itemsize = np.dtype(_NUMPY_DTYPE[dtype]).itemsize
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
@@ -389,7 +416,15 @@ def write_file(path: str | os.PathLike, tensors: Iterable[tuple[str, np.ndarray]
         f.write(len(header_bytes).to_bytes(8, "little"))
         f.write(header_bytes)
         for name, arr in tensors:
-            f.write(memoryview(_encode(arr, dtype)).cast("B"))
+            if not isinstance(arr, Pieces):
+                f.write(memoryview(_encode(arr, dtype)).cast("B"))
+                continue
+            written = 0
+            for piece in arr.pieces():
+                f.write(memoryview(_encode(piece, dtype)).cast("B"))
+                written += piece.size
+            if written != arr.size:  # the header promised arr.size values: never leave such a file
+                raise ValueError(f"{path}: tensor {name!r} got {written} values from its pieces, not {arr.size}")
 
 
 def shard_file_name(k: int, n: int) -> str:

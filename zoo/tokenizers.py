@@ -49,7 +49,7 @@ TOKENIZER_FILES = ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model", "v
 # The files one of which makes a folder hold a tokenizer (the others only describe one).
 _MAIN_FILES = ("zoo_tokenizer.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 # Files that only say which ids are bos/eos.
-_ID_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
+ID_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
 
 
 # --- the fields zoo reads from each file, typed (errors name the file and the field) ---------
@@ -594,7 +594,7 @@ def _read_id_files(folder: Path) -> dict[str, tuple[Path, Any]]:
     """The JSON files beside a tokenizer that name special tokens and ids: name -> (path, typed
     view; for added_tokens.json, a dict of text -> id)."""
     out = {}
-    for name in _ID_FILES + ("added_tokens.json",):
+    for name in ID_FILES + ("added_tokens.json",):
         p = folder / name
         if not p.exists():
             continue

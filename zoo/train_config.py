@@ -35,6 +35,9 @@ RESUMABLE_CHANGES = {
     "sample_prompt", "sample_tokens", "cache_dir", "overwrite",
     "threads",  # a different count may change the last bits of sums; the trainer warns
     "ad",  # Clad's pullbacks equal the hand-written ones to rounding, like a thread count
+    # Distributed runs: the watchdog's patience changes nothing computed; ZeRO-1 sums the
+    # clipping norm in another order (the last bits, like a thread count).
+    "rank_timeout", "zero",
 }
 
 # The budget may grow on --resume: the run is extended (the trainer checks and announces it
@@ -113,12 +116,18 @@ class TrainConfig(BaseModel):
 
     # --- run control ------------------------------------------------------------------
     seed: int = Field(0, ge=0, description="seed for initialization and data order")
-    threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all)")
+    threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all; in a distributed run, "
+                                                                  "the host's cores shared among its ranks)")
     resume: bool = Field(False, description="continue the run in --out from its latest checkpoint; "
                                                 "with a larger --steps, --epochs or --tokens, extend it")
     train_on_everything: bool = Field(False, description="loss on every token, prompts and user turns included, "
                                                          "not only on completions and assistant turns")
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
+    # --- distributed runs (several processes under mpirun, srun or zoo launch) ------------
+    zero: int = Field(0, ge=0, le=1, description="ZeRO stage of a distributed run: 0, every rank keeps all AdamW "
+                                                 "moments; 1, each of N ranks keeps 1/N of them")
+    rank_timeout: float = Field(300.0, gt=0, description="distributed runs: seconds a rank waits for the others at an "
+                                                         "exchange before it names the missing ones and stops every rank")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="of the matrix products: fp32, or bf16 (bf16 operands, fp32 sums; weights, "
                             "gradients and AdamW stay fp32; needs a CPU with bf16 dot products)")

@@ -20,6 +20,13 @@ removed when the next run takes the folder's lock. Resuming is exact:
 the data order is a function of (seed, step), the schedule a function of step, and the
 optimizer moments are saved bit for bit. A resume with a larger budget extends the run: from
 the checkpoint on, the schedule is the one of the new total, as if the run had been planned so.
+
+A distributed run (several processes, its ranks, under mpirun, srun or `zoo launch`; a
+distributed.Group) splits every global batch across the ranks (data.batch_share), sums their
+gradients in place in the arena, and clips by the norm of the sum; every rank then holds the
+same weights. Rank 0 alone owns the run folder: it takes the lock, reads the checkpoint it resumes
+from and sends the others what they need (the model, the weights, the moments), and writes
+every file; the other ranks never open anything in it. docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import signal
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -43,15 +51,16 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from .atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
-from .data import DataError, all_token_ids, batches_for, tokenize_files
-from .errors import CheckpointError, ResourceError
+from .data import DataError, all_token_ids, batch_share, batches_for, tokenize_files
+from .distributed import Group, shard_bounds
+from .errors import CheckpointError, DistributedError, ResourceError
 from .evaluate import validation_loss
 from .files import read_json_model
 from .hf_config import CONFIG_FILE
 from .memory import finetune_memory_bytes, human_bytes
 from .gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
-from .safetensors_io import INDEX_FILE, SafetensorsFile, write_file
+from .safetensors_io import INDEX_FILE, Pieces, SafetensorsFile, write_file
 from .tokenizers import TOKENIZER_FILES, has_tokenizer
 from .train_config import BUDGET_FIELDS, TrainConfig
 
@@ -131,7 +140,8 @@ class TrainerState(BaseModel):
     tokens: Count
     val_loss: Optional[float] = None
     data_key: Annotated[str, Field(strict=True)]
-    threads: Optional[Annotated[int, Field(gt=0, strict=True)]] = None
+    threads: Optional[Annotated[int, Field(gt=0, strict=True)]] = None  # per rank
+    ranks: Optional[Annotated[int, Field(gt=0, strict=True)]] = None  # None: written before distributed runs, 1
     rng: dict = {}
     config: TrainConfig
 
@@ -257,14 +267,18 @@ class Trainer:
     """Sets up a run (model, tokenizer, data, optimizer state) from a TrainConfig; `run()`
     trains it to the end of its budget."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, group: Optional[Group] = None):
+        """group: the ranks of a distributed run (distributed.world()); None for one process."""
         self.cfg = cfg
+        self.group = group
+        self.writer = group is None or group.is_root  # the one process that touches the run folder
         # Absolute, so the messages name the run folder in full: a relative `out:` in a config
         # file resolves against the file's folder, which may not be where the user looks.
         self.out = Path(os.path.abspath(cfg.out))
         self.log_path: Optional[Path] = None  # train.log, set once this run owns the folder
         self._early_lines: list[str] = []  # what was said before that
         self._lock = None  # the open lock file of --out while this run uses it
+        self.last_checkpoint: Optional[Path] = None  # named by a fault report from the start
         try:
             self._set_up()
         except BaseException:
@@ -280,31 +294,42 @@ class Trainer:
     def _set_up(self) -> None:
         import zoo
 
-        cfg = self.cfg
+        cfg, group = self.cfg, self.group
         if cfg.threads is not None:
             zoo.set_threads(cfg.threads)
+        elif group is not None and "OMP_NUM_THREADS" not in os.environ:
+            zoo.set_threads(group.default_threads())
         self.threads = zoo.get_threads()
 
         check_precision(cfg.precision)  # before any weights are read
-        self._lock = lock_run_folder(self.out)
-        left = remove_leftovers(self.out)  # before this run writes anything
-        if left:
-            self.say(f"note: removed what an interrupted run left in {self.out}: {', '.join(left)}")
-        _check_writable(self.out)
-        resume_from = self._check_run_folder()
-        self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
+        resume_from = None
+        if self.writer:
+            self._lock = lock_run_folder(self.out)
+            left = remove_leftovers(self.out)  # before this run writes anything
+            if left:
+                self.say(f"note: removed what an interrupted run left in {self.out}: {', '.join(left)}")
+            _check_writable(self.out)
+            resume_from = self._check_run_folder()
+            self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
+            self.chat_template = self._chat_template()
+        resuming = resume_from is not None
+        if group is not None:
+            resuming = self._join_model(resuming)
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
         self.model.set_precision(cfg.precision)
         self._check_fit()
         if cfg.checkpointing:
             self.model.set_checkpointing(True)
+        self._plan_ranks()
 
-        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self._chat_template(),
+        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self.chat_template,
                                          vocab_size=self.model.config.vocab_size)
         self.windows = batches_for(self.token_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction, cfg.eval_batches,
                                    cfg.seed, f"data {', '.join(cfg.data)}", cfg.train_on_everything)
         # what a resumed run must find again: the same tokens, masked the same way
         self.data_key = self.token_file.key + (":all-tokens" if cfg.train_on_everything else "")
+        if group is not None:
+            self._check_same_data()
         self.total_steps = cfg.total_steps(self.windows.n_train)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         self.eval_every = cfg.eval_interval(self.total_steps)
@@ -313,12 +338,108 @@ class Trainer:
         self.step = 0
         self.last_checkpoint: Optional[Path] = None
         self.last_val_loss: Optional[float] = None
-        if resume_from is not None:
+        if resuming:
             self._restore(resume_from)
-            self._prune()
-        else:
+            if self.writer:
+                self._prune()
+        elif self.writer:
             self._clear_run()  # only now that everything above has been checked
-        self._start_log()
+        if self.writer:
+            self._start_log()
+
+    # --- the ranks of a distributed run ---------------------------------------------------
+
+    def _join_model(self, resuming: bool) -> bool:
+        """Rank 0 has loaded the model and tokenizer (from a checkpoint, --from, or new); the
+        other ranks build the same from its model config and tokenizer files, then every rank
+        takes rank 0's weights. Returns whether the run resumes (rank 0 knows)."""
+        import tempfile
+
+        import zoo
+        from .chat_template import ChatTemplate
+        from .config import ModelConfig
+        from .tokenizers import Tokenizer
+
+        group = self.group
+        sent = None
+        if group.is_root:
+            template = self.chat_template
+            sent = {"model": self.model.config.model_dump(), "tokenizer": _tokenizer_source(self.tokenizer_dir),
+                    "resuming": resuming, "chat_template": None if template is None else
+                    (template.source, template.origin, template.bos_token, template.eos_token)}
+        sent = group.broadcast("the model's settings", sent)
+        if not group.is_root:
+            self.model = zoo.Model(ModelConfig.model_validate(sent["model"]), seed=None, ad=self.cfg.ad)
+            self.tokenizer_dir = None
+            self.chat_template = None if sent["chat_template"] is None else ChatTemplate(*sent["chat_template"])
+            source = sent["tokenizer"]
+            if source is None:
+                self.tokenizer = Tokenizer.byte_level()
+            else:  # written where this rank alone reads it, never into the run folder
+                main, files = source
+                with tempfile.TemporaryDirectory(prefix="zoo-tokenizer-") as tmp:
+                    for name, content in files.items():
+                        (Path(tmp) / name).write_bytes(content)
+                    self.tokenizer = Tokenizer.from_pretrained(Path(tmp) / main if main else tmp)
+        group.broadcast_block("the weights", self.model.parameter_block())
+        return sent["resuming"]
+
+    def _plan_ranks(self) -> None:
+        """This rank's share of each global batch, and, in a distributed run, the gradient
+        region it reduces and the shards: of the clipping norm's sum, and under ZeRO-1 of the
+        AdamW moments (set before the moments exist, so only the shard is ever allocated)."""
+        cfg, group = self.cfg, self.group
+        rank, ranks = (0, 1) if group is None else (group.rank, group.size)
+        try:
+            self.share = batch_share(cfg.batch_size, cfg.grad_accum, rank, ranks)
+        except DataError as e:
+            raise self._everyone(e) from None
+        self.zero = bool(cfg.zero) and group is not None
+        if group is None:
+            if cfg.zero:
+                self.say("note: --zero 1 shards the AdamW moments across the ranks of a distributed run; "
+                         "this run is one process, which keeps them all")
+            return
+        # Every gradient is reduced. A run that trains only some parameters (LoRA adapters) would
+        # reduce only theirs: this region, which the shards below divide.
+        self.reduced = (0, self.model.n_params)
+        try:
+            self.bounds = shard_bounds(*self.reduced, ranks)
+        except DistributedError as e:
+            raise self._everyone(e) from None
+        self.my_shard = (self.bounds[rank], self.bounds[rank + 1])
+        if self.zero:
+            self.model.set_moment_range(*self.my_shard)
+        group.fault_context = self._fault_context
+        if self.writer:
+            group.on_fault = lambda message: self._record(f"error: {message}")
+
+    def _fault_context(self) -> str:
+        if self.last_checkpoint is None:
+            return "; no checkpoint had been written"
+        return (f"; the last checkpoint is {self.last_checkpoint}: continue with the same command and --resume")
+
+    def _everyone(self, e: Exception) -> Exception:
+        """An error every rank raises at the same point, from the same values: rank 0 reports
+        it, and the ranks end together (no abort)."""
+        if self.group is not None:
+            self.group.agreed_stop = True
+        return e
+
+    def _check_same_data(self) -> None:
+        """Every rank tokenized its own copy of the data (each host reads its own files): all
+        must hold the same token stream (compared by length and checksum; the cache key would
+        differ with the files' times on another host)."""
+        tokens = self.token_file.tokens
+        mine = (len(tokens), zlib.crc32(tokens) if len(tokens) else 0)
+        seen = self.group.gather("the data check", mine)
+        differ = [r for r, got in enumerate(seen) if got != seen[0]]
+        if differ:
+            counts = ", ".join(f"rank {r}: {seen[r][0]:,} tokens" for r in [0, *differ])
+            raise self._everyone(DistributedError(
+                f"rank{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} read other data than rank 0 "
+                f"from {', '.join(self.cfg.data)} ({counts}, or the same count with other ids); every host needs the "
+                "same data at the same path"))
 
     def _clear_run(self) -> None:
         """A fresh run: drop what an earlier run left (checkpoints and model only with --overwrite)."""
@@ -336,13 +457,17 @@ class Trainer:
 
     def say(self, msg: str) -> None:
         """A console line (above the progress bar), also written to train.log (first: the log
-        keeps it whatever happens to the console)."""
+        keeps it whatever happens to the console). Rank 0's alone in a distributed run."""
+        if not self.writer:
+            return
         self._record(msg)
         _log(msg)
 
     def _record(self, line: str) -> None:
         """A line for train.log only; held back until the run owns its folder (see _start_log),
         so a refused run never writes into another run's log."""
+        if not self.writer:
+            return
         if self.log_path is None:
             self._early_lines.append(line)
             return
@@ -414,8 +539,9 @@ class Trainer:
         fallback (docs/chat_templates.md); none where there is no tokenizer (token ids)."""
         from .chat_template import FALLBACK_TEMPLATE, ChatTemplate
 
-        if self.tokenizer_dir is not None:
-            return ChatTemplate.for_folder(self.tokenizer_dir)
+        if self.tokenizer_dir is not None:  # a folder, or a tokenizer file (tokenizer.model) in one
+            folder = Path(self.tokenizer_dir)
+            return ChatTemplate.for_folder(folder if folder.is_dir() else folder.parent)
         if self.tokenizer is None:
             return None
         return ChatTemplate(FALLBACK_TEMPLATE, "zoo's fallback chat template (training from scratch)",
@@ -431,28 +557,66 @@ class Trainer:
         if cfg.seq_len > mc.max_seq_len:
             raise TrainError(f"seq_len: {cfg.seq_len} is beyond the model's max_seq_len {mc.max_seq_len} ({where})")
 
-    def _restore(self, ckpt: Path) -> None:
-        state = load_state(ckpt)
-        if state.data_key != self.data_key:
-            raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
-                             "resume needs the same data (or start a new run)")
-        self._check_budget(state)
-        if state.threads != self.threads:
-            self.say(f"note: the run used {state.threads} threads, this one {self.threads}: "
-                     "losses may differ from an uninterrupted run in the last bits")
-        opt = self.model.optimizer_state()
-        path = ckpt / OPTIMIZER_FILE
-        try:
-            with SafetensorsFile(path) as f:
-                f.copy_into("m", opt["m"])
-                f.copy_into("v", opt["v"])
-        except ValueError as e:
-            raise TrainError(f"--resume: {e}") from None
-        self.model.set_optimizer_step(state.optimizer_step)
-        self.step = state.step
-        self.last_checkpoint = ckpt
-        self.last_val_loss = state.val_loss
-        self._truncate_metrics(self.step)
+    def _restore(self, ckpt: Optional[Path]) -> None:
+        """Go on from checkpoint ckpt. In a distributed run rank 0 alone reads it (the others get
+        None) and sends the others where the run is, and the AdamW moments: all of them, or
+        under ZeRO-1 each rank its shard, read piece by piece from the file."""
+        group = self.group
+        where = None
+        if self.writer:
+            state = load_state(ckpt)
+            if state.data_key != self.data_key:
+                raise TrainError(f"--resume: the data or tokenizer changed since {ckpt} was written; "
+                                 "resume needs the same data (or start a new run)")
+            self._check_budget(state)
+            if state.threads != self.threads:
+                self.say(f"note: the run used {state.threads} threads, this one {self.threads}: "
+                         "losses may differ from an uninterrupted run in the last bits")
+            ranks = 1 if group is None else group.size
+            if (state.ranks or 1) != ranks:
+                self.say(f"note: the run used {state.ranks or 1} rank(s), this one {ranks}: the batches are the same "
+                         "(they depend on the global batch only), their gradients are summed in another order, so "
+                         "losses may differ from an uninterrupted run in the last bits")
+            where = (state.step, state.optimizer_step, state.val_loss, str(ckpt))
+        if group is not None:
+            where = group.broadcast("the checkpoint's state", where)
+        step, optimizer_step, val_loss, ckpt_name = where
+        self._restore_moments(Path(ckpt_name) / OPTIMIZER_FILE)
+        self.model.set_optimizer_step(optimizer_step)
+        self.step = step
+        self.last_checkpoint = Path(ckpt_name)
+        self.last_val_loss = val_loss
+        if self.writer:
+            self._truncate_metrics(self.step)
+
+    def _restore_moments(self, path: Path) -> None:
+        opt, group = self.model.optimizer_state(), self.group
+        if self.zero:
+            for name in ("m", "v"):
+                what = f"the AdamW moments ({name}) from the checkpoint"
+                if not self.writer:
+                    group.shards_from_root(what, opt[name], self.bounds)
+                    continue
+                try:
+                    with SafetensorsFile(path) as f:
+                        if f.info(name).shape != (self.model.n_params,):
+                            raise CheckpointError(path, f"shape {list(f.info(name).shape)}, expected "
+                                                        f"[{self.model.n_params}]", key=name)
+                        group.shards_from_root(what, opt[name], self.bounds,
+                                               read=lambda b, e, name=name: f.read_flat(name, b, e))
+                except ValueError as e:
+                    raise TrainError(f"--resume: {e}") from None
+            return
+        if self.writer:
+            try:
+                with SafetensorsFile(path) as f:
+                    f.copy_into("m", opt["m"])
+                    f.copy_into("v", opt["v"])
+            except ValueError as e:
+                raise TrainError(f"--resume: {e}") from None
+        if group is not None:
+            group.broadcast_block("the AdamW moments (m) from the checkpoint", opt["m"])
+            group.broadcast_block("the AdamW moments (v) from the checkpoint", opt["v"])
 
     def _check_budget(self, state: TrainerState) -> None:
         """A resumed run's budget: the one it was planned with (an exact resume), or a larger one
@@ -489,17 +653,19 @@ class Trainer:
         try:
             self._print_header()
             interrupted = threading.Event()
-            old_handler = self._catch_sigint(interrupted)
+            old_handlers = self._catch_sigint(interrupted)
             try:
                 loss = self._train(interrupted, on_step)
-                self._publish(self.last_checkpoint)
+                if self.writer:
+                    self._publish(self.last_checkpoint)
             except BaseException as e:
-                self._stopped(e)
+                if self.writer:
+                    self._stopped(e)
                 raise
             finally:
-                if old_handler is not None:
-                    signal.signal(signal.SIGINT, old_handler)
-            plot = self._plot()
+                for signum, handler in old_handlers.items():
+                    signal.signal(signum, handler)
+            plot = self._plot() if self.writer else None
             self.say(f"done: step {self.step}"
                      + (f", train loss {loss:.4f}" if loss is not None else "")
                      + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else "")
@@ -513,31 +679,19 @@ class Trainer:
         """The steps from self.step to the end of the budget; the last step's loss."""
         from tqdm import tqdm
 
-        cfg, model, windows = self.cfg, self.model, self.windows
-        metrics = open(self.out / METRICS_FILE, "a", encoding="utf-8")
+        cfg = self.cfg
+        metrics = open(self.out / METRICS_FILE, "a", encoding="utf-8") if self.writer else None
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not cfg.progress, file=sys.stderr)
+                   disable=not (cfg.progress and self.writer), file=sys.stderr)
         start_time, start_step = time.perf_counter(), self.step
         loss = None
         try:
             if self.step == 0:
                 self._evaluate(metrics)
-            scale = 1.0 / cfg.grad_accum
             while self.step < self.total_steps:
                 step = self.step
                 lr = lr_at(cfg, step, self.total_steps)
-                model.zero_grads()
-                loss = 0.0
-                for micro in range(cfg.grad_accum):
-                    batch = windows.train_batch(step, micro)
-                    loss += model.forward_backward(batch.x, batch.y, scale, positions=batch.positions)
-                loss *= scale
-                if not math.isfinite(loss):
-                    raise self._diverged("loss", loss, step + 1)
-                grad_norm = model.adamw_step(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                                             cfg.max_grad_norm or None)
-                if not math.isfinite(grad_norm):
-                    raise self._diverged("gradient norm", grad_norm, step + 1)
+                loss, grad_norm, stop = self._step(step, lr, interrupted)
                 self.step = done = step + 1
 
                 elapsed = time.perf_counter() - start_time
@@ -563,13 +717,68 @@ class Trainer:
                     self.save_checkpoint()
                 if on_step is not None:
                     on_step(done, loss)
-                if interrupted.is_set():
+                # Ctrl-C: one process stops after this step; the ranks of a distributed run after
+                # the step whose exchange carried it, all at the same one.
+                if stop if self.group is not None else interrupted.is_set():
                     self.save_checkpoint()
-                    raise TrainInterrupted(done, self.last_checkpoint)
+                    raise self._everyone(TrainInterrupted(done, self.last_checkpoint))
         finally:
             bar.close()
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
         return loss
+
+    def _step(self, step: int, lr: float, interrupted: threading.Event) -> tuple[float, float, bool]:
+        """Optimizer step `step` (0-based): this rank's share of the global batch forward and
+        back, in a distributed run the exchange, then AdamW. Returns the loss, the gradient norm
+        before clipping, and whether to stop after this step (Ctrl-C, on any rank)."""
+        cfg, model, share = self.cfg, self.model, self.share
+        model.zero_grads()
+        loss = 0.0
+        lo, hi = share.rows
+        for micro in share.micros:
+            batch = self.windows.train_batch(step, micro)
+            scale = share.scale
+            if hi - lo != cfg.batch_size:
+                part = batch.rows(lo, hi)
+                if batch.positions is not None:
+                    # Packed rows carry loss on different numbers of tokens: a slice's mean counts
+                    # as its share of the micro-batch's tokens, as one process would count it.
+                    scale *= (cfg.batch_size / (hi - lo)) * part.targets() / batch.targets()
+                batch = part
+            loss += model.forward_backward(batch.x, batch.y, scale, positions=batch.positions) * scale
+        norm, stop = None, interrupted.is_set()
+        if self.group is not None:
+            loss, norm, stop = self._exchange(step + 1, loss, stop)
+        if not math.isfinite(loss):
+            raise self._diverged("loss", loss, step + 1)
+        if norm is not None and not math.isfinite(norm):
+            raise self._diverged("gradient norm", norm, step + 1)
+        grad_norm = model.adamw_step(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.max_grad_norm or None,
+                                     grad_norm=norm)
+        if self.zero:  # each rank updated its shard of the weights: every rank gets all of them
+            self.group.all_gather(f"the weights of step {step + 1}", model.parameter_block(), self.bounds)
+        if not math.isfinite(grad_norm):
+            raise self._diverged("gradient norm", grad_norm, step + 1)
+        return loss, grad_norm, stop
+
+    def _exchange(self, n: int, loss: float, stop: bool) -> tuple[float, float, bool]:
+        """Step n's gradients summed across the ranks, in place in the arena (all of them on
+        every rank; under ZeRO-1 each rank's shard on its owner), and the global loss, gradient
+        norm and stop flag from every rank's part."""
+        group, model = self.group, self.model
+        group.test_fault(n, model.parameter_block())
+        what = f"the gradient exchange of step {n}"
+        if self.zero:
+            model.reduce_gradients(lambda block: group.reduce_to_owners(what, block, self.bounds))
+        else:
+            lo, hi = self.reduced
+            model.reduce_gradients(lambda block: group.all_reduce(what, block[lo:hi]))
+        # Each rank squares its shard of the summed gradients (all hold the whole sum without
+        # ZeRO; a shard each is 1/N of the pass): the parts add up to the global norm's square.
+        part = model.grad_sum_squares(*self.my_shard)
+        total_loss, sum_squares, stops = group.sum(f"the loss of step {n}", [loss, part, float(stop)])
+        return float(total_loss), math.sqrt(sum_squares), stops > 0
 
     def _stopped(self, e: BaseException) -> None:
         """A run that stops early still gets its plot, its log and a last line naming the run folder."""
@@ -591,34 +800,55 @@ class Trainer:
         except Exception:
             pass  # the error that stopped the run matters more than its plot or log
 
-    def _catch_sigint(self, flag: threading.Event):
-        """First Ctrl-C: finish the step, save, stop. A second one stops at once."""
+    def _catch_sigint(self, flag: threading.Event) -> dict:
+        """First Ctrl-C: finish the step, save, stop. A second one stops at once. The ranks of a
+        distributed run take SIGUSR1 as their Ctrl-C: mpirun forwards it to every rank (zoo
+        launch sends it on a Ctrl-C), where a SIGINT would end the job. Returns the handlers
+        replaced, by signal."""
         if threading.current_thread() is not threading.main_thread():
-            return None
+            return {}
 
         def handler(signum, frame):
             flag.set()
             self.say("Ctrl-C: saving a checkpoint after this step (press again to stop at once)")
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-        return signal.signal(signal.SIGINT, handler)
+        replaced = {signal.SIGINT: signal.signal(signal.SIGINT, handler)}
+        if self.group is not None:
+            replaced[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, handler)
+        return replaced
 
     def _diverged(self, what: str, value, step: int) -> TrainError:
         where = (f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint
                  else "no checkpoint had been written")
-        return TrainError(f"{what} became {value} at step {step}; stopping ({where}). "
-                          "Try a lower --lr, more --warmup-steps or --max-grad-norm.")
+        # Every rank sees the same summed loss and norm, and the same weights: all stop here.
+        return self._everyone(TrainError(f"{what} became {value} at step {step}; stopping ({where}). "
+                                         "Try a lower --lr, more --warmup-steps or --max-grad-norm."))
 
     def _evaluate(self, metrics) -> None:
-        loss, n_tokens = validation_loss(self.model, self.windows.val_batches())
-        if not n_tokens:
+        batches = list(self.windows.val_batches())
+        if not batches:
             return
-        self.last_val_loss = loss
+        # In a distributed run the batches are dealt round robin; the sums of loss x tokens and
+        # of tokens are summed with zeros, exactly: the mean is the one process's.
+        rank, ranks = (0, 1) if self.group is None else (self.group.rank, self.group.size)
+        sums = np.zeros(2)
+        for i in range(rank, len(batches), ranks):
+            loss, n_tokens = validation_loss(self.model, batches[i:i + 1])
+            if n_tokens:
+                sums += (loss * n_tokens, n_tokens)
+        if self.group is not None:
+            sums = self.group.sum(f"the evaluation at step {self.step}", sums)
+        if not sums[1]:
+            return
+        self.last_val_loss = float(sums[0] / sums[1])
         self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss})
         self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}")
 
     @staticmethod
     def _write(metrics, record: dict) -> None:
+        if metrics is None:  # a rank other than 0
+            return
         try:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
@@ -628,17 +858,29 @@ class Trainer:
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
         # The same estimator as zoo inspect and the model cards.
-        mem = finetune_memory_bytes(m.config, cfg.batch_size, cfg.seq_len, m.checkpointing, m.precision)
+        share = self.share
+        rows = share.rows[1] - share.rows[0]
+        begin, end = m.moment_range
+        mem = finetune_memory_bytes(m.config, rows, cfg.seq_len, m.checkpointing, m.precision,
+                                    moment_floats=end - begin)
         tf = self.token_file
         gemm = gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
                     else f"fp32 products on {gemm['fp32']}")
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
-        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {threads}; {products}")
-        self.say(f"memory: {human_bytes(mem.total)} = weights {human_bytes(mem.parameters)} + gradients "
-                 f"{human_bytes(mem.gradients)} + AdamW moments {human_bytes(mem.optimizer)} + activations "
-                 f"{human_bytes(mem.activations)} at batch {cfg.batch_size} x {cfg.seq_len}"
-                 f"{' with activation checkpointing' if m.checkpointing else ''}")
+        group = self.group
+        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {threads}"
+                 f"{' per rank' if group is not None else ''}; {products}")
+        if group is not None:
+            part = (f"{rows} of the {cfg.batch_size} sequences of every micro-batch" if rows != cfg.batch_size else
+                    f"{len(share.micros)} of the {cfg.grad_accum} micro-batches of every step")
+            self.say(f"distributed: {group.size} ranks on {group.hosts} host{'s' if group.hosts > 1 else ''}, each "
+                     f"takes {part}; gradients summed across ranks"
+                     + (f"; AdamW moments sharded (ZeRO-1), 1/{group.size} per rank" if self.zero else ""))
+        self.say(f"memory{' per rank' if group is not None else ''}: {human_bytes(mem.total)} = weights "
+                 f"{human_bytes(mem.parameters)} + gradients {human_bytes(mem.gradients)} + AdamW moments "
+                 f"{human_bytes(mem.optimizer)} + activations {human_bytes(mem.activations)} at batch {rows} x "
+                 f"{cfg.seq_len}{' with activation checkpointing' if m.checkpointing else ''}")
         formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
         trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
                                                                    if self.cfg.train_on_everything else "")
@@ -654,15 +896,30 @@ class Trainer:
     # --- checkpoints ------------------------------------------------------------------
 
     def save_checkpoint(self) -> Path:
-        """Write checkpoints/step-N atomically (temp folder, fsync, rename); keep the newest few."""
+        """Write checkpoints/step-N atomically (temp folder, fsync, rename); keep the newest few.
+        In a distributed run every rank calls it: they check that their weights agree, the
+        ZeRO-1 shards of the moments go to rank 0, and rank 0 writes."""
         from .checkpoints import save_pretrained
 
         root = self.out / CHECKPOINTS
         final = root / f"step-{self.step:08d}"
         if self.last_checkpoint == final:
             return final
+        if self.group is not None:
+            self._check_same_weights()
         if not all(np.isfinite(v).all() for v in self.model.parameters().values()):
             raise self._diverged("a parameter", "non-finite", self.step)  # never save broken weights
+        opt = self.model.optimizer_state()
+        if not self.writer:
+            if self.zero:
+                for name in ("m", "v"):
+                    self.group.shards_to_root(f"the AdamW moments ({name}) of step {self.step}", opt[name], self.bounds)
+            self.last_checkpoint = final
+            return final
+        moments = [("m", opt["m"]), ("v", opt["v"])]
+        if self.zero:  # the full moments, written shard by shard as they arrive: the format of any run
+            moments = [(name, Pieces((self.model.n_params,), lambda name=name: self.group.shards_to_root(
+                f"the AdamW moments ({name}) of step {self.step}", opt[name], self.bounds))) for name in ("m", "v")]
         tmp = root / f".tmp-{final.name}-{os.getpid()}"
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -670,12 +927,12 @@ class Trainer:
                 shutil.rmtree(tmp)
             tmp.mkdir()
             save_pretrained(self.model, tmp, tokenizer=self.tokenizer)
-            opt = self.model.optimizer_state()
-            write_file(tmp / OPTIMIZER_FILE, [("m", opt["m"]), ("v", opt["v"])])
+            write_file(tmp / OPTIMIZER_FILE, moments)
             write_json(tmp / STATE_FILE, {
                 "step": self.step, "optimizer_step": int(opt["step"]), "total_steps": self.total_steps,
                 "tokens": self.step * self.tokens_per_step, "val_loss": self.last_val_loss,
                 "data_key": self.data_key, "threads": self.threads,
+                "ranks": 1 if self.group is None else self.group.size,
                 # The data order is drawn from a generator seeded by (seed, step, micro-batch):
                 # seed and step are the whole random state of the run.
                 "rng": {"kind": "numpy-default_rng(seed, step, micro)", "seed": self.cfg.seed},
@@ -692,6 +949,19 @@ class Trainer:
         self.last_checkpoint = final
         self._prune()
         return final
+
+    def _check_same_weights(self) -> None:
+        """Every rank's weights are rank 0's, bit for bit (compared by checksum): the summed
+        gradients and AdamW are the same on every rank, so they stay so unless something is
+        wrong; never save a checkpoint that only one rank's weights would make."""
+        mine = zlib.crc32(self.model.parameter_block())
+        sums = self.group.gather(f"the weight check of step {self.step}", mine)
+        differ = [r for r, c in enumerate(sums) if c != sums[0]]
+        if differ:
+            raise self._everyone(DistributedError(
+                f"after step {self.step} the weights of rank{'s' if len(differ) > 1 else ''} "
+                f"{', '.join(map(str, differ))} differ from rank 0's; stopping before a checkpoint is written "
+                f"({self._fault_context().lstrip('; ')})"))
 
     def _prune(self) -> None:
         """Keep the newest --keep-checkpoints checkpoints. After each save, and at a resume: a
@@ -783,6 +1053,20 @@ class Trainer:
         except (OSError, ValueError) as e:
             self.say(f"note: no loss plot ({e})")
             return None
+
+
+def _tokenizer_source(path: Optional[Path]) -> Optional[tuple[Optional[str], dict[str, bytes]]]:
+    """What another rank needs to load the tokenizer rank 0 loaded from `path` (None: the
+    byte-level one): (the file's name, or None for a folder; the contents of the files
+    Tokenizer.from_pretrained reads there)."""
+    from .tokenizers import ID_FILES, TOKENIZER_FILES
+
+    if path is None:
+        return None
+    path = Path(path)
+    folder, main = (path, None) if path.is_dir() else (path.parent, path.name)
+    names = {*TOKENIZER_FILES, *ID_FILES, *([main] if main else [])}
+    return main, {name: (folder / name).read_bytes() for name in sorted(names) if (folder / name).is_file()}
 
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, file=None) -> None:

@@ -1,0 +1,518 @@
+"""Data-parallel training (docs/distributed.md).
+
+First the pieces that need no MPI: AdamW over a shard of the parameters, clipping by a given
+norm, and the split of a global batch across ranks. Then whole runs under mpirun (skipped, with
+the reason, where mpi4py or mpirun is missing; `make test` installs both through the `mpi`
+extra): tiny Llama, byte-level tokenizer, the demo text, one thread per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zoo
+from zoo.train_config import DEMO_DATA, TrainConfig
+
+
+def _batch(seed=0, B=4, T=32):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 258, (B, T)), rng.integers(0, 258, (B, T))
+
+
+def test_adamw_over_shards_equals_adamw_over_all():
+    """Two models holding half the moments each, clipped by the norm summed from both halves and
+    merged after each step, follow the model that holds them all (bitwise here: the same
+    element-wise update; the norms differ only in summation order, too little to change the
+    float32 clip factor)."""
+    cfg = zoo.preset("tiny-llama")
+    whole = zoo.Model(cfg, seed=0)
+    n, cut = whole.n_params, whole.n_params // 2 + 5  # a cut inside a tensor, off the 16-float grid
+    halves = [zoo.Model(cfg, seed=0), zoo.Model(cfg, seed=0)]
+    halves[0].set_moment_range(0, cut)
+    halves[1].set_moment_range(cut, n)
+    assert halves[0].optimizer_state()["m"].size == cut and halves[1].optimizer_state()["v"].size == n - cut
+    x, y = _batch()
+    for _ in range(3):
+        for m in (whole, *halves):
+            m.zero_grads()
+            m.forward_backward(x, y)
+        expected = whole.adamw_step(1e-2, weight_decay=0.1, max_grad_norm=0.5)
+        norm = np.sqrt(halves[0].grad_sum_squares(0, cut) + halves[1].grad_sum_squares(cut, n))
+        assert norm == pytest.approx(expected, rel=1e-6)
+        for m in halves:
+            assert m.adamw_step(1e-2, weight_decay=0.1, max_grad_norm=0.5, grad_norm=norm) == norm
+        merged = np.concatenate([halves[0].parameter_block()[:cut], halves[1].parameter_block()[cut:]])
+        for m in halves:
+            m.parameter_block()[:] = merged
+        np.testing.assert_array_equal(merged, whole.parameter_block())
+    # The shards' moments are the whole model's, cut at the same place.
+    np.testing.assert_array_equal(halves[1].optimizer_state()["v"], whole.optimizer_state()["v"][cut:])
+
+
+def test_moment_range_is_fixed_once_the_moments_exist():
+    m = zoo.Model(zoo.preset("tiny-llama"), seed=0)
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        m.set_moment_range(5, 5)
+    m.optimizer_state()
+    with pytest.raises(RuntimeError, match="in use already"):
+        m.set_moment_range(0, 10)
+
+
+def test_reduced_gradients_replace_the_pass_norm():
+    """reduce_gradients: what a collective writes into the block is what the step clips by."""
+    m = zoo.Model(zoo.preset("tiny-llama"), seed=0)
+    m.zero_grads()
+    m.forward_backward(*_batch())
+    before = m.grad_norm()
+    m.reduce_gradients(lambda block: block.__imul__(2.0))
+    assert m.grad_norm() == pytest.approx(2 * before, rel=1e-6)
+    with pytest.raises(ValueError, match="grad_norm must be >= 0"):
+        m.adamw_step(1e-3, grad_norm=float("nan"))
+
+
+def test_batch_share_covers_the_global_batch_once():
+    from zoo.data import DataError, batch_share
+
+    rows = [batch_share(8, 3, r, 4) for r in range(4)]  # 8 rows split: a slice of every micro-batch
+    assert [s.rows for s in rows] == [(0, 2), (2, 4), (4, 6), (6, 8)] and all(s.micros == range(3) for s in rows)
+    assert rows[0].scale == 1 / 12
+    dealt = [batch_share(2, 4, r, 4) for r in range(4)]  # 2 rows cannot: whole micro-batches, round robin
+    assert [list(s.micros) for s in dealt] == [[0], [1], [2], [3]] and dealt[0].rows == (0, 2)
+    assert dealt[0].scale == 1 / 4
+    with pytest.raises(DataError, match="3 ranks cannot share a global batch of --batch-size 4 x --grad-accum 2"):
+        batch_share(4, 2, 0, 3)
+
+
+def test_shard_bounds_are_aligned_and_cover_the_region():
+    from zoo.distributed import shard_bounds
+
+    b = shard_bounds(0, 133_440, 3)
+    assert b[0] == 0 and b[-1] == 133_440 and all(x % 16 == 0 for x in b[:-1]) and b == sorted(set(b))
+    assert shard_bounds(100, 200, 2) == [100, 148, 200]
+
+
+# --- runs under mpirun --------------------------------------------------------------------
+
+
+def _mpi_missing() -> str | None:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install 'zoo[mpi]'; make test installs it)"
+    from zoo.errors import DistributedError
+    from zoo.launch import find_mpirun
+
+    try:
+        find_mpirun()
+    except DistributedError as e:
+        return str(e)
+    return None
+
+
+needs_mpi = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
+
+# Steps of 8 x 32 tokens on the tiny Llama: a few ms each, so a run is mostly its start.
+RUN = dict(preset="tiny-llama", data=[str(DEMO_DATA)], batch_size=4, grad_accum=2, seq_len=32, steps=6, lr=3e-3,
+           warmup_steps=1, eval_every=3, eval_batches=3, save_every=3, threads=1, progress=False, sample_tokens=0)
+TIMEOUT = 120  # seconds for any one launch; a hung test fails instead of hanging CI
+
+
+def _flags(**settings) -> list[str]:
+    out = []
+    for k, v in settings.items():
+        flag = "--from" if k == "from_dir" else "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(flag if v else "--no-" + flag[2:])
+        elif isinstance(v, list):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+def _launch(ranks: int, out: Path, env: dict | None = None, timeout: float = TIMEOUT, verb: str = "train",
+            **settings):
+    """`zoo launch -n RANKS train ...` in a subprocess: (exit status, console text, seconds)."""
+    run = {k: v for k, v in RUN.items() if not (verb == "finetune" and k == "preset")}
+    cmd = [sys.executable, "-m", "zoo.cli", "launch", "-n", str(ranks), verb,
+           *_flags(**{**run, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return p.returncode, p.stdout + p.stderr, time.monotonic() - start
+
+
+def _one_process(out: Path, **settings):
+    from zoo.trainer import Trainer
+
+    n = zoo.get_threads()
+    run = {k: v for k, v in RUN.items() if not ("from_dir" in settings and k == "preset")}
+    try:
+        Trainer(TrainConfig(**{**run, "cache_dir": str(out.parent / "cache"), "out": str(out), **settings})).run()
+    finally:
+        zoo.set_threads(n)
+
+
+def _records(out: Path) -> tuple[list[dict], list[dict]]:
+    recs = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r for r in recs if "loss" in r], [r for r in recs if "val_loss" in r]
+
+
+def _weights(folder: Path) -> dict[str, np.ndarray]:
+    from zoo.safetensors_io import SafetensorsFile
+
+    with SafetensorsFile(folder / "model.safetensors") as f:
+        return {name: f.read(name) for name in f.tensors}
+
+
+def _assert_same_run(got: Path, want: Path, steps: int = RUN["steps"]):
+    """Per-step losses and gradient norms, and validation losses, within 1e-6 relative. The
+    final weights: all but 0.1% within 1e-6, and none further than 5% of the learning rate.
+    A weight's gradient is a sum over every token of the batch, summed here in another order;
+    where its terms cancel, their last bits are a large part of it, and AdamW, which divides
+    by the root of the second moment, moves such a weight by a part of lr that differs (the
+    worst seen: 1.1% of lr after 6 steps, 4 ranks)."""
+    (train_got, val_got), (train_want, val_want) = _records(got), _records(want)
+    assert [r["step"] for r in train_got] == list(range(1, steps + 1)) == [r["step"] for r in train_want]
+    for a, b in zip(train_got, train_want):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0), a["step"]
+    assert [r["step"] for r in val_got] == [r["step"] for r in val_want]
+    for a, b in zip(val_got, val_want):
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-6, abs=0), a["step"]
+    w_got, w_want = _weights(got), _weights(want)
+    assert w_got.keys() == w_want.keys()
+    diff = np.concatenate([np.abs(w_got[k] - w_want[k]).reshape(-1) for k in w_got])
+    assert (diff > 1e-6).mean() < 1e-3, (diff > 1e-6).mean()
+    assert diff.max() <= 0.05 * RUN["lr"], diff.max()
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One process with gradient accumulation over the global batch: 4 x 2 micro-batches (the
+    ranks split their rows), and 2 x 4 (4 ranks take whole micro-batches)."""
+    root = tmp_path_factory.mktemp("distributed")
+    _one_process(root / "rows")
+    _one_process(root / "micros", batch_size=2, grad_accum=4)
+    return root
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks,zero,shape", [(2, 0, "rows"), (4, 0, "micros"), (2, 1, "rows"), (4, 1, "rows")])
+def test_ranks_train_as_one_process_with_accumulation(references, tmp_path, ranks, zero, shape):
+    """Not bitwise: each rank's pullbacks sum over its rows only, and MPI adds the ranks' sums,
+    in another order than one process adding micro-batch after micro-batch."""
+    settings = {"batch_size": 2, "grad_accum": 4} if shape == "micros" else {}
+    status, console, _ = _launch(ranks, tmp_path / "run", zero=zero, **settings)
+    assert status == 0, console
+    _assert_same_run(tmp_path / "run", references / shape)
+    assert f"distributed: {ranks} ranks on 1 host" in console
+    assert console.count("done: step 6") == 1  # rank 0 alone speaks
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("step 6: val loss") == 1
+
+
+@needs_mpi
+def test_packed_chat_data_on_two_ranks_trains_as_one_process(tmp_path):
+    """Packed rows carry loss on different numbers of tokens: each rank's slice counts as its
+    share of the micro-batch's tokens, so the ranks still compute one process's gradient. The
+    chat template is rank 0's (sent to the others)."""
+    rng = np.random.default_rng(0)
+    chats = tmp_path / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(120):
+            question = " ".join(rng.choice(["red", "blue", "green", "why", "how", "is"], rng.integers(1, 6)))
+            answer = " ".join(rng.choice(["yes", "no", "maybe", "later"], rng.integers(1, 9)))
+            f.write(json.dumps({"messages": [{"role": "user", "content": question},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    settings = dict(data=[str(chats)], seq_len=64)
+    _one_process(tmp_path / "one", **settings)
+    status, console, _ = _launch(2, tmp_path / "two", **settings)
+    assert status == 0, console
+    assert "packed rows" in console
+    _assert_same_run(tmp_path / "two", tmp_path / "one")
+
+
+@needs_mpi
+def test_finetuning_a_hugging_face_checkpoint_on_two_ranks(tmp_path):
+    """GPT-2 with its BPE files (vocab.json, merges.txt; its ids from config.json): rank 0
+    loads it and sends the other rank the model config, the tokenizer's files and the weights."""
+    pytest.importorskip("transformers")
+    from hf_tiny import gpt2_checkpoint
+
+    text = "".join((DEMO_DATA / name).read_text() for name in sorted(os.listdir(DEMO_DATA)))
+    ckpt = gpt2_checkpoint(tmp_path / "gpt2", text)
+    _one_process(tmp_path / "one", from_dir=str(ckpt))
+    status, console, _ = _launch(2, tmp_path / "two", verb="finetune", from_dir=str(ckpt))
+    assert status == 0, console
+    _assert_same_run(tmp_path / "two", tmp_path / "one")
+
+
+@needs_mpi
+def test_zero_1_shards_the_moments_and_saves_them_whole(tmp_path):
+    """Each rank's moments cover its shard alone (the header's per-rank memory), and the
+    checkpoint holds them whole, as a one-process run's: ZeRO-1 and plain data parallelism
+    write the same moments to the last bits."""
+    status, console, _ = _launch(2, tmp_path / "zero", zero=1)
+    assert status == 0, console
+    plain_status, plain_console, _ = _launch(2, tmp_path / "plain")
+    assert plain_status == 0, plain_console
+    n = zoo.preset("tiny-llama").num_parameters()
+    from zoo.memory import human_bytes
+
+    assert f"AdamW moments {human_bytes(8 * (n // 2 // 16 * 16))}" in console  # rank 0's shard
+    assert f"AdamW moments {human_bytes(8 * n)}" in plain_console
+    from zoo.safetensors_io import SafetensorsFile
+
+    ckpt = "checkpoints/step-00000006/optimizer.safetensors"
+    with SafetensorsFile(tmp_path / "zero" / ckpt) as a, SafetensorsFile(tmp_path / "plain" / ckpt) as b:
+        for name in ("m", "v"):
+            assert a.info(name).shape == (n,)
+            np.testing.assert_allclose(a.read(name), b.read(name), rtol=1e-4, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """An uninterrupted run of 2 ranks, and how long it took."""
+    out = tmp_path_factory.mktemp("two-ranks") / "run"
+    status, console, seconds = _launch(2, out)
+    assert status == 0, console
+    return out, seconds
+
+
+def _metrics_equal(got: Path, want: Path) -> None:
+    """The same records, bit for bit, but for the speed."""
+    def drop_speed(records):
+        return [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records]
+
+    (train_got, val_got), (train_want, val_want) = _records(got), _records(want)
+    assert drop_speed(train_got) == drop_speed(train_want) and val_got == val_want
+
+
+@needs_mpi
+def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(two_ranks, tmp_path):
+    """kill -9 of rank 1 in step 5: mpirun ends the other rank at once and names the dead one.
+    The checkpoint of step 3 is intact; resumed with the same rank count, the run ends bitwise
+    where the uninterrupted one did (the data order is a function of the step, and MPI sums the
+    ranks' gradients in the same order every time)."""
+    reference, _ = two_ranks
+    out = tmp_path / "run"
+    status, console, _ = _launch(2, out, env={"ZOO_TEST_FAULT": "1:5:die"})
+    assert status != 0 and "rank 1" in console, console
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    assert not (out / "config.json").exists()  # nothing published
+    from zoo.checkpoints import load_pretrained
+
+    load_pretrained(out / "checkpoints" / "step-00000003")
+    status, console, _ = _launch(2, out, resume=True)
+    assert status == 0, console
+    _metrics_equal(out, reference)
+    w, w_ref = _weights(out), _weights(reference)
+    assert all(np.array_equal(w[k], w_ref[k]) for k in w_ref)
+
+
+@needs_mpi
+def test_a_stalled_rank_is_named_and_one_process_resumes_the_run(two_ranks, tmp_path):
+    """Rank 1 sleeps at step 5: rank 0 waits --rank-timeout, names it in one line (also in
+    train.log) and aborts the job (exit status 5). One process resumes the checkpoint of
+    step 3: the same batches, summed in another order (losses within 1e-6)."""
+    reference, seconds = two_ranks
+    out = tmp_path / "run"
+    status, console, took = _launch(2, out, env={"ZOO_TEST_FAULT": "1:5:stall"}, rank_timeout=3)
+    line = "rank 1 did not reach the gradient exchange of step 5 within --rank-timeout 3 s"
+    assert status == 5 and console.count(line) == 1, console
+    assert took < seconds + 3 + 10, (took, seconds)  # the whole run, plus the timeout, plus slack
+    assert "the last checkpoint is" in console and line in (out / "train.log").read_text()
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    _one_process(out, resume=True)
+    assert "the run used 2 rank(s), this one 1" in (out / "train.log").read_text()
+    _assert_same_run(out, reference)
+
+
+@needs_mpi
+def test_zero_1_resumes_with_another_rank_count(two_ranks, tmp_path):
+    """ZeRO-1 checkpoints hold the moments whole: 4 ranks stop (a stall), 2 ranks resume with
+    their own shards."""
+    reference, _ = two_ranks
+    out = tmp_path / "run"
+    status, console, _ = _launch(4, out, env={"ZOO_TEST_FAULT": "2:4:stall"}, rank_timeout=3, zero=1)
+    assert status == 5 and "rank 2 did not reach" in console, console
+    status, console, _ = _launch(2, out, resume=True, zero=1)
+    assert status == 0, console
+    _assert_same_run(out, reference)
+
+
+@needs_mpi
+def test_ranks_whose_weights_differ_stop_before_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    status, console, _ = _launch(2, out, env={"ZOO_TEST_FAULT": "1:3:perturb"})
+    assert status == 1 and console.count("zoo: error: after step 3 the weights of rank 1 differ from rank 0's") == 1, \
+        console
+    assert not (out / "checkpoints").exists()
+
+
+AUDIT = '''
+import os, sys
+RANK = os.environ.get("OMPI_COMM_WORLD_RANK")
+WATCHED = os.environ["ZOO_TEST_WATCHED"]
+LOG = os.path.join(os.environ["ZOO_TEST_AUDIT_DIR"], f"rank-{RANK}.txt")
+EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.listdir", "os.scandir", "shutil.rmtree",
+          "os.link", "os.symlink", "os.truncate", "os.chmod", "os.utime"}
+
+def _paths(args):
+    for a in args:
+        if isinstance(a, (str, bytes, os.PathLike)):
+            yield os.fsdecode(os.fspath(a))
+
+def _hook(event, args):
+    if event in EVENTS:
+        for p in _paths(args):
+            if os.path.abspath(p).startswith(WATCHED):
+                with open(LOG, "a") as f:  # outside WATCHED: no recursion
+                    f.write(f"{event} {p}\\n")
+
+if RANK is not None:
+    sys.addaudithook(_hook)
+'''
+
+
+@needs_mpi
+def test_only_rank_0_touches_the_run_folder(tmp_path):
+    """Every file operation of Python on a path under --out, recorded per rank by an audit
+    hook (sitecustomize.py): rank 0's are many (the hook works), rank 1's none. Started by
+    mpirun directly, as users of other launchers do."""
+    from zoo.launch import OPEN_MPI_ROOT_ENV, find_mpirun
+
+    hook, audit, out = tmp_path / "hook", tmp_path / "audit", tmp_path / "run"
+    hook.mkdir()
+    audit.mkdir()
+    (hook / "sitecustomize.py").write_text(AUDIT)
+    env = {**os.environ, **OPEN_MPI_ROOT_ENV, "PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "ZOO_TEST_WATCHED": str(out), "ZOO_TEST_AUDIT_DIR": str(audit)}
+    args = _flags(**{**RUN, "cache_dir": str(tmp_path / "cache"), "out": str(out)})
+    p = subprocess.run([find_mpirun(), "-n", "2", "--oversubscribe", sys.executable, "-m", "zoo.cli", "train", *args],
+                       capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert len((audit / "rank-0.txt").read_text().splitlines()) > 10
+    assert not (audit / "rank-1.txt").exists(), (audit / "rank-1.txt").read_text()
+    assert (out / "model.safetensors").is_file()
+
+
+@needs_mpi
+def test_ctrl_c_under_zoo_launch_stops_every_rank_after_a_checkpoint(tmp_path):
+    """Ctrl-C reaches zoo launch alone (mpirun has a process group of its own); it asks every
+    rank to stop (SIGUSR1, which mpirun forwards): they save a checkpoint after the same step,
+    end with status 130, and the run resumes."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "zoo.cli", "launch", "-n", "2", "train",
+           *_flags(**{**RUN, "steps": 100_000, "save_every": 0, "eval_every": 0, "cache_dir": str(tmp_path / "cache"),
+                      "out": str(out)})]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (out / "metrics.jsonl").exists() or len(_records(out)[0]) < 3:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0] if p.poll() is not None else ""
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGINT)  # what a terminal sends its foreground process group
+    console = p.communicate(timeout=TIMEOUT)[0]
+    assert p.returncode == 130, console
+    assert console.count("zoo: interrupted at step") == 1, console
+    (ckpt,) = (out / "checkpoints").iterdir()
+    assert f"checkpoint saved to {ckpt}" in console
+
+
+def test_one_process_never_imports_mpi4py(tmp_path):
+    code = ("import sys; from zoo.cli import main; status = main(sys.argv[1:]); "
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'; sys.exit(status)")
+    args = _flags(**{**RUN, "steps": 1, "cache_dir": str(tmp_path / "cache"), "out": str(tmp_path / "run")})
+    p = subprocess.run([sys.executable, "-c", code, "train", *args], capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_launched_rank_without_mpi4py_says_how_to_install_it(tmp_path):
+    code = "import sys; sys.modules['mpi4py'] = None; from zoo.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = _flags(**{**RUN, "steps": 1, "cache_dir": str(tmp_path / "cache"), "out": str(tmp_path / "run")})
+    p = subprocess.run([sys.executable, "-c", code, "train", *args], capture_output=True, text=True, timeout=TIMEOUT,
+                       env={**os.environ, "OMPI_COMM_WORLD_SIZE": "2"})
+    assert p.returncode == 1 and "pip install 'zoo[mpi]'" in p.stderr, p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["launch", "-n", "2", "generate", "--from", "x"], "must be one of train, finetune, demo, got generate"),
+    (["launch", "-n", "0", "train"], "-n: must be at least 1"),
+    (["launch", "-n", "2", "--mpirun", "/no/such/mpirun", "train"], "--mpirun /no/such/mpirun: no such program"),
+    (["launch", "-n", "2", "--hostfile", "/no/such/file", "train"], "--hostfile /no/such/file: no such file"),
+])
+def test_launch_refuses_what_it_cannot_start(argv, message, capsys):
+    from zoo.cli import main
+
+    assert main(argv) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_launch_command_binds_cores_or_oversubscribes():
+    from zoo.launch import launch_command
+
+    cmd, env = launch_command("/x/mpirun", 2, ["train"], open_mpi=True, cores=8)
+    assert cmd[:7] == ["/x/mpirun", "-n", "2", "--map-by", "slot:PE=4", "--bind-to", "core"]
+    assert cmd[-4:] == [sys.executable, "-m", "zoo.cli", "train"]
+    cmd, _ = launch_command("/x/mpirun", 4, ["train"], open_mpi=True, cores=2)
+    assert "--oversubscribe" in cmd and "--bind-to" in cmd and "none" in cmd
+    if os.geteuid() == 0:
+        assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1" and env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    cmd, _ = launch_command("/x/mpiexec", 2, ["train"], open_mpi=False, hostfile="hosts")
+    assert cmd[:5] == ["/x/mpiexec", "-n", "2", "-f", "hosts"]
+
+
+@needs_mpi
+def test_bench_dist_reports_every_system(tmp_path):
+    out = tmp_path / "dist.json"
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.bench_dist", "--preset", "tiny-llama", "--batch-size", "4",
+                        "--seq-len", "16", "--steps", "2", "--warmup", "1", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    s = r["systems"]
+    assert set(s) == {"single", "dp", "zero1"} and "| dp | 2 x 1 |" in p.stdout
+    assert s["dp"]["loss_first"] == pytest.approx(s["single"]["loss_first"], rel=1e-6)  # the same step
+    half = s["dp"]["per_rank"][0]["moment_mib"] / 2
+    assert [x["moment_mib"] for x in s["zero1"]["per_rank"]] == pytest.approx([half, half], rel=1e-3)
+    assert {row["preset"] for row in r["cost_model"]} >= {"gpt2", "llama-3.1-8b"}
+    assert "overlap_probe_median_ms" in s["dp"]
+
+
+GATHER = '''
+import sys, numpy as np
+from zoo import distributed
+group = distributed.world()
+if sys.argv[1] == "bcast":
+    distributed.MAX_COUNT = 100  # as if the block were beyond MPI's int counts
+distributed.BUCKET_FLOATS = 64
+bounds = distributed.shard_bounds(0, 1000, group.size)
+block = np.zeros(1000, np.float32)
+block[bounds[group.rank]:bounds[group.rank + 1]] = group.rank + 1
+group.all_gather("the test", block, bounds)
+expected = np.concatenate([np.full(bounds[r + 1] - bounds[r], r + 1, np.float32) for r in range(group.size)])
+print("ok" if np.array_equal(block, expected) else f"rank {group.rank} wrong", flush=True)
+'''
+
+
+@needs_mpi
+@pytest.mark.parametrize("way", ["allgatherv", "bcast"])
+def test_all_gather_of_shards(tmp_path, way):
+    """The weights' all-gather, in one Allgatherv and in the bucketed broadcasts used where a
+    block's offsets are beyond MPI's int counts (a model of 2^31 parameters and more)."""
+    from zoo.launch import OPEN_MPI_ROOT_ENV, find_mpirun
+
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER)
+    p = subprocess.run([find_mpirun(), "-n", "3", "--oversubscribe", sys.executable, str(script), way],
+                       capture_output=True, text=True, timeout=TIMEOUT, env={**os.environ, **OPEN_MPI_ROOT_ENV})
+    assert p.returncode == 0 and p.stdout.split() == ["ok"] * 3, p.stdout + p.stderr
