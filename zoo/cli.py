@@ -562,20 +562,26 @@ def _add_generate(sub) -> None:
     p.set_defaults(run=_cmd_generate)
 
 
-def _cmd_generate(args) -> int:
+def _threads_and_precision(args) -> None:
+    """--threads and --precision of a verb that runs a model, checked and applied before any
+    weights are read."""
     import zoo
 
+    from .gemm import check_precision
+
+    if args.threads is not None:
+        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
+        zoo.set_threads(args.threads)
+    check_precision(args.precision)
+
+
+def _cmd_generate(args) -> int:
     from .generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
     from .tokenizers import Tokenizer, has_tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
-    if args.threads is not None:
-        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
-        zoo.set_threads(args.threads)
-    from .gemm import check_precision
-
-    check_precision(args.precision)  # before the weights are read
+    _threads_and_precision(args)  # before the weights are read
     from .gguf_model import is_gguf
 
     src = Path(args.from_dir)
@@ -658,18 +664,12 @@ def _run_settings(src: Path) -> dict:
 
 
 def _cmd_eval(args) -> int:
-    import zoo
-
     from .chat_template import ChatTemplate
     from .data import batches_for, tokenize_files
     from .evaluate import evaluate
-    from .gemm import check_precision
     from .tokenizers import Tokenizer
 
-    if args.threads is not None:
-        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
-        zoo.set_threads(args.threads)
-    check_precision(args.precision)
+    _threads_and_precision(args)
     src = Path(args.from_dir)
     if not src.is_dir():
         raise ValueError(f"--from {src}: no such checkpoint folder")
@@ -723,19 +723,13 @@ def _add_chat(sub) -> None:
 
 
 def _cmd_chat(args) -> int:
-    import zoo
-
     from .chat import ChatSession
     from .chat_template import ChatTemplate
-    from .gemm import check_precision
     from .generate import check_settings
     from .tokenizers import Tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
-    if args.threads is not None:
-        _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
-        zoo.set_threads(args.threads)
-    check_precision(args.precision)
+    _threads_and_precision(args)
     src = Path(args.from_dir)
     if not src.is_dir():
         raise ValueError(f"--from {src}: no such checkpoint folder")
