@@ -535,6 +535,24 @@ def _cmd_launch(args) -> int:
 # --- generate, plot -------------------------------------------------------------------
 
 
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of every verb that runs a model: threads, tokenizer, precision."""
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, budget: str) -> None:
+    """How generate and chat pick tokens (generate.check_settings checks the values)."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N", help=budget)
+    p.add_argument("--temperature", type=float, default=temperature, metavar="X", help="0: greedy")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P",
+                   help="sample from the likeliest tokens that together reach probability p (default: 1, all)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
     p.add_argument("--from", dest="from_dir", required=True, metavar="DIR",
@@ -546,19 +564,11 @@ def _add_generate(sub) -> None:
                              "tokenizer. Prints the ids, then their text where the checkpoint has a tokenizer")
     p.add_argument("--no-echo", dest="echo", action="store_false",
                    help="print only the continuation, not the prompt before it")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                   help="tokens to add at most (fewer at an end-of-text token or the model's context length)")
-    p.add_argument("--temperature", type=float, default=0.8, metavar="X", help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the k likeliest tokens (default: all)")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample from the likeliest tokens that together reach probability p (default: 1, all)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
+    _add_sampling_flags(p, 200, 0.8, "tokens to add at most (fewer at an end-of-text token or the model's "
+                                         "context length)")
+    _add_model_flags(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load weights holding NaN or Inf too (refused by default), saying how many and where")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
     p.set_defaults(run=_cmd_generate)
 
 
@@ -646,10 +656,7 @@ def _add_eval(sub) -> None:
                    help="loss on prompts and user turns too (default: the run's setting)")
     p.add_argument("--json", metavar="FILE", help="also write the result as JSON")
     p.add_argument("--cache-dir", metavar="DIR", help="where tokenized data is cached (default: $ZOO_CACHE or ~/.cache/zoo)")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+    _add_model_flags(p)
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load weights holding NaN or Inf too (refused by default), saying how many and where")
     p.set_defaults(run=_cmd_eval)
@@ -709,16 +716,9 @@ def _add_chat(sub) -> None:
     p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--prompt", default=None, metavar="TEXT", help="one message: print the reply and exit")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens per reply at most")
-    p.add_argument("--temperature", type=float, default=0.7, metavar="X", help="0: greedy")
-    p.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the k likeliest tokens")
-    p.add_argument("--top-p", type=float, default=None, metavar="P",
-                   help="sample from the likeliest tokens that together reach probability p")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+    _add_sampling_flags(p, 256, 0.7, "tokens per reply at most (fewer at an end-of-text token or the model's "
+                                     "context length)")
+    _add_model_flags(p)
     p.set_defaults(run=_cmd_chat)
 
 
