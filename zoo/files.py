@@ -74,6 +74,14 @@ def field_errors(e: ValidationError) -> str:
     return "; ".join(parts[:5]) + (f" (and {len(parts) - 5} more)" if len(parts) > 5 else "")
 
 
+def first_field_error(e: ValidationError) -> tuple[str, str]:
+    """(field, message) of a config's first validation error. A field error has a location; a
+    cross-field check has none and starts its message with the field's name."""
+    first = e.errors()[0]
+    msg = first["msg"].removeprefix("Value error, ")
+    return (str(first["loc"][0]) if first["loc"] else msg.split(":", 1)[0]), msg
+
+
 def parse_model(path: str | os.PathLike, model: type[M], data: Any, what: Optional[str] = None) -> M:
     """data (already parsed from path) validated as model; errors name the file and the field."""
     try:

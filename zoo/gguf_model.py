@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from .atomic import atomic_path
 from .config import ModelConfig, RopeScaling
 from .errors import CheckpointError
+from .files import first_field_error
 from .hf_config import hf_incompatibility
 from .layout import ParamSpec, parameter_layout
 from .safetensors_io import count_nonfinite
@@ -163,9 +164,7 @@ def config_from_gguf(f, max_seq_len: Optional[int] = None) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except ValidationError as e:
-        first = e.errors()[0]
-        msg = first["msg"].removeprefix("Value error, ")
-        field = str(first["loc"][0]) if first["loc"] else msg.split(":", 1)[0]
+        field, msg = first_field_error(e)
         raise CheckpointError(f.path, f"invalid value: {msg}",
                               key=_KEY_OF_FIELD.get(field, "general.architecture").format(arch=arch)) from None
 

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from .config import ModelConfig, RopeScaling
 from .errors import CheckpointError
-from .files import read_json
+from .files import first_field_error, read_json
 
 CONFIG_FILE = "config.json"
 ZOO_MODEL_TYPE = "zoo"  # zoo's own config.json, for configs transformers has no class for
@@ -119,10 +119,7 @@ def config_from_hf(hf: dict[str, Any], source: str | os.PathLike = CONFIG_FILE,
     try:
         return ModelConfig(**fields)
     except ValidationError as e:
-        first = e.errors()[0]
-        msg = first["msg"].removeprefix("Value error, ")
-        # A field error has a location; a cross-field check starts its message with the field name.
-        field = str(first["loc"][0]) if first["loc"] else msg.split(":", 1)[0]
+        field, msg = first_field_error(e)
         raise CheckpointError(source, f"invalid value: {msg}", key=_HF_KEY[model_type].get(field)) from None
 
 
