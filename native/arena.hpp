@@ -1,7 +1,8 @@
 // One aligned float allocation carved into tensors by offsets computed up front.
-// The executor owns two: the parameter arena (weights, gradients, AdamW moments; fixed for
-// the model's lifetime, so views handed to Python never move) and the activation arena
-// (planned for a batch shape before a step; re-planned only when a larger shape arrives).
+// The executor owns: the parameter arena (weights and gradients; fixed for the model's
+// lifetime, so views handed to Python never move), the AdamW moments' arena (mapped at their
+// first use, sized to the range they cover), the activation arena (planned for a batch shape
+// before a step; re-planned only when a larger shape arrives) and the KV cache's.
 #pragma once
 #include <sys/mman.h>
 
