@@ -65,6 +65,17 @@ zoo::Dims dims_from(const py::dict& c) {
     d.attention_bias = c["attention_bias"].cast<bool>();
     d.mlp_bias = c["mlp_bias"].cast<bool>();
     d.tied_embeddings = c["tied_embeddings"].cast<bool>();
+    // The run's setup (zoo/lora.py), absent for a trainable base without adapters.
+    if (c.contains("frozen")) {
+        d.frozen = c["frozen"].cast<bool>();
+        d.matrix_dtype = zoo::dtype_named(c["matrix_dtype"].cast<std::string>());
+        d.lora_width = c["lora_width"].cast<int>();
+        d.lora_scale = c["lora_scale"].cast<float>();
+        d.lora_dropout = c["lora_dropout"].cast<float>();
+        d.lora_seed = c["lora_seed"].cast<uint64_t>();
+        if (d.lora_width < 0 || d.lora_width > zoo::limits::max_row_floats)
+            throw std::invalid_argument("zoo: lora_width outside [0, " + std::to_string(zoo::limits::max_row_floats) + "]");
+    }
     zoo::check_dims(d);
     return d;
 }
@@ -207,10 +218,24 @@ PYBIND11_MODULE(_native, m) {
         ZOO_LAYER_ROLES(ZOO_LAYER_ROLE_NAME)
 #undef ZOO_MODEL_ROLE_NAME
 #undef ZOO_LAYER_ROLE_NAME
-        info["roles"] = py::dict(py::arg("model") = model_roles, py::arg("layer") = layer_roles);
+        std::vector<std::string> matrix_roles, lora_slots;
+#define ZOO_MATRIX_ROLE_NAME(r) matrix_roles.push_back(#r);
+#define ZOO_LORA_SLOT_NAME(s) lora_slots.push_back(#s);
+        ZOO_MODEL_MATRICES(ZOO_MATRIX_ROLE_NAME)
+        ZOO_LAYER_MATRICES(ZOO_MATRIX_ROLE_NAME)
+        ZOO_LORA_SLOTS(ZOO_LORA_SLOT_NAME)
+#undef ZOO_MATRIX_ROLE_NAME
+#undef ZOO_LORA_SLOT_NAME
+        // matrices: the roles a frozen base may store narrower than fp32 (quant.hpp).
+        info["roles"] = py::dict(py::arg("model") = model_roles, py::arg("layer") = layer_roles,
+                                 py::arg("matrices") = matrix_roles, py::arg("lora_slots") = lora_slots);
         return info;
     });
 
+    m.def("storage_bytes", [](const std::string& format, size_t rows, size_t cols) {
+        return zoo::storage_bytes(zoo::dtype_named(format), rows, cols);
+    }, py::arg("format"), py::arg("rows"), py::arg("cols"),
+       "Bytes a frozen (rows, cols) matrix takes in a weight format (fp32, bf16, int8, nf4), scales included.");
     m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
                                   std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
@@ -246,13 +271,55 @@ PYBIND11_MODULE(_native, m) {
 
     py::class_<Executor>(m, "Executor")
         .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t, size_t>> table,
-                         std::vector<float> inv_freq) {
+                         std::vector<float> inv_freq,
+                         std::vector<std::tuple<std::string, int, size_t, size_t, std::string>> frozen_table,
+                         std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>> adapter_table) {
                  std::vector<zoo::ParamBinding> layout;
                  for (auto& [role, layer, offset, count] : table) layout.push_back({role, layer, offset, count});
-                 return new Executor(dims_from(cfg), n_params, layout, inv_freq);
+                 std::vector<zoo::FrozenBinding> frozen;
+                 for (auto& [role, layer, rows, cols, dtype] : frozen_table)
+                     frozen.push_back({role, layer, rows, cols, zoo::dtype_named(dtype)});
+                 std::vector<zoo::AdapterBinding> adapters;
+                 for (auto& [slot, layer, o0, o1, rank, a_off, b_off] : adapter_table)
+                     adapters.push_back({slot, layer, o0, o1, rank, a_off, b_off});
+                 return new Executor(dims_from(cfg), n_params, layout, frozen, adapters, inv_freq);
              }),
              py::arg("config"), py::arg("n_params"), py::arg("layout"), py::arg("inv_freq"),
-             "layout: the table zoo/layout.py writes, rows of (role, layer, offset, count).")
+             py::arg("frozen") = std::vector<std::tuple<std::string, int, size_t, size_t, std::string>>{},
+             py::arg("adapters") = std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>>{},
+             "layout: the trainable tensors, rows of (role, layer, offset, count) (zoo/layout.py); frozen: a "
+             "frozen base's tensors, rows of (role, layer, rows, cols, format); adapters: rows of (slot, layer, "
+             "o0, o1, rank, A offset, B offset) (zoo/lora.py).")
+        .def("store_base", [](Executor& e, size_t index, size_t first_row,
+                              py::array_t<float, py::array::c_style | py::array::forcecast> values) {
+                 const zoo::FrozenBinding& f = e.base_binding(index);
+                 if ((size_t)values.size() % f.cols)
+                     throw std::invalid_argument("zoo: " + std::to_string(values.size()) + " values are no whole rows of " +
+                                                 std::to_string(f.cols) + " for frozen tensor " + f.role);
+                 const size_t rows = values.size() / f.cols;
+                 const float* data = values.data();
+                 py::gil_scoped_release nogil;
+                 e.store_base(index, first_row, rows, data);
+             }, py::arg("index"), py::arg("first_row"), py::arg("values"),
+             "Stores rows [first_row, ...) of the frozen base's tensor index (table order) from fp32 values, "
+             "in the tensor's format.")
+        .def("load_base", [](Executor& e, size_t index, size_t first_row, size_t rows) {
+                 const zoo::FrozenBinding& f = e.base_binding(index);
+                 py::array_t<float> out({(py::ssize_t)rows, (py::ssize_t)f.cols});
+                 float* data = out.mutable_data();
+                 {
+                     py::gil_scoped_release nogil;
+                     e.load_base(index, first_row, rows, data);
+                 }
+                 return out;
+             }, py::arg("index"), py::arg("first_row"), py::arg("rows"),
+             "Rows of the frozen base's tensor index as fp32 (rows, cols).")
+        .def("arena_bytes", [](Executor& e) {
+            py::dict out;
+            for (const auto& [name, bytes] : e.arena_bytes()) out[py::str(name)] = bytes;
+            return out;
+        })
+        .def("has_grads", &Executor::has_grads)
         .def("params", [](py::object self) {
             auto& e = self.cast<Executor&>();
             return view(self, e.params(), {(py::ssize_t)e.n_params()});

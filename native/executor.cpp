@@ -18,14 +18,29 @@ namespace zoo {
     } while (0)
 
 Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
+                   const std::vector<FrozenBinding>& frozen, const std::vector<AdapterBinding>& adapters,
                    const std::vector<float>& inv_freq)
-    : d_(dims), n_params_(n_params) {
-    check_dims(d_);            // before any table is sized from the config
-    plan_grad_ranges(layout);  // checks the table before anything is bound
-    store_.reset(2 * n_params_, "parameter arena (weights and gradients)");
+    : d_(dims), n_params_(n_params), layout_(layout) {
+    check_dims(d_);  // before any table is sized from the config
+    if (d_.frozen == frozen.empty())
+        throw std::invalid_argument(d_.frozen ? "zoo: a frozen base needs the table of its tensors"
+                                              : "zoo: a table of frozen tensors, but the base trains");
+    if (!d_.frozen && (!adapters.empty() || d_.lora_width))
+        throw std::invalid_argument("zoo: LoRA adapters sit on a frozen base; this base trains");
+    if (d_.lora_dropout < 0.0f || !(d_.lora_dropout < 1.0f))
+        throw std::invalid_argument("zoo: lora dropout must be in [0, 1)");
+    plan_grad_ranges(layout, adapters);  // checks the tables before anything is bound
+    params_.reset(n_params_, "trainable weights");
     moment_end_ = n_params_;
-    bind(w_, params(), layout);
-    bind(g_, grads(), layout);
+    if (d_.frozen) {
+        bind_frozen(frozen);
+        frozen_grad_sink_.resize(2 * (size_t)d_.d_model);
+    } else {
+        bind(w_, params(), layout);
+    }
+    g_.layers.resize(d_.n_layer);  // bound when the gradients are mapped (a frozen base's stay null)
+    bind_matrices();
+    bind_adapters(adapters);
     if (d_.rope) {
         if ((int)inv_freq.size() != d_.head_dim / 2)
             throw std::invalid_argument("zoo: inv_freq must have head_dim/2 entries");
@@ -37,13 +52,38 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     set_clad_blocks({});
 }
 
+// The linear layers adapters sit on: input and output widths.
+static LoraSlot slot_named(const std::string& name) {
+#define ZOO_MATCH_SLOT(s) \
+    if (name == #s) return lora_##s;
+    ZOO_LORA_SLOTS(ZOO_MATCH_SLOT)
+#undef ZOO_MATCH_SLOT
+    throw std::invalid_argument("zoo: no linear layer '" + name + "' for an adapter (qkv, attn_out, fc, proj)");
+}
+static int slot_in(const Dims& d, LoraSlot s) {
+    return s == lora_attn_out ? d.attn_dim() : s == lora_proj ? d.d_ff : d.d_model;
+}
+static int slot_out(const Dims& d, LoraSlot s) {
+    return s == lora_qkv ? d.qkv_dim() : s == lora_fc ? d.fc_dim() : d.d_model;
+}
+static size_t slot_input(const Dims& d, const std::string& slot) { return slot_in(d, slot_named(slot)); }
+
 // The table must tile the parameter arena exactly (no gap: a gradient no pullback writes; no
 // overlap: two tensors in one place). Each layer's ranges, adjacent ones merged, let a step
 // take a layer's gradient norm while it is in cache.
-void Executor::plan_grad_ranges(const std::vector<ParamBinding>& layout) {
+void Executor::plan_grad_ranges(const std::vector<ParamBinding>& layout, const std::vector<AdapterBinding>& adapters) {
     std::vector<Range> all;
     std::vector<std::vector<Range>> by_layer(d_.n_layer + 1);  // the last: outside the layers
-    for (const auto& b : layout) {
+    std::vector<ParamBinding> rows = layout;
+    for (const auto& a : adapters) {  // A and B as rows of their own; bind_adapters checks their sizes
+        if (a.rank <= 0 || a.o1 <= a.o0)
+            throw std::invalid_argument("zoo: adapter on " + a.slot + " in layer " + std::to_string(a.layer) +
+                                        " has rank " + std::to_string(a.rank) + " and columns [" +
+                                        std::to_string(a.o0) + ", " + std::to_string(a.o1) + ")");
+        rows.push_back({a.slot + " adapter A", a.layer, a.a_offset, (size_t)a.rank * slot_input(d_, a.slot)});
+        rows.push_back({a.slot + " adapter B", a.layer, a.b_offset, (size_t)a.rank * (a.o1 - a.o0)});
+    }
+    for (const auto& b : rows) {
         if (b.layer < -1 || b.layer >= d_.n_layer)
             throw std::invalid_argument("zoo: parameter " + b.role + " has layer " + std::to_string(b.layer) +
                                         " outside [-1, " + std::to_string(d_.n_layer) + ")");
@@ -102,30 +142,60 @@ static size_t kernel_floats(const Dims& d, const std::string& role) {
     return 0;
 }
 
+// The field a role binds to in t (layer < 0: the model's own), or null for no such role.
+static float** role_slot(ModelTensors& t, const std::string& role, int layer) {
+#define ZOO_MATCH_ROLE(r) \
+    if (role == #r) return &tensors.r;
+    if (layer < 0) {
+        ModelTensors& tensors = t;
+        ZOO_MODEL_ROLES(ZOO_MATCH_ROLE)
+    } else {
+        LayerTensors& tensors = t.layers[layer];
+        ZOO_LAYER_ROLES(ZOO_MATCH_ROLE)
+    }
+#undef ZOO_MATCH_ROLE
+    return nullptr;
+}
+static Matrix* matrix_slot(ModelMatrices& m, const std::string& role, int layer) {
+#define ZOO_MATCH_MATRIX(r) \
+    if (role == #r) return &matrices.r;
+    if (layer < 0) {
+        ModelMatrices& matrices = m;
+        ZOO_MODEL_MATRICES(ZOO_MATCH_MATRIX)
+    } else {
+        LayerMatrices& matrices = m.layers[layer];
+        ZOO_LAYER_MATRICES(ZOO_MATCH_MATRIX)
+    }
+#undef ZOO_MATCH_MATRIX
+    return nullptr;
+}
+// A matrix role's (rows, cols): (out, in) of its products; the token embedding's (vocab, d).
+static std::pair<int, int> matrix_shape(const Dims& d, const std::string& role) {
+    if (role == "wte" || role == "lm_head_w") return {d.vocab_size, d.d_model};
+    if (role == "qkv_w") return {d.qkv_dim(), d.d_model};
+    if (role == "attn_out_w") return {d.d_model, d.attn_dim()};
+    if (role == "fc_w") return {d.fc_dim(), d.d_model};
+    return {d.d_model, d.d_ff};  // proj_w
+}
+
+static std::string where(const std::string& role, int layer) {
+    return role + (layer < 0 ? " outside the layers" : " in layer " + std::to_string(layer));
+}
+
 // The layout table bound in one loop: each row's pointer goes to its role's field.
 void Executor::bind(ModelTensors& t, float* base, const std::vector<ParamBinding>& layout) const {
     t = ModelTensors{};
     t.layers.resize(d_.n_layer);
     for (const auto& b : layout) {
-        float** slot = nullptr;
-#define ZOO_MATCH_ROLE(r) \
-    if (b.role == #r) slot = &tensors.r;
-        if (b.layer < 0) {
-            ModelTensors& tensors = t;
-            ZOO_MODEL_ROLES(ZOO_MATCH_ROLE)
-        } else {
-            LayerTensors& tensors = t.layers[b.layer];
-            ZOO_LAYER_ROLES(ZOO_MATCH_ROLE)
-        }
-#undef ZOO_MATCH_ROLE
-        const std::string at = b.layer < 0 ? " outside the layers" : " in layer " + std::to_string(b.layer);
-        if (!slot) throw std::invalid_argument("zoo: no parameter role " + b.role + at);
-        if (*slot) throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound twice");
+        float** slot = role_slot(t, b.role, b.layer);
+        const std::string at = where(b.role, b.layer);
+        if (!slot) throw std::invalid_argument("zoo: no parameter role " + at);
+        if (*slot) throw std::invalid_argument("zoo: parameter role " + at + " is bound twice");
         const size_t read = kernel_floats(d_, b.role);
         if (read == 0)
-            throw std::invalid_argument("zoo: parameter role " + b.role + at + " is bound, but the config has no such tensor");
+            throw std::invalid_argument("zoo: parameter role " + at + " is bound, but the config has no such tensor");
         if (b.count != read)
-            throw std::invalid_argument("zoo: parameter role " + b.role + at + " has " + std::to_string(b.count) +
+            throw std::invalid_argument("zoo: parameter role " + at + " has " + std::to_string(b.count) +
                                         " floats in the layout; the kernels read " + std::to_string(read));
         *slot = base + b.offset;
     }
@@ -144,11 +214,181 @@ void Executor::bind(ModelTensors& t, float* base, const std::vector<ParamBinding
     }
 }
 
+// A frozen base: its tensors placed in table order in the base arena, each in its format (only
+// the matrix roles may be narrower than fp32), the vectors bound into w_, the matrices into wm_.
+void Executor::bind_frozen(const std::vector<FrozenBinding>& frozen) {
+    size_t at = 0;
+    for (const auto& f : frozen) {
+        limits::check_size(("rows x cols of " + where(f.role, f.layer)).c_str(), (int64_t)(f.rows * f.cols),
+                           limits::max_tensor_floats);
+        base_offsets_.push_back(at);
+        at += storage_bytes(f.dtype, f.rows, f.cols);
+    }
+    base_.reset((at + 3) / 4, "frozen base");
+    base_rows_ = frozen;
+    w_ = ModelTensors{};
+    w_.layers.resize(d_.n_layer);
+    wm_ = ModelMatrices{};
+    wm_.layers.resize(d_.n_layer);
+    for (size_t k = 0; k < frozen.size(); k++) {
+        const FrozenBinding& f = frozen[k];
+        const std::string at_role = where(f.role, f.layer);
+        if (f.layer < -1 || f.layer >= d_.n_layer)
+            throw std::invalid_argument("zoo: frozen tensor " + at_role + " outside the layers");
+        float** slot = role_slot(w_, f.role, f.layer);
+        if (!slot) throw std::invalid_argument("zoo: no parameter role " + at_role);
+        const size_t read = kernel_floats(d_, f.role);
+        if (read == 0)
+            throw std::invalid_argument("zoo: frozen tensor " + at_role + " is bound, but the config has no such tensor");
+        if (f.rows * f.cols != read)
+            throw std::invalid_argument("zoo: frozen tensor " + at_role + " has " + std::to_string(f.rows * f.cols) +
+                                        " values; the kernels read " + std::to_string(read));
+        void* data = reinterpret_cast<uint8_t*>(base_.data) + base_offsets_[k];
+        if (Matrix* m = matrix_slot(wm_, f.role, f.layer)) {
+            const auto [rows, cols] = matrix_shape(d_, f.role);
+            if ((int)f.rows != rows || (int)f.cols != cols)
+                throw std::invalid_argument("zoo: frozen matrix " + at_role + " is " + std::to_string(f.rows) + " x " +
+                                            std::to_string(f.cols) + "; the products read " + std::to_string(rows) +
+                                            " x " + std::to_string(cols));
+            if (m->data) throw std::invalid_argument("zoo: parameter role " + at_role + " is bound twice");
+            *m = Matrix(data, f.dtype, rows, cols);
+        } else {
+            if (f.dtype != DType::f32)
+                throw std::invalid_argument("zoo: frozen tensor " + at_role + " is stored in fp32 only (a vector, or "
+                                            "an embedding read row by row), not " + dtype_name(f.dtype));
+            if (*slot) throw std::invalid_argument("zoo: parameter role " + at_role + " is bound twice");
+            *slot = static_cast<float*>(data);
+        }
+    }
+    auto need = [&](bool bound, const char* role, int layer) {
+        if (!bound && kernel_floats(d_, role))
+            throw std::invalid_argument(std::string("zoo: frozen tensor ") + where(role, layer) + " is not bound");
+    };
+#define ZOO_IS_MATRIX(r) || role == #r
+    auto bound = [&](const std::string& role, int layer) {
+        if (false ZOO_MODEL_MATRICES(ZOO_IS_MATRIX) ZOO_LAYER_MATRICES(ZOO_IS_MATRIX))
+            return matrix_slot(wm_, role, layer)->data != nullptr;
+        return *role_slot(w_, role, layer) != nullptr;
+    };
+#undef ZOO_IS_MATRIX
+#define ZOO_NEED_MODEL(r) need(bound(#r, -1), #r, -1);
+    ZOO_MODEL_ROLES(ZOO_NEED_MODEL)
+#undef ZOO_NEED_MODEL
+    for (int i = 0; i < d_.n_layer; i++) {
+#define ZOO_NEED_LAYER(r) need(bound(#r, i), #r, i);
+        ZOO_LAYER_ROLES(ZOO_NEED_LAYER)
+#undef ZOO_NEED_LAYER
+    }
+}
+
+// A trainable base's matrices: fp32 views of its weights.
+void Executor::bind_matrices() {
+    if (d_.frozen) return;  // bind_frozen placed them
+    wm_ = ModelMatrices{};
+    wm_.layers.resize(d_.n_layer);
+    auto view = [&](Matrix& m, float* w, const char* role) {
+        const auto [rows, cols] = matrix_shape(d_, role);
+        if (w) m = Matrix(w, DType::f32, rows, cols);
+    };
+#define ZOO_VIEW_MODEL(r) view(wm_.r, w_.r, #r);
+    ZOO_MODEL_MATRICES(ZOO_VIEW_MODEL)
+#undef ZOO_VIEW_MODEL
+    for (int i = 0; i < d_.n_layer; i++) {
+#define ZOO_VIEW_LAYER(r) view(wm_.layers[i].r, w_.layers[i].r, #r);
+        ZOO_LAYER_MATRICES(ZOO_VIEW_LAYER)
+#undef ZOO_VIEW_LAYER
+    }
+}
+
+// The adapters grouped by layer and slot; a slot's in order of their columns, with their A's
+// and their B's adjacent, so that one product serves all of a slot's A's.
+void Executor::bind_adapters(const std::vector<AdapterBinding>& adapters) {
+    adapters_.assign(d_.n_layer, {});
+    for (const auto& a : adapters) {
+        const LoraSlot slot = slot_named(a.slot);
+        const std::string at = "adapter on " + a.slot + " in layer " + std::to_string(a.layer);
+        if (a.layer < 0 || a.layer >= d_.n_layer) throw std::invalid_argument("zoo: " + at + ": no such layer");
+        if (a.o0 < 0 || a.o1 > slot_out(d_, slot))
+            throw std::invalid_argument("zoo: " + at + ": columns [" + std::to_string(a.o0) + ", " +
+                                        std::to_string(a.o1) + ") outside the layer's " +
+                                        std::to_string(slot_out(d_, slot)));
+        SlotAdapters& s = adapters_[a.layer][slot];
+        if (s.n_seg == 0) {
+            s.rank = a.rank;
+            s.a_offset = a.a_offset;
+            s.b_offset = a.b_offset;
+        } else {
+            const size_t a_at = s.a_offset + (size_t)s.n_seg * s.rank * slot_in(d_, slot);
+            const size_t b_at = s.b_offset + lora_b_offset(s.seg.data(), s.n_seg, s.rank);
+            if (a.rank != s.rank) throw std::invalid_argument("zoo: " + at + ": one rank per layer's slot");
+            if (a.o0 < s.seg.back()) throw std::invalid_argument("zoo: " + at + ": columns overlap or out of order");
+            if (a.a_offset != a_at || a.b_offset != b_at)
+                throw std::invalid_argument("zoo: " + at + ": its A and B must follow the slot's previous ones");
+        }
+        s.seg.push_back(a.o0);
+        s.seg.push_back(a.o1);
+        s.n_seg++;
+        if (s.n_seg * s.rank > d_.lora_width)
+            throw std::invalid_argument("zoo: " + at + ": the slot's adapters are " + std::to_string(s.n_seg * s.rank) +
+                                        " wide; the plan was sized for " + std::to_string(d_.lora_width));
+    }
+    point_adapters();
+}
+
+void Executor::point_adapters() {
+    float* g = grads_arena_.data;
+    for (auto& layer : adapters_)
+        for (SlotAdapters& s : layer) {
+            if (!s.n_seg) continue;
+            s.A = params() + s.a_offset;
+            s.B = params() + s.b_offset;
+            s.dA = g ? g + s.a_offset : nullptr;
+            s.dB = g ? g + s.b_offset : nullptr;
+        }
+}
+
+float* Executor::grads() {
+    if (!grads_arena_.data && n_params_) {
+        grads_arena_.reset(n_params_, "gradients");
+        if (!d_.frozen) bind(g_, grads_arena_.data, layout_);
+        point_adapters();
+    }
+    return grads_arena_.data;
+}
+
+const FrozenBinding& Executor::base_binding(size_t index) const {
+    if (index >= base_rows_.size())
+        throw std::out_of_range("zoo: the frozen base has " + std::to_string(base_rows_.size()) + " tensors, not " +
+                                std::to_string(index + 1));
+    return base_rows_[index];
+}
+
+void Executor::store_base(size_t index, size_t first_row, size_t rows, const float* values) {
+    const FrozenBinding& f = base_binding(index);
+    if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
+    store_rows(f.dtype, (int)f.rows, (int)f.cols, (int)first_row, (int)rows, values,
+               reinterpret_cast<uint8_t*>(base_.data) + base_offsets_[index]);
+}
+
+void Executor::load_base(size_t index, size_t first_row, size_t rows, float* values) const {
+    const FrozenBinding& f = base_binding(index);
+    if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
+    const Matrix m(reinterpret_cast<const uint8_t*>(base_.data) + base_offsets_[index], f.dtype, (int)f.rows, (int)f.cols);
+    widen_rows(m, (int)first_row, (int)(first_row + rows), values);
+}
+
+std::vector<std::pair<std::string, size_t>> Executor::arena_bytes() const {
+    return {{"weights", 4 * params_.size},     {"frozen_base", 4 * base_.size},  {"gradients", 4 * grads_arena_.size},
+            {"moments", 4 * moments_.size},    {"activations", 4 * acts_.size},  {"kv_cache", 4 * cache_.size},
+            {"logits", 4 * logits_arena_.size}};
+}
+
 // Sum of squares of the gradients in ranges: float blocks of 1024 (vectorized), their sums
 // in double. One parallel region; each thread takes its static share of every range.
 double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
-    const float* g = store_.data + n_params_;
+    const float* g = grads_arena_.data;
     double total = 0.0;
+    if (!g) return 0.0;
 #pragma omp parallel reduction(+ : total)
     for (const auto& r : ranges) {
         const long n = (long)r.second, block = 1024;
@@ -205,6 +445,21 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
         n = std::max(n, Linear{0, widest}.clad_scratch_floats(B * T));  // B * T: check_batch bounds it
     }
     return n;
+}
+
+// A frozen base's products over M rows: the most scratch any of its matrices needs (quant.hpp).
+static size_t matrix_scratch_floats(const Dims& d, Precision p, size_t M) {
+    if (!d.frozen || d.matrix_dtype == DType::f32) return 0;
+    const std::pair<int, int> shapes[] = {{d.qkv_dim(), d.d_model}, {d.d_model, d.attn_dim()}, {d.fc_dim(), d.d_model},
+                                          {d.d_model, d.d_ff},       {d.vocab_size, d.d_model}};
+    size_t n = 0;
+    for (const auto& [rows, cols] : shapes) n = std::max(n, gemm::matrix_scratch_floats(p, d.matrix_dtype, (int)M, rows, cols));
+    return n;
+}
+// The adapters' scratch over N rows: h and dh, and with dropout the dropped input and its adjoint.
+static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout) {
+    if (!d.lora_width) return 0;
+    return N * (2 * (size_t)d.lora_width + (dropout ? 2 * (size_t)d.widest_input() : 0));
 }
 
 // Every buffer of a training step with the phases it is live in; the planner places them.
@@ -273,6 +528,10 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
     take(&p.d_act, "d_act", N * d.d_ff, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
+    if (d.frozen && d.matrix_dtype != DType::f32)
+        take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
+    if (d.lora_width)
+        take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0), kForward | kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
     p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, pl.total() - pl.end_of(kHead),
@@ -290,6 +549,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
         l.act = act_out;
+        l.matrix_scratch = p.matrix_scratch;
+        l.lora_scratch = p.lora_scratch;
         if (bf16_saved) {
             l.qkv = qkv_work, l.att = att_work, l.fc = fc_work;
             l.qkv_bf16 = reinterpret_cast<uint16_t*>(qkv_bf16[i]);
@@ -361,6 +622,7 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.rope = pick(rope_block.pullback, rope_block.pullback_clad, "rope");
     pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
+    pb.lora = pick(lora_block.pullback, lora_block.pullback_clad, "lora");
     if (pb.activation && pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
         pb.activation_fused = d_.mlp->recompute_and_pullback;
     ad_ = ad;
@@ -371,6 +633,9 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
 // A block without a pullback in this build (one written as a forward only, without Clad)
 // runs forward but cannot train.
 void Executor::check_trainable() const {
+    if (d_.frozen && n_params_ == 0)
+        throw std::runtime_error("zoo: this model's base is frozen and it has no adapters: nothing to train "
+                                 "(give it LoRA adapters, or load the base trainable in fp32)");
     if (!pb_.norm || !pb_.activation) {
         const char* name = !pb_.norm ? d_.norm->name : d_.mlp->name;
         throw std::runtime_error(std::string("zoo: block '") + name +
@@ -407,6 +672,10 @@ void Executor::norm_forward(const float* x, const float* w, const float* b, floa
 
 void Executor::norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,
                              float* dx, float* dw, float* db, int N, GradMode mode) const {
+    if (d_.frozen) {  // a frozen norm's dw and db go to a sink nobody reads
+        float* sink = frozen_grad_sink_.data();
+        dw = sink, db = b ? sink + d_.d_model : nullptr, mode = GradMode::write;
+    }
     pb_.norm({d_.d_model, d_.norm_eps, N, x, w, b, stats}, dy, dx, dw, db, a_.pullback_scratch, mode);
 }
 
@@ -443,15 +712,23 @@ struct PositionsScope {
     PositionsScope(const int32_t*& s, const int32_t* p) : slot(s) { slot = p; }
     ~PositionsScope() { slot = nullptr; }
 };
+// Sets a flag for the running step (the adapters' dropout: training passes only).
+struct FlagScope {
+    bool& flag;
+    explicit FlagScope(bool& f) : flag(f) { flag = true; }
+    ~FlagScope() { flag = false; }
+};
 
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
+    const LayerMatrices& wm = wm_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(forward, linear, qkv.forward(a.ln1, w.qkv_w, w.qkv_b, a.qkv, N));
+    TIMED(forward, linear, qkv.forward(a.ln1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
+    adapter_forward(i, lora_qkv, a.ln1, a.qkv, N, a);
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
@@ -476,13 +753,70 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
     // profile counts them as linear.
-    TIMED(forward, linear, attn_out.forward(a.att, w.attn_out_w, w.attn_out_b, a.res_mid, N, a.x));
+    TIMED(forward, linear, attn_out.forward(a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
+    adapter_forward(i, lora_attn_out, a.att, a.res_mid, N, a);
     TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
-    TIMED(forward, linear, fc.forward(a.ln2, w.fc_w, w.fc_b, a.fc, N));
+    TIMED(forward, linear, fc.forward(a.ln2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
+    adapter_forward(i, lora_fc, a.ln2, a.fc, N, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     if (pass == LayerPass::recompute) return;  // the MLP output only feeds the next layer's input
-    TIMED(forward, linear, proj.forward(a.act, w.proj_w, w.proj_b, a.out, N, a.res_mid));
+    TIMED(forward, linear, proj.forward(a.act, wm.proj_w, w.proj_b, a.out, N, a.res_mid, a.matrix_scratch));
+    adapter_forward(i, lora_proj, a.act, a.out, N, a);
+}
+
+// The dropout masks of one pass: a training step's passes each draw their own, the recompute
+// of a checkpointed layer and the pullback the same ones as the forward.
+uint64_t Executor::dropout_seed(int i, LoraSlot slot) const {
+    uint64_t z = d_.lora_seed;
+    for (uint64_t v : {(uint64_t)step_count, (uint64_t)passes_since_step_, (uint64_t)i, (uint64_t)slot})
+        z = (z ^ v) * 0x100000001b3ull + 0x9e3779b97f4a7c15ull;
+    return z;
+}
+
+static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Precision p) {
+    return Lora{slot_in(d, slot), slot_out(d, slot), s.rank, s.n_seg, s.seg.data(), d.lora_scale, p};
+}
+
+// y += the slot's adapters of x (x dropped first in a training pass).
+void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a) {
+    const SlotAdapters& s = adapters_[i][slot];
+    if (!s.n_seg) return;
+    const Lora l = slot_lora(d_, slot, s, precision_);
+    if (dropout_on_ && d_.lora_dropout > 0) {
+        float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
+        lora_dropout(dropout_seed(i, slot), d_.lora_dropout, x, xd, (size_t)N * l.in);
+        x = xd;
+    }
+    TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, a.lora_scratch));
+}
+
+// dx += the slot's adapters' part of the input's adjoint; dA, dB per mode.
+void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const float* dy, float* dx, int N, GradMode mode,
+                                const LayerActs& a) {
+    const SlotAdapters& s = adapters_[i][slot];
+    if (!s.n_seg) return;
+    const Lora l = slot_lora(d_, slot, s, precision_);
+    if (dropout_on_ && d_.lora_dropout > 0) {
+        float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
+        float* dxd = xd + (size_t)N * d_.widest_input();
+        const uint64_t seed = dropout_seed(i, slot);
+        lora_dropout(seed, d_.lora_dropout, x, xd, (size_t)N * l.in);
+        TIMED(pullback, lora, pb_.lora(l, xd, s.A, s.B, dy, dxd, s.dA, s.dB, N, false, mode, a.lora_scratch));
+        lora_dropout_pullback(seed, d_.lora_dropout, dxd, dx, (size_t)N * l.in);
+    } else {
+        TIMED(pullback, lora, pb_.lora(l, x, s.A, s.B, dy, dx, s.dA, s.dB, N, true, mode, a.lora_scratch));
+    }
+}
+
+void Executor::linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
+                               const float* b, const float* dy, float* dx, float* dW, float* db, int N, GradMode mode,
+                               const LayerActs& a) {
+    if (d_.frozen)
+        TIMED(pullback, linear, l.pullback_input(Wm, dy, dx, N, false, a.matrix_scratch));
+    else
+        TIMED(pullback, linear, pb_.linear(l, x, W, b, dy, dx, dW, db, N, mode, a_.pullback_scratch));
+    adapter_pullback(i, slot, x, dy, dx, N, mode, a);
 }
 
 // a_.d_res holds dL/d(layer output) on entry and dL/d(layer input) on exit: the residual adds
@@ -490,6 +824,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
 void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
+    const LayerMatrices& wm = wm_.layers[i];
     LayerTensors& g = g_.layers[i];
     const LayerActs& a = a_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
@@ -502,33 +837,32 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
         expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
     }
     // The norm outputs and the activation output live in buffers every layer shares: recompute
-    // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks the MLP
-    // runs dL/d(act) first, then the activation's recompute and pullback in one pass, then the
-    // projection's weight gradient from the recomputed act.
-    if (pb_.activation_fused) {
+    // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks of a
+    // trainable base the MLP runs dL/d(act) first, then the activation's recompute and pullback
+    // in one pass, then the projection's weight gradient from the recomputed act.
+    if (pb_.activation_fused && !d_.frozen) {
         TIMED(pullback, linear, proj.pullback_input(w.proj_w, a_.d_res, a_.d_act, N));
         TIMED(pullback, activation, pb_.activation_fused(d_.d_ff, a.fc, a_.d_act, a.act, a_.d_fc, N));
         TIMED(pullback, linear, proj.pullback_params(a.act, a_.d_res, g.proj_w, g.proj_b, N, mode));
     } else {
         TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
-        TIMED(pullback, linear, pb_.linear(proj, a.act, w.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w, g.proj_b,
-                                           N, mode, scratch));
+        linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
+                        g.proj_b, N, mode, a);
         TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, scratch, N));
     }
     TIMED(pullback, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
-    TIMED(pullback, linear, pb_.linear(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode,
-                                       scratch));
+    linear_pullback(i, lora_fc, fc, a.ln2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode, a);
     TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a_.d_res, g.ln2_w,
                                         g.ln2_b, N, mode));
-    TIMED(pullback, linear, pb_.linear(attn_out, a.att, w.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
-                                       g.attn_out_w, g.attn_out_b, N, mode, scratch));
+    linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
+                    g.attn_out_w, g.attn_out_b, N, mode, a);
     TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, scratch));
     TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(pullback, linear, pb_.linear(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
-                                       mode, scratch));
+    linear_pullback(i, lora_qkv, qkv, a.ln1, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
+                    mode, a);
     TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a_.d_res, g.ln1_w, g.ln1_b,
                                         N, mode));
 }
@@ -536,7 +870,7 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
-    TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, w_.wte, w_.wpe, a_.residual, B, T));
+    TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, wm_.wte, w_.wpe, a_.residual, B, T));
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
     TIMED(forward, norm, norm_forward(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf, a_.lnf_stats, N));
 }
@@ -556,7 +890,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         double chunk_mean = 0.0;
-        TIMED(forward, linear, lm.forward(x, head_weight(), nullptr, a_.head_logits, rows));
+        TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
         if (!pullback) {
             TIMED(forward, cross_entropy,
                   chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
@@ -568,8 +902,12 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
                                              grad_scale, &counted, a_.head_scratch));
         total += chunk_mean * counted;
-        TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, a_.d_norm + (size_t)r0 * d,
-                                           head_grad(), nullptr, rows, r0 == 0 ? mode : GradMode::add, nullptr));
+        if (d_.frozen)
+            TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
+                                                      false, a_.matrix_scratch));
+        else
+            TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, a_.d_norm + (size_t)r0 * d,
+                                               head_grad(), nullptr, rows, r0 == 0 ? mode : GradMode::add, nullptr));
     }
     return n_valid ? total / n_valid : 0.0;
 }
@@ -602,18 +940,21 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     const size_t need = (size_t)N * d_.vocab_size;
     if (logits_arena_.size < need) logits_arena_.reset(need, "logits");
     TIMED(forward, linear,
-          linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_weight(), nullptr, logits_arena_.data, N));
+          linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_matrix(), nullptr, logits_arena_.data, N, nullptr,
+                                                    a_.matrix_scratch));
     return NAN;
 }
 
 double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B,
                                   int T, float grad_scale) {
     check_trainable();
+    grads();  // mapped at the first training pass
     plan(B, T);
     const int N = B * T, d = d_.d_model;
     check_ids(tokens, targets, N);
     check_positions(positions, B, T);
     const PositionsScope scope(positions_, positions);
+    const FlagScope dropout(dropout_on_);
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
     grads_.begin_pass();
@@ -634,10 +975,13 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
         layer_pullback(i, B, T, mode);
         if (first) TIMED(forward, adamw, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
     }
-    // A tied dwte holds the LM head's gradient already: the embedding adds to it.
+    // A tied dwte holds the LM head's gradient already: the embedding adds to it. (A frozen
+    // base's embedding has no gradient.)
     const Embedding emb{d, d_.vocab_size, d_.max_seq_len};
-    TIMED(pullback, embedding, pb_.embedding(emb, tokens, positions_, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B, T,
-                                             d_.tied_embeddings ? GradMode::add : mode, mode));
+    if (!d_.frozen)
+        TIMED(pullback, embedding, pb_.embedding(emb, tokens, positions_, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B,
+                                                 T, d_.tied_embeddings ? GradMode::add : mode, mode));
+    passes_since_step_++;
     if (first) {
         TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
         grads_.end_first_pass(sumsq);
@@ -685,6 +1029,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     float scale = 1.0f;
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
     step_count++;
+    passes_since_step_ = 0;
     const AdamW opt{lr, beta1, beta2, eps, weight_decay};
     float *m = adam_m(), *v = adam_v();
     const size_t lo = moment_begin_, hi = moment_end_;
@@ -712,7 +1057,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
 // The generation arena for up to (B, max_len): every buffer live for the whole call, one after
 // the other. One function, so that reset_cache and cache_floats (the memory check) agree.
 struct CacheLayout {
-    size_t k, v, x, norm, stats, qkv, probs, att, fc, act, last, logits, floats;
+    size_t k, v, x, norm, stats, qkv, probs, att, fc, act, last, logits, matrix, lora, floats;
 };
 static CacheLayout cache_layout(const Dims& d, int B, int max_len) {
     limits::check_batch(B, max_len, "reset_cache");
@@ -730,6 +1075,9 @@ static CacheLayout cache_layout(const Dims& d, int B, int max_len) {
     c.stats = pl.take(d.norm->stats_per_row * N), c.qkv = pl.take(N * d.qkv_dim()), c.probs = pl.take(probs),
     c.att = pl.take(N * d.attn_dim()), c.fc = pl.take(N * d.fc_dim()), c.act = pl.take(N * d.d_ff),
     c.last = pl.take((size_t)B * D), c.logits = pl.take((size_t)B * d.vocab_size);
+    // A frozen base's products in either precision (it may change while the cache lives).
+    c.matrix = pl.take(std::max(matrix_scratch_floats(d, Precision::fp32, N), matrix_scratch_floats(d, Precision::bf16, N)));
+    c.lora = pl.take(lora_scratch_floats(d, N, false));
     c.floats = pl.used;
     return c;
 }
@@ -748,6 +1096,8 @@ void Executor::reset_cache(int B, int max_len) {
     // The residual stream is updated in place; the norms share one output and one stats buffer.
     cached_ = LayerActs{a + c.x,  a + c.norm, a + c.stats, a + c.qkv, nullptr,    a + c.att,
                         a + c.x,  a + c.norm, a + c.stats, a + c.fc,  a + c.act,  a + c.x};
+    cached_.matrix_scratch = a + c.matrix;
+    cached_.lora_scratch = a + c.lora;
     cache_B_ = B;
     cache_len_ = max_len;
 }
@@ -760,13 +1110,13 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
     check_ids(tokens, nullptr, B * T);
     const int d = d_.d_model, V = d_.vocab_size;
     float* x = cached_.out;
-    Embedding{d}.forward(tokens, nullptr, w_.wte, w_.wpe, x, B, T, pos0);
+    Embedding{d}.forward(tokens, nullptr, wm_.wte, w_.wpe, x, B, T, pos0);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, B, T, LayerPass::cached, pos0);
     // Only the last position of each sequence needs logits.
     for (int b = 0; b < B; b++)
         std::memcpy(c_last_ + (size_t)b * d, x + ((size_t)b * T + T - 1) * d, sizeof(float) * d);
     norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, B);
-    linear(d, V).forward(cached_.ln1, head_weight(), nullptr, c_logits_, B);
+    linear(d, V).forward(cached_.ln1, head_matrix(), nullptr, c_logits_, B, nullptr, cached_.matrix_scratch);
     return c_logits_;
 }
 

@@ -1,5 +1,9 @@
 #include "gemm.hpp"
 
+#include <algorithm>
+
+#include "bf16.hpp"
+
 #include <cpuid.h>
 #include <omp.h>
 
@@ -44,6 +48,7 @@ bool chosen_set = false;
 // argument list lives on the stack.
 struct Key {
     int precision, trans_a, trans_b, M, N, K, lda, ldb, ldc, accumulate;
+    int bf16_operands;  // A and B given as bf16 bits (products with a stored bf16 matrix)
     bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
 };
 struct KeyHash {
@@ -69,8 +74,9 @@ Matmul make_matmul(const Key& k) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
     // A (M,K) and B (K,N) described by strides, so a transposed operand is read in place.
-    const dnnl::memory::desc a({k.M, k.K}, dt::f32, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
-    const dnnl::memory::desc b({k.K, k.N}, dt::f32, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
+    const dt in = k.bf16_operands ? dt::bf16 : dt::f32;
+    const dnnl::memory::desc a({k.M, k.K}, in, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
+    const dnnl::memory::desc b({k.K, k.N}, in, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
     const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
     dnnl::primitive_attr attr;
     // bf16: oneDNN rounds both operands to bf16 (round to nearest even) and accumulates the
@@ -88,12 +94,12 @@ Matmul make_matmul(const Key& k) {
 
 std::string onednn_kernel(const Key& k) { return make_matmul(k).kernel; }
 
-void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
-                 int ldb, float beta, float* C, int ldc) {
+void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
+                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false) {
     static std::mutex mutex;  // the cached memory objects are rebound on every call
     static std::unordered_map<Key, Matmul, KeyHash> cache;
     static dnnl::stream stream(engine());
-    const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f};
+    const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands};
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
     if (it == cache.end()) {
@@ -103,8 +109,8 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float
         it = cache.emplace(key, make_matmul(key)).first;
     }
     Matmul& m = it->second;
-    dnnl_memory_set_data_handle(m.a.get(), const_cast<float*>(A));
-    dnnl_memory_set_data_handle(m.b.get(), const_cast<float*>(B));
+    dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
+    dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
     dnnl_memory_set_data_handle(m.c.get(), C);
     const dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
     if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
@@ -154,10 +160,97 @@ void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, in
     }
 }
 
+// --- products with a stored matrix (quant.hpp) ---------------------------------------
+
+namespace {
+
+// Rows of W widened at a time: about 1M values (4 MiB in fp32), at least 16 rows.
+int tile_rows(const Matrix& W) { return std::min(W.rows, std::max(16, (1 << 20) / std::max(1, W.cols) / 16 * 16)); }
+
+// Whether the product runs on bf16 operands: a bf16 product with a stored matrix narrower than fp32.
+bool bf16_operands(Precision p, const Matrix& W) { return p == Precision::bf16 && W.dtype != DType::f32; }
+
+size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 values in floats, 64-byte rounded
+
+void to_bf16_rows(const float* a, int lda, int M, int K, uint16_t* out) {
+#pragma omp parallel for schedule(static)
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) out[(size_t)m * K + k] = to_bf16(a[(size_t)m * lda + k]);
+}
+
+}  // namespace
+
+size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
+    if (t == DType::f32) return 0;
+    const Matrix shape(nullptr, t, rows, cols);
+    const size_t left = (size_t)M * std::max(rows, cols);
+    if (p == Precision::bf16)
+        return bf16_floats(left) + (t == DType::bf16 ? 0 : bf16_floats((size_t)tile_rows(shape) * cols));
+    return (size_t)tile_rows(shape) * cols;
+}
+
+void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
+                float* scratch) {
+    check_beta(beta);
+    if (W.dtype == DType::f32) return gemm(p, false, true, M, W.rows, W.cols, x, ldx, W.f32(), W.cols, beta, y, ldy);
+    if (M <= 0) return;
+#ifdef ZOO_GEMM_ONEDNN
+    if (bf16_operands(p, W)) {
+        uint16_t* xb = reinterpret_cast<uint16_t*>(scratch);
+        to_bf16_rows(x, ldx, M, W.cols, xb);
+        if (W.dtype == DType::bf16)
+            return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
+        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.rows, W.cols)));
+        const int R = tile_rows(W);
+        for (int r0 = 0; r0 < W.rows; r0 += R) {
+            const int n = std::min(R, W.rows - r0);
+            widen_rows_bf16(W, r0, r0 + n, tile);
+            onednn_gemm(p, false, true, M, n, W.cols, xb, W.cols, tile, W.cols, beta, y + r0, ldy, true);
+        }
+        return;
+    }
+#endif
+    const int R = tile_rows(W);
+    for (int r0 = 0; r0 < W.rows; r0 += R) {
+        const int n = std::min(R, W.rows - r0);
+        widen_rows(W, r0, r0 + n, scratch);
+        gemm(p, false, true, M, n, W.cols, x, ldx, scratch, W.cols, beta, y + r0, ldy);
+    }
+}
+
+void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx,
+               float* scratch) {
+    check_beta(beta);
+    if (W.dtype == DType::f32) return gemm(p, false, false, M, W.cols, W.rows, dy, lddy, W.f32(), W.cols, beta, dx, lddx);
+    if (M <= 0) return;
+#ifdef ZOO_GEMM_ONEDNN
+    if (bf16_operands(p, W)) {
+        uint16_t* db = reinterpret_cast<uint16_t*>(scratch);
+        to_bf16_rows(dy, lddy, M, W.rows, db);
+        if (W.dtype == DType::bf16)
+            return onednn_gemm(p, false, false, M, W.cols, W.rows, db, W.rows, W.data, W.cols, beta, dx, lddx, true);
+        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.rows, W.cols)));
+        const int R = tile_rows(W);
+        for (int r0 = 0; r0 < W.rows; r0 += R) {
+            const int n = std::min(R, W.rows - r0);
+            widen_rows_bf16(W, r0, r0 + n, tile);
+            onednn_gemm(p, false, false, M, W.cols, n, db + r0, W.rows, tile, W.cols, r0 ? 1.0f : beta, dx, lddx, true);
+        }
+        return;
+    }
+#endif
+    const int R = tile_rows(W);
+    for (int r0 = 0; r0 < W.rows; r0 += R) {
+        const int n = std::min(R, W.rows - r0);
+        widen_rows(W, r0, r0 + n, scratch);
+        gemm(p, false, false, M, W.cols, n, dy + r0, lddy, scratch, W.cols, r0 ? 1.0f : beta, dx, lddx);
+    }
+}
+
 std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K) {
     const bool dnnl = p == Precision::bf16 || fp32_library() == Library::onednn;
 #ifdef ZOO_GEMM_ONEDNN
-    if (dnnl) return std::string("onednn:") + onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0});
+    if (dnnl) return std::string("onednn:") + onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0, 0});
 #endif
     require_precision(p);
     (void)dnnl;

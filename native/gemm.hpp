@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "quant.hpp"
+
 namespace zoo {
 
 enum class Precision : int { fp32 = 0, bf16 = 1 };
@@ -22,6 +24,18 @@ enum class Library : int { openblas, mkl, onednn };
 // and B stored (N,K).
 void gemm(Precision p, bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
           int ldb, float beta, float* C, int ldc);
+
+// Products with a matrix W stored in a weight format (quant.hpp), W.rows x W.cols:
+//   matrix_xwt: y (M, W.rows) = x (M, W.cols) W^T + beta y   (a linear layer's forward)
+//   matrix_xw:  dx (M, W.cols) = dy (M, W.rows) W + beta dx  (its input's adjoint)
+// fp32 storage is one gemm(). Otherwise, in a bf16 product, the left operand is rounded to bf16
+// into scratch and the product reads stored bf16 values in place, or tiles of rows widened to
+// bf16; in an fp32 product, tiles of rows widened to fp32. scratch: matrix_scratch_floats.
+size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols);
+void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
+                float* scratch);
+void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx,
+               float* scratch);
 
 // What would run op(A) op(B) of this shape, densely stored: the library, and for oneDNN its
 // kernel (e.g. "onednn:brg:avx512_core_amx"). For tests and reports.

@@ -3,6 +3,8 @@
 // (role, layer, offset, count) and is bound in one loop; the blocks come from the registry
 // (registry.hpp); activations are planned here by liveness (plan.hpp) for a (B, T).
 #pragma once
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <set>
 #include <stdexcept>
@@ -13,6 +15,7 @@
 #include "blocks/adamw.hpp"
 #include "limits.hpp"
 #include "plan.hpp"
+#include "quant.hpp"
 #include "registry.hpp"
 
 namespace zoo {
@@ -24,11 +27,21 @@ struct Dims {
     bool rope;
     float norm_eps;
     bool attention_bias, mlp_bias, tied_embeddings;
+    // The run's setup beside the architecture (zoo/lora.py): a frozen base (a LoRA run, or a
+    // model that only runs forward) with its matrices in matrix_dtype, and the adapters' widest
+    // stack (segments x rank) and whether they drop their input: these size the scratch.
+    bool frozen = false;
+    DType matrix_dtype = DType::f32;
+    int lora_width = 0;        // 0: no adapters
+    float lora_scale = 1.0f;   // alpha / rank
+    float lora_dropout = 0.0f;
+    uint64_t lora_seed = 0;    // the dropout masks', with the optimizer step and the pass
 
     // ints: check_dims keeps them within limits::max_row_floats.
     int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
     int attn_dim() const { return n_head * head_dim; }
     int fc_dim() const { return mlp->gate_width * d_ff; }
+    int widest_input() const { return std::max({d_model, attn_dim(), d_ff}); }
 };
 
 // Throws std::invalid_argument, naming the field or product, if a size of d is outside the
@@ -63,6 +76,11 @@ inline void check_dims(const Dims& d) {
     X(ln1_w) X(ln1_b) X(qkv_w) X(qkv_b) X(attn_out_w) X(attn_out_b) X(ln2_w) X(ln2_b) X(fc_w) \
         X(fc_b) X(proj_w) X(proj_b)
 #define ZOO_POINTER_FIELD(role) float* role = nullptr;
+// The roles whose tensors feed matrix products (and the token embedding's lookups): a frozen
+// base may store them in a narrower format (quant.hpp). Each is also a Matrix field below.
+#define ZOO_MODEL_MATRICES(X) X(wte) X(lm_head_w)
+#define ZOO_LAYER_MATRICES(X) X(qkv_w) X(attn_out_w) X(fc_w) X(proj_w)
+#define ZOO_MATRIX_FIELD(role) Matrix role;
 
 // One layer's tensors (weights, or the matching gradients).
 struct LayerTensors {
@@ -72,6 +90,15 @@ struct ModelTensors {
     ZOO_MODEL_ROLES(ZOO_POINTER_FIELD)
     std::vector<LayerTensors> layers;
 };
+// The weights' matrices as the products read them: views of the trainable fp32 weights, or of
+// the frozen base in its format.
+struct LayerMatrices {
+    ZOO_LAYER_MATRICES(ZOO_MATRIX_FIELD)
+};
+struct ModelMatrices {
+    ZOO_MODEL_MATRICES(ZOO_MATRIX_FIELD)
+    std::vector<LayerMatrices> layers;
+};
 
 // One row of the layout table: the tensor bound to role (in layer, or -1 outside the layers)
 // is count floats at offset. Fused tensors (q|k|v, gate|up) are one row.
@@ -79,6 +106,35 @@ struct ParamBinding {
     std::string role;
     int layer;
     size_t offset, count;
+};
+// A frozen base's tensor, in the base arena in table order: rows x cols values in dtype (a
+// vector of n is n rows of 1; a fused tensor's parts are consecutive rows).
+struct FrozenBinding {
+    std::string role;
+    int layer;
+    size_t rows, cols;
+    DType dtype;
+};
+// The layers' linear layers an adapter can sit on.
+#define ZOO_LORA_SLOTS(X) X(qkv) X(attn_out) X(fc) X(proj)
+enum LoraSlot {
+#define ZOO_ENUM_LORA_SLOT(s) lora_##s,
+    ZOO_LORA_SLOTS(ZOO_ENUM_LORA_SLOT) kLoraSlots
+};
+// One adapter (lora.hpp): on slot of layer, output columns [o0, o1), A (rank, in) at a_offset
+// and B (o1 - o0, rank) at b_offset in the trainable arena. A slot's adapters, in order of o0,
+// have their A's adjacent and their B's adjacent.
+struct AdapterBinding {
+    std::string slot;
+    int layer, o0, o1, rank;
+    size_t a_offset, b_offset;
+};
+// A slot's adapters as the kernels take them.
+struct SlotAdapters {
+    int n_seg = 0, rank = 0;
+    std::vector<int> seg;  // (o0, o1) pairs
+    float *A = nullptr, *B = nullptr, *dA = nullptr, *dB = nullptr;
+    size_t a_offset = 0, b_offset = 0;  // where the A's and the B's start in the trainable arena
 };
 
 // What one layer reads and writes. Training: x is the layer's input in the residual stream,
@@ -91,6 +147,8 @@ struct LayerActs {
     const float* x;
     float *ln1, *ln1_stats, *qkv, *lse, *att, *res_mid, *ln2, *ln2_stats, *fc, *act, *out;
     uint16_t *qkv_bf16 = nullptr, *att_bf16 = nullptr, *fc_bf16 = nullptr;
+    // Where a frozen base's products widen its matrices, and the adapters' scratch.
+    float *matrix_scratch = nullptr, *lora_scratch = nullptr;
 };
 
 // Where every activation buffer of a (B, T) step sits in the activation arena.
@@ -106,6 +164,8 @@ struct ActivationPlan {
     float* attention_scratch = nullptr;  // the attention forward's
     float* pullback_scratch = nullptr;   // the largest need of the model's pullbacks (one runs at a time)
     float* head_scratch = nullptr;       // the cross-entropy pullback's
+    float* matrix_scratch = nullptr;     // a frozen base's products (every phase)
+    float* lora_scratch = nullptr;       // the adapters' (forward and pullback)
     std::vector<PlannedBuffer> buffers;  // the plan itself, for tests and memory reports
 };
 
@@ -131,6 +191,7 @@ struct Pullbacks {
     RopePullback rope = nullptr;
     EmbeddingPullback embedding = nullptr;
     CrossEntropyPullback cross_entropy = nullptr;
+    LoraPullback lora = nullptr;
 };
 
 // The gradient region's lifecycle, with its transitions in one place. fresh: zero_grads was
@@ -169,7 +230,8 @@ struct GradLifecycle {
 
 // Wall time per block kind, forward and pullback, accumulated while profiling is on. The
 // residual adds have no slot: they are fused into the linear layers.
-#define ZOO_PROFILE_SLOTS(X) X(embedding) X(norm) X(linear) X(rope) X(attention) X(activation) X(cross_entropy) X(adamw)
+#define ZOO_PROFILE_SLOTS(X) \
+    X(embedding) X(norm) X(linear) X(lora) X(rope) X(attention) X(activation) X(cross_entropy) X(adamw)
 enum ProfileSlot {
 #define ZOO_ENUM_SLOT(s) k_##s,
     ZOO_PROFILE_SLOTS(ZOO_ENUM_SLOT) kProfileSlots
@@ -187,13 +249,27 @@ size_t activation_floats(const Dims& d, bool checkpointing, Precision precision,
 
 class Executor {
 public:
+    // layout: the trainable tensors (the whole model, or a LoRA run's adapters), n_params
+    // floats. frozen: a frozen base's tensors (none when the base trains; d.frozen says which).
+    // adapters: the LoRA adapters among the trainable tensors.
     Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
+             const std::vector<FrozenBinding>& frozen, const std::vector<AdapterBinding>& adapters,
              const std::vector<float>& inv_freq);
 
     const Dims& dims() const { return d_; }
     size_t n_params() const { return n_params_; }
-    float* params() { return store_.data; }
-    float* grads() { return store_.data + n_params_; }
+    float* params() { return params_.data; }
+    // The gradients' arena is mapped at its first use: a model that only runs forward has none.
+    float* grads();
+    bool has_grads() const { return grads_arena_.data != nullptr; }
+
+    // The frozen base: its tensors in table order, stored and read back as fp32 rows.
+    size_t base_tensors() const { return base_rows_.size(); }
+    void store_base(size_t index, size_t first_row, size_t rows, const float* values);
+    void load_base(size_t index, size_t first_row, size_t rows, float* values) const;
+    const FrozenBinding& base_binding(size_t index) const;
+    // Bytes each arena holds now (weights, frozen base, gradients, moments, activations, KV cache).
+    std::vector<std::pair<std::string, size_t>> arena_bytes() const;
     // AdamW's moments, for the parameters [moment_begin, moment_end) only: all of them, or one
     // rank's shard under ZeRO-1 (docs/distributed.md). Mapped at their first use, in their own
     // arena sized to the range, so a shard costs 8 bytes per parameter of the shard alone.
@@ -263,7 +339,17 @@ private:
 
     Dims d_;
     size_t n_params_;
-    Arena store_;    // params | grads
+    Arena params_;       // the trainable tensors
+    Arena grads_arena_;  // their gradients, mapped at the first pass that needs them
+    Arena base_;         // a frozen base, in its formats (bytes, counted in floats)
+    std::vector<FrozenBinding> base_rows_;
+    std::vector<size_t> base_offsets_;  // bytes
+    std::vector<std::array<SlotAdapters, kLoraSlots>> adapters_;
+    int passes_since_step_ = 0;  // the forward_backward calls since the last optimizer step
+    mutable std::vector<float> frozen_grad_sink_;  // where the norms' pullbacks put a frozen base's dw, db
+    bool dropout_on_ = false;                      // during forward_backward: the adapters drop their input
+    ModelMatrices wm_;
+    std::vector<ParamBinding> layout_;
     Arena moments_;  // adam m | adam v over [moment_begin_, moment_end_), mapped at first use
     size_t moment_begin_ = 0, moment_end_ = 0;
     Arena& moments();
@@ -293,7 +379,20 @@ private:
     LayerActs cached_;  // the generation pass's buffers, the same for every layer
 
     void bind(ModelTensors& t, float* base, const std::vector<ParamBinding>& layout) const;
-    void plan_grad_ranges(const std::vector<ParamBinding>& layout);
+    void bind_frozen(const std::vector<FrozenBinding>& frozen);
+    void bind_matrices();
+    void bind_adapters(const std::vector<AdapterBinding>& adapters);
+    void point_adapters();  // A, B (and dA, dB once the gradients are mapped) from the offsets
+    void plan_grad_ranges(const std::vector<ParamBinding>& layout, const std::vector<AdapterBinding>& adapters);
+    // A linear layer's pullback: dx always, dW and db where the base trains; then the slot's
+    // adapters (dx added). x: the layer's input.
+    void linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
+                         const float* b, const float* dy, float* dx, float* dW, float* db, int N, GradMode mode,
+                         const LayerActs& a);
+    void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a);
+    void adapter_pullback(int i, LoraSlot slot, const float* x, const float* dy, float* dx, int N, GradMode mode,
+                          const LayerActs& a);
+    uint64_t dropout_seed(int i, LoraSlot slot) const;
     double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
     void check_positions(const int32_t* positions, int B, int T) const;
@@ -309,6 +408,7 @@ private:
     void norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,
                        float* dx, float* dw, float* db, int N, GradMode mode) const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head_w; }
+    const Matrix& head_matrix() const { return d_.tied_embeddings ? wm_.wte : wm_.lm_head_w; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head_w; }
     Linear linear(int in, int out) const { return Linear{in, out, precision_}; }
 };

@@ -14,6 +14,7 @@
 #include "blocks/layernorm.hpp"
 #include "blocks/layernorm_nobias.hpp"
 #include "blocks/linear.hpp"
+#include "blocks/lora.hpp"
 #include "blocks/relu2.hpp"
 #include "blocks/residual.hpp"
 #include "blocks/rmsnorm.hpp"
@@ -43,6 +44,7 @@ inline std::vector<BlockInfo> block_infos() {
     for (const ActivationBlock* a : activation_blocks)
         out.push_back({a->name, "mlp", a->pullback != nullptr, a->pullback_clad != nullptr, true});
     fixed(linear_block);
+    fixed(lora_block);
     fixed(attention_block);
     fixed(residual_block);
     fixed(cross_entropy_block);

@@ -3,6 +3,7 @@
 from ._load_native import _native
 from .config import ModelConfig, RopeScaling
 from .gemm import gemm_info, set_gemm_library
+from .lora import LoraConfig
 from .model import Model
 from .presets import PRESETS, preset
 from .tokenizers import Tokenizer
@@ -28,7 +29,7 @@ def build_info() -> dict:
     return info
 
 
-__all__ = ["Model", "ModelConfig", "RopeScaling", "Tokenizer", "PRESETS", "preset", "set_threads", "get_threads",
+__all__ = ["Model", "ModelConfig", "LoraConfig", "RopeScaling", "Tokenizer", "PRESETS", "preset", "set_threads", "get_threads",
            "build_info", "gemm_info", "set_gemm_library"]
 
 # OMP_NUM_THREADS (or OpenMP's default) decides; the BLAS follows the same count.

@@ -29,3 +29,9 @@ def blocks() -> list[dict]:
     """Every block by the name ad= takes: {"name", "kind" ("norm", "mlp" or "fixed"),
     "manual", "clad" (which pullbacks this build has), "in_step" (a training step runs it)}."""
     return [dict(b) for b in _info()["blocks"]]
+
+
+def matrix_roles() -> tuple[str, ...]:
+    """The parameter roles that feed matrix products (and the token embedding): the tensors a
+    frozen base may store narrower than fp32 (native/quant.hpp)."""
+    return tuple(_info()["roles"]["matrices"])

@@ -190,3 +190,22 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     if not cfg.tied_embeddings:
         add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
     return out
+
+
+def frozen_table(layout: list[ParamSpec], matrix_dtype: str) -> tuple[list[tuple], dict[str, tuple[int, int, int, int]]]:
+    """A frozen base as the executor binds it: rows of (role, layer, rows, cols, format), a fused
+    tensor's parts as consecutive rows of one row (a vector of n: n rows of 1), the matrix roles
+    in matrix_dtype and the rest in fp32; and where each tensor is: name -> (row of the table,
+    first row, rows, cols)."""
+    matrices = set(blocks.matrix_roles())
+    rows: list[list] = []
+    where: dict[str, tuple[int, int, int, int]] = {}
+    for p in layout:
+        r, c = (p.shape[0], p.shape[1]) if len(p.shape) == 2 else (p.shape[0], 1)
+        if p.role:
+            rows.append([p.role, p.layer, 0, c, matrix_dtype if p.role in matrices else "fp32"])
+        elif rows[-1][3] != c:
+            raise ValueError(f"{p.name} ({c} columns) cannot be fused with its neighbour ({rows[-1][3]} columns)")
+        where[p.name] = (len(rows) - 1, rows[-1][2], r, c)
+        rows[-1][2] += r
+    return [tuple(x) for x in rows], where

@@ -1,10 +1,11 @@
 """How much memory finetuning a config takes, from the config alone (no arena is built, so it
 works for models far larger than the machine).
 
-Everything is float32: parameters, gradients, AdamW's two moments (16 bytes per parameter;
-under ZeRO-1 each of N processes keeps 1/N of the moments), plus the activation arena the
-native planner lays out for one micro-batch of batch x seq_len tokens (activation_bytes, the
-same figure a built model uses).
+Full finetuning keeps everything in float32: parameters, gradients, AdamW's two moments (16
+bytes per parameter; under ZeRO-1 each of N processes keeps 1/N of the moments). A LoRA run
+keeps its frozen base in its format (bf16, int8, nf4: native/quant.hpp) and 16 bytes per
+adapter parameter. Both add the activation arena the native planner lays out for one
+micro-batch of batch x seq_len tokens (activation_bytes, the same figure a built model uses).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Optional
 from ._load_native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 from .errors import ResourceError
+from .lora import LoraConfig, adapter_layout, run_setup
 
 FLOAT_BYTES = 4
 
@@ -48,36 +50,60 @@ def check_batch_shape(batch_size: int, seq_len: int, batch_name: str = "batch", 
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
-                     clad_blocks: tuple[str, ...] = (), precision: str = "fp32") -> int:
-    """The activation arena a training step at (batch_size, seq_len) plans, without building a model."""
+                     clad_blocks: tuple[str, ...] = (), precision: str = "fp32", setup: Optional[dict] = None) -> int:
+    """The activation arena a training step at (batch_size, seq_len) plans, without building a
+    model. setup: the run's (lora.run_setup), for a LoRA run or a frozen base."""
     check_batch_shape(batch_size, seq_len)
-    return FLOAT_BYTES * int(_native.activation_floats(cfg.model_dump(), int(batch_size), int(seq_len),
+    return FLOAT_BYTES * int(_native.activation_floats(setup or cfg.model_dump(), int(batch_size), int(seq_len),
                                                        bool(checkpointing), list(clad_blocks), precision))
+
+
+def base_bytes(cfg: ModelConfig, base_dtype: str) -> int:
+    """Bytes of the model's tensors as a frozen base stores them (matrices in base_dtype, the
+    rest in fp32, scales included)."""
+    from .layout import frozen_table, parameter_layout
+
+    rows, _ = frozen_table(parameter_layout(cfg), base_dtype)
+    return sum(int(_native.storage_bytes(fmt, r, c)) for _, _, r, c, fmt in rows)
 
 
 @dataclass(frozen=True)
 class FinetuneMemory:
-    parameters: int
+    parameters: int  # the trainable ones: the model's, or a LoRA run's adapters
     gradients: int
     optimizer: int  # AdamW first and second moments
     activations: int
+    base: int = 0  # a LoRA run's frozen base
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
+        return self.base + self.parameters + self.gradients + self.optimizer + self.activations
 
 
 def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
-                          precision: str = "fp32", moment_floats: Optional[int] = None) -> FinetuneMemory:
-    """Memory for full finetuning with AdamW at micro-batch (batch, seq_len); checkpointing:
-    with activation checkpointing (each layer recomputed in the pullback); precision: of the
-    products (a bf16 step keeps some activations in bf16); moment_floats: the parameters whose
-    AdamW moments this process keeps (default all; a ZeRO-1 shard)."""
+                          precision: str = "fp32", moment_floats: Optional[int] = None,
+                          lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None) -> FinetuneMemory:
+    """Memory for finetuning with AdamW at micro-batch (batch, seq_len): full finetuning, or with
+    lora adapters over a frozen base in base_dtype (default bf16); checkpointing: with activation
+    checkpointing (each layer recomputed in the pullback); precision: of the products (a bf16
+    step keeps some activations in bf16); moment_floats: the parameters whose AdamW moments this
+    process keeps (default all; a ZeRO-1 shard)."""
     check_batch_shape(batch, seq_len)
-    n = cfg.num_parameters()
+    if lora is None:
+        n = cfg.num_parameters()
+        moments = n if moment_floats is None else moment_floats
+        return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n,
+                              optimizer=2 * FLOAT_BYTES * moments,
+                              activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision))
+    base_dtype = base_dtype or "bf16"
+    specs, table = adapter_layout(cfg, lora)
+    n = sum(s.shape[0] * s.shape[1] for s in specs)
     moments = n if moment_floats is None else moment_floats
+    setup = run_setup(cfg, lora, base_dtype, True, table, 0)
     return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * moments,
-                          activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision))
+                          activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision,
+                                                       setup=setup),
+                          base=base_bytes(cfg, base_dtype))
 
 
 def human_bytes(n: int) -> str:

@@ -8,6 +8,7 @@
 
 #include "../block.hpp"
 #include "../clad_backend.hpp"
+#include "../quant.hpp"
 
 namespace zoo {
 
@@ -36,6 +37,21 @@ struct Embedding {
                 embedding_forward_row(te, wpe + (size_t)position_of(positions, n, T, pos0) * C, xr, C);
             } else {
                 token_embedding_forward_row(te, xr, C);
+            }
+        }
+    }
+
+    // The same with wte in a storage format (quant.hpp: a frozen base): each row widened.
+    void forward(const int32_t* tokens, const int32_t* positions, const Matrix& wte, const float* wpe, float* x,
+                 int B, int T, int pos0 = 0) const {
+        if (wte.dtype == DType::f32) return forward(tokens, positions, wte.f32(), wpe, x, B, T, pos0);
+#pragma omp parallel for schedule(static)
+        for (int n = 0; n < B * T; n++) {
+            float* xr = x + (size_t)n * C;
+            widen_row_range(wte, (size_t)tokens[n], 0, C, xr);
+            if (wpe) {
+                const float* pe = wpe + (size_t)position_of(positions, n, T, pos0) * C;
+                for (int i = 0; i < C; i++) xr[i] += pe[i];
             }
         }
     }

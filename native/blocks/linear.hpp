@@ -47,22 +47,38 @@ struct Linear {
     // residual + b into y, and the GEMM adds onto it (beta = 1).
     void forward(const float* x, const float* W, const float* b, float* y, int N,
                  const float* residual = nullptr) const {
-        float beta = 0.0f;
-        if (b || residual) {
+        add_bias_and_residual(b, y, N, residual);
+        gemm::gemm(precision, false, true, N, out, in, x, in, W, in, b || residual ? 1.0f : 0.0f, y, out);
+    }
+
+    // y = residual + b (either may be null; both null: nothing), for a GEMM to add onto.
+    void add_bias_and_residual(const float* b, float* y, int N, const float* residual) const {
+        if (!b && !residual) return;
 #pragma omp parallel for schedule(static)
-            for (int n = 0; n < N; n++) {
-                float* yr = y + (size_t)n * out;
-                const float* rr = residual ? residual + (size_t)n * out : nullptr;
-                if (rr && b)
-                    for (int o = 0; o < out; o++) yr[o] = rr[o] + b[o];
-                else if (b)
-                    std::memcpy(yr, b, sizeof(float) * out);
-                else if (rr != yr)
-                    std::memcpy(yr, rr, sizeof(float) * out);
-            }
-            beta = 1.0f;
+        for (int n = 0; n < N; n++) {
+            float* yr = y + (size_t)n * out;
+            const float* rr = residual ? residual + (size_t)n * out : nullptr;
+            if (rr && b)
+                for (int o = 0; o < out; o++) yr[o] = rr[o] + b[o];
+            else if (b)
+                std::memcpy(yr, b, sizeof(float) * out);
+            else if (rr != yr)
+                std::memcpy(yr, rr, sizeof(float) * out);
         }
-        gemm::gemm(precision, false, true, N, out, in, x, in, W, in, beta, y, out);
+    }
+
+    // The same over a weight in a storage format (quant.hpp): a frozen base. scratch:
+    // scratch_floats(W.dtype, N) floats, where the product widens W a tile at a time.
+    size_t scratch_floats(DType t, int N) const { return gemm::matrix_scratch_floats(precision, t, N, out, in); }
+    void forward(const float* x, const Matrix& W, const float* b, float* y, int N, const float* residual,
+                 float* scratch) const {
+        if (W.dtype == DType::f32) return forward(x, W.f32(), b, y, N, residual);
+        add_bias_and_residual(b, y, N, residual);
+        gemm::matrix_xwt(precision, N, x, in, W, b || residual ? 1.0f : 0.0f, y, out, scratch);
+    }
+    // dx = dy W (or += when accumulate_dx): a frozen weight's pullback has no dW.
+    void pullback_input(const Matrix& W, const float* dy, float* dx, int N, bool accumulate_dx, float* scratch) const {
+        gemm::matrix_xw(precision, N, dy, out, W, accumulate_dx ? 1.0f : 0.0f, dx, in, scratch);
     }
 
     // dx = dy W (added into dx when accumulate_dx, else written; dx may be null),

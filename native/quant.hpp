@@ -1,0 +1,198 @@
+// Storage formats of a frozen weight matrix (a LoRA run's base, docs/lora.md). A matrix of
+// (rows, cols), row-major, stored as one block of bytes: its values, then (int8, nf4) its
+// float scales. The products read it through gemm::matrix_* (gemm.hpp), which widen it a tile
+// of rows at a time: never the whole matrix in fp32.
+//   f32   4 bytes a value.
+//   bf16  2 bytes: rounded to nearest even; |error| <= 2^-9 |w|.
+//   int8  1 byte, one scale per row (per output channel): w = q s, s = max|row| / 127;
+//         |error| <= s / 2 = max|row| / 254.
+//   nf4   4 bits (two values a byte), one scale per block of 64 values along a row: w =
+//         NF4[q] s, s = max|block| (the NormalFloat levels of QLoRA, which fit normally
+//         distributed weights); |error| <= s (1 - NF4[14]) / 2 = 0.1385 s, the widest gap.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <cstring>
+#include <string>
+
+#include "bf16.hpp"
+
+namespace zoo {
+
+enum class DType : int { f32 = 0, bf16 = 1, int8 = 2, nf4 = 3 };
+inline const char* dtype_name(DType t) {
+    switch (t) {
+        case DType::bf16: return "bf16";
+        case DType::int8: return "int8";
+        case DType::nf4: return "nf4";
+        default: return "fp32";
+    }
+}
+inline DType dtype_named(const std::string& name) {
+    if (name == "fp32") return DType::f32;
+    if (name == "bf16") return DType::bf16;
+    if (name == "int8") return DType::int8;
+    if (name == "nf4") return DType::nf4;
+    throw std::invalid_argument("zoo: weight format '" + name + "' is unknown (fp32, bf16, int8 or nf4)");
+}
+
+constexpr int nf4_block = 64;
+inline const float nf4_levels[16] = {
+    -1.0f,       -0.6961928f, -0.52507305f, -0.39491749f, -0.28444138f, -0.18477343f, -0.09105004f, 0.0f,
+    0.07958030f, 0.16093020f, 0.24611230f,  0.33791524f,  0.44070983f,  0.56261700f,  0.72295684f,  1.0f};
+
+inline size_t nf4_blocks(size_t cols) { return (cols + nf4_block - 1) / nf4_block; }
+
+// Bytes of the values, and of the whole block (values, then the scales 64-byte aligned).
+inline size_t value_bytes(DType t, size_t rows, size_t cols) {
+    switch (t) {
+        case DType::bf16: return rows * cols * 2;
+        case DType::int8: return rows * cols;
+        case DType::nf4: return rows * nf4_blocks(cols) * (nf4_block / 2);
+        default: return rows * cols * 4;
+    }
+}
+inline size_t scale_count(DType t, size_t rows, size_t cols) {
+    return t == DType::int8 ? rows : t == DType::nf4 ? rows * nf4_blocks(cols) : 0;
+}
+inline size_t align64(size_t n) { return (n + 63) / 64 * 64; }
+inline size_t storage_bytes(DType t, size_t rows, size_t cols) {
+    return align64(value_bytes(t, rows, cols)) + align64(4 * scale_count(t, rows, cols));
+}
+
+// A read-only view of a stored matrix.
+struct Matrix {
+    const void* data = nullptr;
+    DType dtype = DType::f32;
+    int rows = 0, cols = 0;
+
+    Matrix() = default;
+    Matrix(const void* d, DType t, int r, int c) : data(d), dtype(t), rows(r), cols(c) {}
+    const float* f32() const { return static_cast<const float*>(data); }
+    const float* scales() const {
+        return reinterpret_cast<const float*>(static_cast<const uint8_t*>(data) +
+                                              align64(value_bytes(dtype, rows, cols)));
+    }
+};
+
+// Values [c0, c1) of row r of m widened to fp32 (c0 a multiple of nf4_block).
+inline void widen_row_range(const Matrix& m, size_t r, size_t c0, size_t c1, float* out) {
+    const size_t C = m.cols;
+    switch (m.dtype) {
+        case DType::bf16: {
+            const uint16_t* v = static_cast<const uint16_t*>(m.data) + r * C;
+            for (size_t c = c0; c < c1; c++) out[c - c0] = from_bf16(v[c]);
+            return;
+        }
+        case DType::int8: {
+            const int8_t* v = static_cast<const int8_t*>(m.data) + r * C;
+            const float s = m.scales()[r];
+            for (size_t c = c0; c < c1; c++) out[c - c0] = v[c] * s;
+            return;
+        }
+        case DType::nf4: {
+            const size_t nb = nf4_blocks(C);
+            const uint8_t* v = static_cast<const uint8_t*>(m.data) + r * nb * (nf4_block / 2);
+            const float* s = m.scales() + r * nb;
+            for (size_t c = c0; c < c1; c += 2) {
+                const uint8_t byte = v[c / 2];
+                const float sc = s[c / nf4_block];
+                out[c - c0] = nf4_levels[byte & 15] * sc;
+                if (c + 1 < c1) out[c + 1 - c0] = nf4_levels[byte >> 4] * sc;
+            }
+            return;
+        }
+        default:
+            for (size_t c = c0; c < c1; c++) out[c - c0] = m.f32()[r * C + c];
+    }
+}
+
+// Rows [r0, r1) of m widened to fp32 (out: (r1 - r0) x cols), rows in parallel.
+inline void widen_rows(const Matrix& m, int r0, int r1, float* out) {
+#pragma omp parallel for schedule(static)
+    for (int r = r0; r < r1; r++) widen_row_range(m, r, 0, m.cols, out + (size_t)(r - r0) * m.cols);
+}
+
+// The same as bf16 bits, for the bf16 products (int8 and nf4 values pass through fp32 in
+// chunks of a row; bf16 values are copied).
+inline void widen_rows_bf16(const Matrix& m, int r0, int r1, uint16_t* out) {
+    constexpr size_t chunk = 4096;
+#pragma omp parallel
+    {
+        float row[chunk];
+#pragma omp for schedule(static)
+        for (int r = r0; r < r1; r++) {
+            uint16_t* o = out + (size_t)(r - r0) * m.cols;
+            if (m.dtype == DType::bf16) {
+                std::memcpy(o, static_cast<const uint16_t*>(m.data) + (size_t)r * m.cols, 2 * (size_t)m.cols);
+                continue;
+            }
+            for (size_t c0 = 0; c0 < (size_t)m.cols; c0 += chunk) {
+                const size_t c1 = std::min<size_t>(m.cols, c0 + chunk);
+                widen_row_range(m, r, c0, c1, row);
+                for (size_t c = c0; c < c1; c++) o[c] = to_bf16(row[c - c0]);
+            }
+        }
+    }
+}
+
+// Stores rows [r0, r0 + n) of an (rows, cols) matrix in format t from fp32 values w (n x cols),
+// into the block at dst (storage_bytes(t, rows, cols) bytes). Rows are independent in every
+// format, so a fused matrix (q|k|v) is stored tensor by tensor.
+inline void store_rows(DType t, int rows, int cols, int r0, int n, const float* w, void* dst) {
+    if (r0 < 0 || n < 0 || r0 + n > rows) throw std::invalid_argument("zoo: rows outside the stored matrix");
+    uint8_t* base = static_cast<uint8_t*>(dst);
+    float* scales = reinterpret_cast<float*>(base + align64(value_bytes(t, rows, cols)));
+    const size_t C = cols;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; i++) {
+        const size_t r = (size_t)r0 + i;
+        const float* x = w + (size_t)i * C;
+        switch (t) {
+            case DType::f32:
+                for (size_t c = 0; c < C; c++) reinterpret_cast<float*>(base)[r * C + c] = x[c];
+                break;
+            case DType::bf16:
+                for (size_t c = 0; c < C; c++) reinterpret_cast<uint16_t*>(base)[r * C + c] = to_bf16(x[c]);
+                break;
+            case DType::int8: {
+                float amax = 0.0f;
+                for (size_t c = 0; c < C; c++) amax = std::fmax(amax, std::fabs(x[c]));
+                const float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0.0f;
+                scales[r] = s;
+                int8_t* q = reinterpret_cast<int8_t*>(base) + r * C;
+                for (size_t c = 0; c < C; c++) q[c] = (int8_t)std::lrint(std::fmax(-127.0f, std::fmin(127.0f, x[c] * inv)));
+                break;
+            }
+            case DType::nf4: {
+                const size_t nb = nf4_blocks(C);
+                uint8_t* q = base + r * nb * (nf4_block / 2);
+                for (size_t b = 0; b < nb; b++) {
+                    const size_t c0 = b * nf4_block, c1 = std::min(C, c0 + nf4_block);
+                    float amax = 0.0f;
+                    for (size_t c = c0; c < c1; c++) amax = std::fmax(amax, std::fabs(x[c]));
+                    scales[r * nb + b] = amax;
+                    const float inv = amax > 0 ? 1.0f / amax : 0.0f;
+                    for (size_t c = c0; c < c0 + nf4_block; c += 2) {
+                        uint8_t codes[2] = {7, 7};  // level 0.0 for the padding past the row's end
+                        for (int k = 0; k < 2; k++) {
+                            if (c + k >= c1) continue;
+                            const float v = x[c + k] * inv;
+                            int best = 0;
+                            for (int l = 1; l < 16; l++)
+                                if (std::fabs(v - nf4_levels[l]) < std::fabs(v - nf4_levels[best])) best = l;
+                            codes[k] = (uint8_t)best;
+                        }
+                        q[c / 2] = uint8_t(codes[0] | (codes[1] << 4));
+                    }
+                }
+                break;
+            }
+        }
+    }
+}
+
+}  // namespace zoo

@@ -1,0 +1,158 @@
+"""LoRA: the adapters a finetune trains on a frozen base (docs/lora.md). A config names the
+linear layers it adapts by their Hugging Face module names; this module turns that into the
+adapters' tensors (named as PEFT names them, laid out in the trainable arena) and the table the
+native executor binds them by: which linear layer of which layer (its "slot": the fused q|k|v,
+the attention output, the fused gate|up or up, the MLP output), which of the layer's output
+columns each adapter adds to, and where its A and B sit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from . import blocks
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+    from .layout import ParamSpec
+
+# The formats a frozen base's matrices may take (native/quant.hpp), and what each costs per value.
+BASE_DTYPES = ("fp32", "bf16", "int8", "nf4")
+
+# Every module an adapter can sit on, per naming family, in layer order.
+LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPT2_MODULES = ("c_attn", "c_proj", "c_fc")
+
+
+class LoraConfig(BaseModel):
+    """rank r, alpha (the adapters' output is scaled by alpha / r), dropout on their input, and
+    the modules they adapt, by Hugging Face name (q_proj, ..., down_proj; c_attn, c_proj, c_fc
+    for GPT-2 naming, where c_proj is both attn.c_proj and mlp.c_proj, and "attn.c_proj"
+    names one). None or ["all-linear"]: every linear layer of every layer (not the LM head)."""
+
+    model_config = ConfigDict(extra="forbid")
+    r: int = Field(8, ge=1, le=4096)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    targets: Optional[list[str]] = None
+
+    @field_validator("targets")
+    @classmethod
+    def _nonempty(cls, v):
+        if v is not None and not v:
+            raise ValueError("name at least one module (or leave targets out for all linear layers)")
+        return v
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One adapter: on module (its Hugging Face path), in layer, on slot's output columns [o0, o1)."""
+    module: str
+    layer: int
+    slot: str
+    o0: int
+    o1: int
+    d_in: int
+
+
+def _layer_modules(cfg: "ModelConfig", i: int) -> list[tuple[str, str, int, int, int]]:
+    """(module path, slot, o0, o1, in_features) of every linear layer of layer i."""
+    d, hd = cfg.d_model, cfg.head_dim
+    q, kv, ff = cfg.n_head * hd, cfg.n_kv_head * hd, cfg.d_ff
+    gated = blocks.activations()[cfg.mlp]["gate_width"] == 2
+    if cfg.family == "gpt2":
+        p = f"transformer.h.{i}."
+        fc = 2 * ff if gated else ff
+        return [(p + "attn.c_attn", "qkv", 0, cfg.qkv_dim, d), (p + "attn.c_proj", "attn_out", 0, d, q),
+                (p + "mlp.c_fc", "fc", 0, fc, d), (p + "mlp.c_proj", "proj", 0, d, ff)]
+    p = f"model.layers.{i}."
+    out = [(p + "self_attn.q_proj", "qkv", 0, q, d), (p + "self_attn.k_proj", "qkv", q, q + kv, d),
+           (p + "self_attn.v_proj", "qkv", q + kv, q + 2 * kv, d), (p + "self_attn.o_proj", "attn_out", 0, d, q)]
+    if gated:
+        out += [(p + "mlp.gate_proj", "fc", 0, ff, d), (p + "mlp.up_proj", "fc", ff, 2 * ff, d)]
+    else:
+        out += [(p + "mlp.up_proj", "fc", 0, ff, d)]
+    return out + [(p + "mlp.down_proj", "proj", 0, d, ff)]
+
+
+def _matches(path: str, target: str) -> bool:
+    return path == target or path.endswith("." + target)
+
+
+def adapters(cfg: "ModelConfig", lora: LoraConfig) -> list[Adapter]:
+    """The adapters lora puts on cfg, in layer order, a slot's in column order. A target that
+    matches no module is an error naming the modules there are."""
+    targets = lora.targets or ["all-linear"]
+    everything = targets == ["all-linear"]
+    out, used = [], set()
+    for i in range(cfg.n_layer):
+        for path, slot, o0, o1, d_in in _layer_modules(cfg, i):
+            hit = [t for t in targets if everything or _matches(path, t)]
+            used.update(hit)
+            if hit:
+                out.append(Adapter(path, i, slot, o0, o1, d_in))
+    unused = [t for t in targets if t not in used and not everything]
+    if unused:
+        names = GPT2_MODULES if cfg.family == "gpt2" else LLAMA_MODULES
+        raise ValueError(f"lora targets {unused} match no module of this model; its linear layers: "
+                         f"{', '.join(n for n in names if any(_matches(a[0], n) for a in _layer_modules(cfg, 0)))}")
+    return out
+
+
+def adapter_layout(cfg: "ModelConfig", lora: LoraConfig) -> tuple[list["ParamSpec"], list[tuple]]:
+    """The adapters' tensors in the trainable arena's order (per layer and slot, its A's then its
+    B's), named as PEFT names them without its base_model.model. prefix, and the table the
+    executor binds: rows of (slot, layer, o0, o1, rank, A offset, B offset)."""
+    from .layout import ParamSpec
+
+    specs, table = [], []
+    at, r = 0, lora.r
+    by_slot: dict[tuple[int, str], list[Adapter]] = {}
+    for a in adapters(cfg, lora):
+        by_slot.setdefault((a.layer, a.slot), []).append(a)
+    for (layer, slot), group in by_slot.items():
+        a_at = at
+        for a in group:
+            specs.append(ParamSpec(a.module + ".lora_A.weight", (r, a.d_in), "", layer, False, True, "lora_a"))
+            at += r * a.d_in
+        b_at = at
+        for a in group:
+            specs.append(ParamSpec(a.module + ".lora_B.weight", (a.o1 - a.o0, r), "", layer, False, True, "zeros"))
+            table.append((slot, layer, a.o0, a.o1, r, a_at, b_at))
+            a_at += r * a.d_in
+            b_at += (a.o1 - a.o0) * r
+        at = b_at
+    return specs, table
+
+
+def widest_slot(table: list[tuple]) -> int:
+    """The widest stack of a slot's adapters (segments x rank): what sizes their scratch."""
+    width: dict[tuple[int, str], int] = {}
+    for slot, layer, _, _, rank, _, _ in table:
+        width[(layer, slot)] = width.get((layer, slot), 0) + rank
+    return max(width.values(), default=0)
+
+
+def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
+    """PEFT's default: A kaiming-uniform (a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in))), B zero."""
+    if spec.init == "zeros":
+        return np.zeros(spec.shape, np.float32)
+    bound = 1.0 / math.sqrt(spec.shape[1])
+    return rng.uniform(-bound, bound, spec.shape).astype(np.float32)
+
+
+def run_setup(cfg: "ModelConfig", lora: Optional[LoraConfig], base_dtype: str, frozen: bool,
+              table: list[tuple], seed: Optional[int]) -> dict:
+    """The config as the executor takes it, with the run's setup beside it: whether the base is
+    frozen and its matrices' format, and what sizes the adapters' scratch."""
+    return {**cfg.model_dump(), "frozen": frozen, "matrix_dtype": base_dtype if frozen else "fp32",
+            "lora_width": widest_slot(table), "lora_scale": lora.scaling if lora else 1.0,
+            "lora_dropout": lora.dropout if lora else 0.0, "lora_seed": int(seed or 0) % 2**64}
