@@ -11,6 +11,7 @@ error, since ignoring it would silently change the model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections import Counter
@@ -128,7 +129,8 @@ def _checkpoint_folder(path: str | os.PathLike) -> Path:
 
 
 def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
-                    allow_nonfinite: bool = False):
+                    allow_nonfinite: bool = False, lora=None, base_dtype: Optional[str] = None,
+                    precision: str = "fp32", checkpointing: bool = False):
     """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors), or from a
     GGUF file (gguf_model.py: weights dequantized to float32, the tokenizer from its metadata).
 
@@ -137,22 +139,31 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     ad: the pullback backend, as zoo.Model takes it ("manual", "clad" or a per-block mapping).
     allow_nonfinite: load weights holding NaN or Inf (refused by default: such a model computes
     NaN, or garbage from greedy decoding) with a RuntimeWarning that says how many and where.
+    lora, base_dtype: a frozen base with LoRA adapters (zoo.Model's arguments); the weights are
+    stored in the base's format as they are read, a block of rows at a time.
     """
     from .gguf_model import is_gguf, load_gguf
     from .model import Model
 
     if is_gguf(path):
+        if lora is not None or base_dtype not in (None, "fp32"):
+            raise CheckpointError(Path(path), "a GGUF file loads as a float32 model; for a LoRA run or a "
+                                              f"frozen base, convert it first: zoo convert {path} DIR")
         return load_gguf(path, max_seq_len=max_seq_len, ad=ad, allow_nonfinite=allow_nonfinite)
     folder = _checkpoint_folder(path)
     cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
         matches = check_tensors(cfg, reader)  # all checks before the arena is allocated
-        model = Model(cfg, seed=None, ad=ad)
+        model = Model(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
+                      checkpointing=checkpointing)
         params = model.parameters()
         nonfinite: dict[str, int] = {}
         for m in matches:
-            reader.copy_into(m.stored, params[m.spec.name], transpose=m.spec.hf_transposed)
-            n = count_nonfinite(params[m.spec.name])  # counted in the arena: no second copy of the weights
+            if model.frozen:
+                n = _load_frozen(reader, m, model)
+            else:
+                reader.copy_into(m.stored, params[m.spec.name], transpose=m.spec.hf_transposed)
+                n = count_nonfinite(params[m.spec.name])  # counted in the arena: no second copy of the weights
             if n:
                 nonfinite[m.stored] = n
         if nonfinite:
@@ -164,6 +175,30 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
     model.pretrained_generation_config = _read_generation_config(folder)  # read now: written back on save
     return model
+
+
+# Values read at a time into a frozen base: the widest tensor's fp32 copy would cost gigabytes.
+_FROZEN_CHUNK_VALUES = 1 << 24
+
+
+def _load_frozen(reader: CheckpointReader, m: TensorMatch, model) -> int:
+    """Stores one checkpoint tensor in a frozen base, a block of rows at a time (a transposed
+    GPT-2 Conv1D weight whole); returns its non-finite values."""
+    if m.spec.hf_transposed:
+        value = reader.read(m.stored).T
+        model.set_base_tensor(m.spec.name, value)
+        return count_nonfinite(value)
+    rows = m.spec.shape[0]
+    cols = math.prod(m.spec.shape[1:])
+    step = max(1, _FROZEN_CHUNK_VALUES // max(cols, 1))
+    source = reader.file_of(m.stored)
+    bad = 0
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        block = source.read_flat(m.stored, r0 * cols, r1 * cols)
+        bad += count_nonfinite(block)
+        model.set_base_tensor(m.spec.name, block, first_row=r0)
+    return bad
 
 
 def stop_ids(folder: str | os.PathLike) -> list[int]:
@@ -219,8 +254,10 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
         warnings.warn(f"{folder / CONFIG_FILE}: {problem[1]}; writing zoo's own config (model_type 'zoo'), "
                       "which zoo loads and transformers does not", stacklevel=2)
         hf = config_to_zoo(cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
-    params = model.parameters()
-    tensors = [(spec.name, params[spec.name].T if spec.hf_transposed else params[spec.name])
+    if getattr(model, "lora", None) is not None:
+        raise ValueError("this model has LoRA adapters over a frozen base: save the adapters "
+                         "(zoo.peft_io.save_adapter, PEFT's format) or merge them into the base (zoo merge)")
+    tensors = [(spec.name, model.base_tensor(spec.name).T if spec.hf_transposed else model.base_tensor(spec.name))
                for spec in parameter_layout(cfg)]
     write_checkpoint(folder, tensors, DTYPE_NAMES[dtype], max_shard_bytes)
     if isinstance(tokenizer, Tokenizer):

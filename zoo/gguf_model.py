@@ -382,7 +382,10 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
     from gguf.constants import GGMLQuantizationType as Q
 
     cfg = model.config
-    params = model.parameters()
+    if getattr(model, "lora", None) is not None:
+        raise ValueError("this model has LoRA adapters over a frozen base: merge them first (zoo merge), "
+                         "then convert the merged checkpoint")
+    params = None if model.frozen else model.parameters()
     out = []
     for spec, gguf_name in tensor_names(cfg):
         qtype = Q[matrix_type]
@@ -392,7 +395,8 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
             qtype = Q.F16
         heads = _rope_heads(cfg, spec)
 
-        def make(value=params[spec.name], heads=heads, qtype=qtype) -> np.ndarray:
+        def make(name=spec.name, heads=heads, qtype=qtype) -> np.ndarray:
+            value = params[name] if params is not None else model.base_tensor(name)  # a frozen base: widened now
             w = value if heads is None else to_gguf_rows(value, heads)
             return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype) \
                 if qtype != Q.F32 else np.ascontiguousarray(w, dtype=np.float32)

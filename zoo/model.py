@@ -257,20 +257,22 @@ class Model:
         shape = next(p.shape for p in self.layout if p.name == name)
         return self._exec.load_base(index, first, rows).reshape(shape)
 
-    def set_base_tensor(self, name: str, value) -> None:
-        """Sets a tensor of the model, stored in the base's format (rounded or quantized)."""
+    def set_base_tensor(self, name: str, value, first_row: int = 0) -> None:
+        """Sets a tensor of the model (or its rows from first_row on: value then holds whole
+        rows of it), stored in the base's format (rounded or quantized)."""
         if not self.frozen:
-            view = self._params[name]
+            view = self._params[name] if first_row == 0 else self._params[name][first_row:]
             arr = np.asarray(value)
-            if arr.shape != view.shape:
-                raise ValueError(f"{name}: shape {arr.shape}, the model's is {view.shape}")
-            view[...] = arr
+            if arr.size != view.size or (first_row == 0 and arr.shape != view.shape):
+                raise ValueError(f"{name}: shape {arr.shape}, the model's is {self._params[name].shape}")
+            view.reshape(-1)[...] = arr.reshape(-1)
             return
         index, first, rows, cols = self._base_spot(name)
         arr = np.asarray(value, dtype=np.float32)
-        if arr.size != rows * cols:
-            raise ValueError(f"{name}: {arr.size} values, the model's tensor has {rows * cols}")
-        self._exec.store_base(index, first, np.ascontiguousarray(arr).reshape(rows, cols))
+        if arr.size % cols or (first_row == 0 and arr.size != rows * cols) or first_row + arr.size // cols > rows:
+            raise ValueError(f"{name}: {arr.size} values from row {first_row}, the model's tensor has "
+                             f"{rows} rows of {cols}")
+        self._exec.store_base(index, first + first_row, np.ascontiguousarray(arr).reshape(-1, cols))
 
     def _base_spot(self, name: str) -> tuple[int, int, int, int]:
         try:

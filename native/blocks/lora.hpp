@@ -148,7 +148,7 @@ inline void lora_up_reverse_forw(const float*, const float*, float*, int, int, i
                                  clad::pullback_state<>&) {}
 inline void lora_up_pullback(const float* h, const float* B, float* y, int N, int out, int rank, int n_seg,
                              const int* seg, int j, int precision, float* d_h, float* d_B, float* d_y, int*, int*,
-                             int*, int*, int*, int*, int*, clad::pullback_state<>) {
+                             int*, int*, int*, int*, clad::pullback_state<>) {
     const ::zoo::Precision p = (::zoo::Precision)precision;
     const int o0 = seg[2 * j], width = seg[2 * j + 1] - o0, nr = n_seg * rank;
     const size_t b = ::zoo::lora_b_offset(seg, j, rank);
