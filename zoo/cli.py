@@ -197,8 +197,8 @@ def _verb(args: argparse.Namespace | None) -> str:
 
 
 def _written_place(args: argparse.Namespace | None) -> str | None:
-    """The folder the verb writes to, as its flag names it (--out DIR, convert's DST)."""
-    for name, shown in (("out", "--out"), ("dst", "DST")):
+    """The folder the verb writes to, as its flag names it (--out DIR, convert's DST, merge's OUT_DIR)."""
+    for name, shown in (("out", "--out"), ("dst", "OUT_DIR" if getattr(args, "verb", None) == "merge" else "DST")):
         value = getattr(args, name, None)
         if value:
             return f"{shown} {value}"
@@ -904,6 +904,28 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _add_merge(sub) -> None:
+    p = sub.add_parser("merge", help="merge a PEFT LoRA adapter into its base: one Hugging Face checkpoint folder",
+                       epilog="Every adapted weight becomes W + (lora_alpha / r) * B A, computed in float32; the "
+                              "base's tokenizer and generation files are carried over (docs/checkpoints.md, LoRA "
+                              "adapters).")
+    p.add_argument("base", metavar="BASE_DIR", help="the base checkpoint folder the adapter was trained on")
+    p.add_argument("adapter", metavar="ADAPTER_DIR", help="adapter folder (adapter_config.json + "
+                                                           "adapter_model.safetensors, PEFT's format)")
+    p.add_argument("dst", metavar="OUT_DIR", help="folder to write the merged checkpoint to")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="how the merged weights are stored")
+    p.set_defaults(run=_cmd_merge)
+
+
+def _cmd_merge(args) -> int:
+    from .peft_io import merge_adapter
+
+    out = _printing_warnings(lambda: merge_adapter(args.base, args.adapter, args.dst, dtype=args.dtype))
+    print(f"wrote {out} ({args.dtype})")
+    return 0
+
+
 def _printing_warnings(work):
     """work(), its warnings printed as one `zoo: warning:` line each."""
     import warnings
@@ -1008,7 +1030,7 @@ def _cmd_cards(args) -> int:
 
 
 VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_launch, _add_generate, _add_chat, _add_eval,
-         _add_plot, _add_inspect, _add_convert, _add_bench, _add_card, _add_cards]
+         _add_plot, _add_inspect, _add_convert, _add_merge, _add_bench, _add_card, _add_cards]
 
 if __name__ == "__main__":
     sys.exit(main())

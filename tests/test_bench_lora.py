@@ -1,0 +1,80 @@
+"""`python -m zoo.tools.bench_lora` end to end on the tiny presets: it runs, prints its table,
+writes its JSON, and each side trains the same adapters. No timing assertions. One thread."""
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from zoo.peft_io import adapted_modules, target_names
+from zoo.presets import preset
+from zoo.tools import bench_lora
+
+FAST = ["--steps", "2", "--warmup", "1", "--threads", "1", "--seq-len", "32", "--rank", "4"]
+needs_core = pytest.mark.skipif(importlib.util.find_spec("zoo.lora") is None,
+                                reason="zoo's LoRA core (zoo/lora.py) is not in this build")
+
+
+def adapter_params(name: str, r: int = 4) -> int:
+    cfg = preset(name)
+    return sum(r * (m.in_features + m.out_features) for m in adapted_modules(cfg, target_names(cfg)))
+
+
+def check_system(s: dict, tokens: int) -> None:
+    for k in ("step_ms_median", "tokens_per_s", "peak_rss_mib", "gflops", "build_s"):
+        assert s[k] > 0 and math.isfinite(s[k]), (k, s[k])
+    assert s["step_ms_min"] <= s["step_ms_median"] <= s["step_ms_max"] and len(s["step_ms"]) == 2
+    assert s["tokens_per_s"] == pytest.approx(tokens / (s["step_ms_median"] / 1000), rel=1e-9)
+    assert math.isfinite(s["loss_first"]) and s["loss_first"] > 0
+
+
+@pytest.mark.parametrize("name,settings", [("tiny-llama", ["bf16", "fp32"]), ("tiny-gpt2", ["fp32"])])
+def test_torch_side(tmp_path, capsys, name, settings):
+    """PyTorch + PEFT in both settings: LoRA on every linear of every layer, in a process that
+    never imported zoo."""
+    pytest.importorskip("torch")
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    assert bench_lora.main(["--preset", name, "--base", "none", "--torch", *settings, "--torch-checkpointing",
+                            "--json", str(out), *FAST]) == 0
+    table = capsys.readouterr().out
+    assert "| torch_fp32 | fp32, gradient checkpointing" in table
+    if "bf16" in settings:
+        assert "| torch_bf16 | bf16 weights, fp32 adapters, autocast bf16, gradient checkpointing" in table
+    r = json.loads(out.read_text())
+    assert r["schema"] == "zoo-bench-lora/1" and set(r["systems"]) == {f"torch_{s}" for s in settings}
+    assert r["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": target_names(preset(name))}
+    assert f"--base none --torch {' '.join(settings)}" in r["command"] and r["ratios"] == {}
+    for s in r["systems"].values():
+        check_system(s, 32)
+        assert s["trainable_params"] == adapter_params(name) and s["checkpointing"]
+        assert s["imported_zoo"] is False
+
+
+def test_bad_flags_are_one_line(capsys):
+    assert bench_lora.main(["--preset", "tiny-llama", "--base", "q3", *FAST]) == 1
+    assert capsys.readouterr().err.strip() == "bench_lora: error: --base q3: choose from bf16, int8, nf4, fp32, " \
+                                              "or 'none'"
+    assert bench_lora.main(["--preset", "tiny-llama", "--targets", "c_attn", *FAST]) == 1
+    assert "this model's modules are q_proj" in capsys.readouterr().err
+
+
+@needs_core
+def test_zoo_next_to_torch(tmp_path, capsys):
+    """zoo over each base format, next to PyTorch + PEFT: the same adapters, a ratio per pair."""
+    pytest.importorskip("peft")
+    out = tmp_path / "lora.json"
+    assert bench_lora.main(["--preset", "tiny-llama", "--base", "bf16", "int8", "nf4", "--torch", "bf16",
+                            "--checkpointing", "--json", str(out), *FAST]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["systems"]) == {"zoo_bf16", "zoo_int8", "zoo_nf4", "torch_bf16"}
+    for name, s in r["systems"].items():
+        check_system(s, 32)
+        assert s["trainable_params"] == adapter_params("tiny-llama")
+    for base in ("bf16", "int8", "nf4"):
+        ratio = r["ratios"][f"zoo_{base}_over_torch_bf16"]
+        z, t = r["systems"][f"zoo_{base}"], r["systems"]["torch_bf16"]
+        assert ratio["step_time"] == pytest.approx(z["step_ms_median"] / t["step_ms_median"], rel=1e-9)
+        assert ratio["peak_rss"] == pytest.approx(z["peak_rss_mib"] / t["peak_rss_mib"], rel=1e-9)
+    assert "zoo_nf4 / torch_bf16: step time" in capsys.readouterr().out

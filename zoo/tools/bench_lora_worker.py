@@ -1,0 +1,91 @@
+"""The zoo side of `python -m zoo.tools.bench_lora`, one process per run
+(`python -m zoo.tools.bench_lora_worker ...`): LoRA training steps over a frozen base of random
+weights (zoo's init at the preset's shape) in bf16, int8 or nf4.
+
+It reads the work folder bench_lora wrote (manifest.json: zoo's config, the batch shape, the
+LoRA and optimizer settings; tokens.bin, as bench_lora_torch.py reads them) and writes its
+result as JSON to --out. A step: zero grads, forward, cross-entropy, backward, AdamW with
+global-norm clipping, over the adapters only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from .bench_torch import _peak_rss_mib, _rss_now_mib
+from .bench_worker import cpu_info
+
+
+def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: int, threads: int) -> dict:
+    rss_start = _rss_now_mib()
+    import numpy as np
+
+    import zoo
+    from zoo.config import ModelConfig
+    from zoo.lora import LoraConfig
+
+    zoo.set_threads(threads)
+    rss_imported = _rss_now_mib()
+    with open(os.path.join(workdir, "manifest.json")) as f:
+        manifest = json.load(f)
+    B, T, o, lora = manifest["batch"], manifest["seq_len"], manifest["optimizer"], manifest["lora"]
+    t0 = time.perf_counter()
+    model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, checkpointing=checkpointing, base_dtype=base_dtype,
+                      lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
+                                      targets=lora["targets"]))
+    build_s = time.perf_counter() - t0
+    rss_built = _rss_now_mib()
+    data = np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32).reshape(B, T + 1)
+    x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
+
+    def step() -> float:
+        model.zero_grads()
+        loss = model.forward_backward(x, y)
+        model.adamw_step(o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["max_grad_norm"])
+        return loss
+
+    for _ in range(warmup):
+        step()
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    return {
+        "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,
+        "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,
+        "rss_after_build_mib": rss_built, "threads": zoo.get_threads(),
+        "trainable_params": sum(p.size for p in model.parameters().values()),
+        "implementation": f"zoo {zoo.__version__}: {base_dtype} base, fp32 adapters, {model.precision} matmuls"
+                          + (", checkpointing" if checkpointing else ""),
+        "gemm": zoo.gemm_info(), "cpu": cpu_info(),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="bench_lora's zoo worker (run by zoo.tools.bench_lora)")
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--base", choices=["fp32", "bf16", "int8", "nf4"], required=True)
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--out", required=True, help="where to write the result (JSON)")
+    a = ap.parse_args(argv)
+    try:
+        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads)
+    except ValueError as e:  # a setting this zoo cannot honour: one line for the parent to show
+        print(f"zoo bench_lora worker: {e}", file=sys.stderr)
+        return 3
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
