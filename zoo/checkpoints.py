@@ -130,7 +130,7 @@ def _checkpoint_folder(path: str | os.PathLike) -> Path:
 
 def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
                     allow_nonfinite: bool = False, lora=None, base_dtype: Optional[str] = None,
-                    precision: str = "fp32", checkpointing: bool = False):
+                    precision: str = "fp32", checkpointing: bool = False, adapter_seed: int = 0):
     """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors), or from a
     GGUF file (gguf_model.py: weights dequantized to float32, the tokenizer from its metadata).
 
@@ -140,16 +140,27 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     allow_nonfinite: load weights holding NaN or Inf (refused by default: such a model computes
     NaN, or garbage from greedy decoding) with a RuntimeWarning that says how many and where.
     lora, base_dtype: a frozen base with LoRA adapters (zoo.Model's arguments); the weights are
-    stored in the base's format as they are read, a block of rows at a time.
+    stored in the base's format as they are read, a block of rows at a time; the adapters start
+    as PEFT starts them, drawn from adapter_seed.
     """
     from .gguf_model import is_gguf, load_gguf
     from .model import Model
 
+    if _is_adapter_folder(path):
+        if lora is not None:
+            raise ValueError(f"{path}: an adapter folder brings its own LoRA settings; pass no lora=")
+        from .peft_io import adapter_base, load_with_adapter
+
+        return load_with_adapter(adapter_base(path), path, max_seq_len=max_seq_len, ad=ad, base_dtype=base_dtype,
+                                 precision=precision, checkpointing=checkpointing, allow_nonfinite=allow_nonfinite)
     if is_gguf(path):
         if lora is not None or base_dtype not in (None, "fp32"):
             raise CheckpointError(Path(path), "a GGUF file loads as a float32 model; for a LoRA run or a "
                                               f"frozen base, convert it first: zoo convert {path} DIR")
-        return load_gguf(path, max_seq_len=max_seq_len, ad=ad, allow_nonfinite=allow_nonfinite)
+        model = load_gguf(path, max_seq_len=max_seq_len, ad=ad, allow_nonfinite=allow_nonfinite)
+        model.set_precision(precision)
+        model.set_checkpointing(checkpointing)
+        return model
     folder = _checkpoint_folder(path)
     cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
@@ -172,9 +183,19 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
                 raise error
             warnings.warn(f"{error.path}: loaded with {nonfinite_message(nonfinite, len(matches))} "
                           "(allow_nonfinite=True)", RuntimeWarning, stacklevel=2)
+    if lora is not None:
+        model.init_adapters(adapter_seed)
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
     model.pretrained_generation_config = _read_generation_config(folder)  # read now: written back on save
     return model
+
+
+def _is_adapter_folder(path) -> bool:
+    """A PEFT adapter folder (a LoRA run's output): adapter_config.json, and no model of its own."""
+    from .peft_io import ADAPTER_CONFIG
+
+    folder = Path(path)
+    return folder.is_dir() and (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_FILE).exists()
 
 
 # Values read at a time into a frozen base: the widest tensor's fp32 copy would cost gigabytes.

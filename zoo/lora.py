@@ -107,6 +107,19 @@ def adapters(cfg: "ModelConfig", lora: LoraConfig) -> list[Adapter]:
     return out
 
 
+def with_targets(cfg: "ModelConfig", lora: LoraConfig) -> LoraConfig:
+    """lora with its targets spelled out: "every linear layer" (None, ["all-linear"]) becomes
+    the module names of cfg's family (q_proj ... down_proj; c_attn, c_proj, c_fc)."""
+    if lora.targets and lora.targets != ["all-linear"]:
+        return lora
+    names: list[str] = []
+    for path, *_ in _layer_modules(cfg, 0):
+        name = path.rsplit(".", 1)[1]
+        if name not in names:
+            names.append(name)
+    return lora.model_copy(update={"targets": names})
+
+
 def adapter_layout(cfg: "ModelConfig", lora: LoraConfig) -> tuple[list["ParamSpec"], list[tuple]]:
     """The adapters' tensors in the trainable arena's order (per layer and slot, its A's then its
     B's), named as PEFT names them without its base_model.model. prefix, and the table the

@@ -14,7 +14,7 @@ from ._load_native import _native
 from .config import ModelConfig
 from .gemm import apply_gemm_environment, check_precision
 from .layout import ParamSpec, frozen_table, initial_value, layout_table, parameter_layout, parameter_offsets
-from .lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup
+from .lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
 from .memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
 
 
@@ -180,6 +180,8 @@ class Model:
             base_dtype = "bf16" if lora is not None else "fp32"
         if base_dtype not in BASE_DTYPES:
             raise ValueError(f"base_dtype={base_dtype!r}: choose one of {', '.join(BASE_DTYPES)}")
+        if lora is not None:
+            lora = with_targets(config, lora)
         self.lora = lora
         self.base_dtype = base_dtype
         self.frozen = lora is not None or base_dtype != "fp32"
@@ -303,6 +305,10 @@ class Model:
         rng = np.random.default_rng(seed)
         for p in self.layout:
             self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer))
+        self.init_adapters(seed)
+
+    def init_adapters(self, seed: int) -> None:
+        """The LoRA adapters as PEFT starts them (lora.initial_adapter), drawn from seed."""
         rng = np.random.default_rng([seed, 1])
         for p in self.adapter_layout:
             self._params[p.name][...] = initial_adapter(p, rng)
