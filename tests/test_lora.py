@@ -318,3 +318,28 @@ def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
     assert lm == lc
     for k in gm:
         assert rel_err(gc[k], gm[k]) < 1e-5, k
+
+
+def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, monkeypatch):
+    from zoo.checkpoints import format_inspection, inspect_checkpoint, save_pretrained
+    from zoo.cli import main
+
+    monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
+    report = inspect_checkpoint("llama-3.1-8b", seq_len=256)
+    full, bf16, int8, nf4 = (plain for _, plain, _ in report["memory_options"][:4])
+    assert nf4 < int8 < bf16 < full
+    assert report["parameters"] == zoo.preset("llama-3.1-8b").num_parameters()
+    text = format_inspection(report)
+    assert "none read" in text and "LoRA r=16, nf4 base" in text and "does not fit" in text and "  fits" in text
+    # config.json alone, and a folder holding only it: the same figures, no weights read
+    save_pretrained(zoo.Model(LLAMA_TINY, seed=0), tmp_path / "ckpt")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_bytes((tmp_path / "ckpt" / "config.json").read_bytes())
+    from_file = inspect_checkpoint(tmp_path / "cfg" / "config.json", seq_len=16)
+    from_folder = inspect_checkpoint(tmp_path / "cfg", seq_len=16)
+    with_weights = inspect_checkpoint(tmp_path / "ckpt", seq_len=16)
+    assert from_file["memory_options"] == from_folder["memory_options"] == with_weights["memory_options"]
+    assert from_file["weights"] is None and with_weights["loadable"] == "yes"
+    assert main(["inspect", "smollm-135m", "--lora-r", "8"]) == 0
+    assert "LoRA r=8, int8 base" in capsys.readouterr().out
+    assert main(["inspect", "no-such-preset"]) == 1

@@ -833,8 +833,11 @@ def _cmd_plot(args) -> int:
 
 
 def _add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="a checkpoint folder: architecture, parameters, dtypes, memory to finetune")
-    p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors)")
+    p = sub.add_parser("inspect", help="a checkpoint folder, a config or a preset: architecture, parameters, dtypes, "
+                                       "memory to finetune (full or LoRA) and to generate")
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors), a config.json (or a "
+                                                "folder holding only one), or a preset name (zoo presets)")
+    p.add_argument("--lora-r", type=int, default=16, metavar="R", help="LoRA rank for the memory table (default 16)")
     p.add_argument("--batch", type=int, default=1, metavar="N", help="micro-batch size for the memory estimate")
     p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: min(context, 1024))")
     p.add_argument("--scan", action="store_true",
@@ -848,7 +851,9 @@ def _cmd_inspect(args) -> int:
     _check_flag("--batch", args.batch, args.batch >= 1, ">= 1")
     if args.seq_len is not None:
         _check_flag("--seq-len", args.seq_len, args.seq_len >= 1, ">= 1")
-    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len, scan=args.scan)))
+    _check_flag("--lora-r", args.lora_r, 1 <= args.lora_r <= 4096, "an integer in [1, 4096]")
+    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len, scan=args.scan,
+                                               lora_r=args.lora_r)))
     return 0
 
 

@@ -162,6 +162,14 @@ def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
     return rng.uniform(-bound, bound, spec.shape).astype(np.float32)
 
 
+def default_precision(base_dtype: str) -> str:
+    """The products of a LoRA run by default: bf16 over a base narrower than fp32 where the CPU has
+    bf16 dot products (the base is bf16 at best already), else fp32."""
+    from .gemm import gemm_info
+
+    return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] else "fp32"
+
+
 def run_setup(cfg: "ModelConfig", lora: Optional[LoraConfig], base_dtype: str, frozen: bool,
               table: list[tuple], seed: Optional[int]) -> dict:
     """The config as the executor takes it, with the run's setup beside it: whether the base is

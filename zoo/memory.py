@@ -106,6 +106,16 @@ def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoint
                           base=base_bytes(cfg, base_dtype))
 
 
+def generation_bytes(cfg: ModelConfig, batch: int, seq_len: int, base_dtype: str = "fp32") -> int:
+    """Memory to generate batch sequences of up to seq_len tokens: the weights (in base_dtype)
+    and the KV cache with its buffers; no gradients, no moments, no training activations."""
+    check_batch_shape(batch, seq_len)
+    frozen = base_dtype != "fp32"
+    setup = run_setup(cfg, None, base_dtype, frozen, [], 0)
+    weights = base_bytes(cfg, base_dtype) if frozen else FLOAT_BYTES * cfg.num_parameters()
+    return weights + FLOAT_BYTES * int(_native.cache_floats(setup, int(batch), int(seq_len)))
+
+
 def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

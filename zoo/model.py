@@ -108,6 +108,8 @@ def resolve_ad(ad: AdSpec, cfg: ModelConfig, lora: bool = False) -> dict[str, Op
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Values a frozen base is initialized at a time (float32): no copy of a whole 2 GiB tensor.
+_INIT_CHUNK_VALUES = 1 << 24
 
 
 def _finite_float32(name: str, value) -> float:
@@ -304,7 +306,13 @@ class Model:
         run's adapters as PEFT starts them (B zero: the adapted model starts as the base)."""
         rng = np.random.default_rng(seed)
         for p in self.layout:
-            self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer))
+            if not self.frozen:
+                self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer))
+                continue
+            step = max(1, _INIT_CHUNK_VALUES // max(1, math.prod(p.shape[1:])))
+            for r0 in range(0, p.shape[0], step):
+                rows = min(step, p.shape[0] - r0)
+                self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer, rows), first_row=r0)
         self.init_adapters(seed)
 
     def init_adapters(self, seed: int) -> None:

@@ -176,10 +176,9 @@ class TrainConfig(BaseModel):
         if self.lora and self.base_dtype is None:
             self.base_dtype = "bf16"
         if self.precision is None:  # a narrow frozen base runs its products in bf16 where the CPU has them
-            from .gemm import gemm_info
+            from .lora import default_precision
 
-            narrow = self.lora and self.base_dtype != "fp32"
-            self.precision = "bf16" if narrow and gemm_info()["bf16_native"] else "fp32"
+            self.precision = default_precision(self.base_dtype) if self.lora else "fp32"
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr {self.lr}")
         if self.batch_size * self.seq_len > MAX_TOKENS:
