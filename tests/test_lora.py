@@ -236,7 +236,7 @@ def test_a_run_that_cannot_fit_is_refused_up_front_with_what_would(tmp_path):
                 "--batch-size", "4", "--seq-len", "256", env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
     assert r.returncode == 3, r.stderr
     line = r.stderr.strip().splitlines()[-1]
-    assert "needs" in line and "weights" in line and "AdamW moments" in line and "1.40 GiB is available" in line
+    assert "needs" in line and "weights" in line and "AdamW moments" in line and "1.40 GiB (1,500,000,000 bytes) is available" in line
     assert "would fit: --lora (" in line and "--lora --base-dtype int8 (" in line
     assert not (tmp_path / "run" / "train.log").exists()  # refused before anything was made
     # A LoRA run fits where the full one did not.

@@ -367,7 +367,8 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
         cfg = preset(str(path))
         report = {"path": f"preset {path}", "architecture": f"zoo preset ({cfg.family} names)", "model_type": "-",
                   "weights": None}
-    elif given.is_file() or (given.is_dir() and (given / CONFIG_FILE).is_file() and not _has_weights(given)):
+    elif (given.is_file() and not _is_gguf_file(given)) or (given.is_dir() and (given / CONFIG_FILE).is_file()
+                                                            and not _has_weights(given)):
         config_file = given if given.is_file() else given / CONFIG_FILE
         hf = read_config_json(config_file)
         cfg = config_from_hf(hf, config_file)
@@ -385,6 +386,12 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
                   memory_options=memory_options(cfg, batch, seq_len, lora_r), available=available_memory_bytes(),
                   lora_r=lora_r)
     return report
+
+
+def _is_gguf_file(path: Path) -> bool:
+    from .gguf_model import is_gguf
+
+    return is_gguf(path)
 
 
 def _has_weights(folder: Path) -> bool:

@@ -280,12 +280,16 @@ def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
         options.append((flags, estimate(lora=adapters, base_dtype=d)))
     if not checkpointing:
         options.append(("--checkpointing", estimate(checkpointing=True)))
-    for name, key, value in (("--batch-size", "batch", batch), ("--seq-len", "seq_len", seq_len)):
-        smaller = value // 2
-        while smaller >= 1 and estimate(**{key: smaller}) > have:
-            smaller //= 2
-        if smaller >= 1:
-            options.append((f"{name} {smaller}", estimate(**{key: smaller})))
+    # A smaller batch or sequence (not below an eighth of the sequence), alone or checkpointed.
+    for ckpt in ((False, True) if not checkpointing else (False,)):
+        for name, key, value, least in (("--batch-size", "batch", batch, 1),
+                                        ("--seq-len", "seq_len", seq_len, max(1, seq_len // 8))):
+            smaller = value // 2
+            while smaller >= least and estimate(**{key: smaller}, checkpointing=ckpt or checkpointing) > have:
+                smaller //= 2
+            if smaller >= least:
+                options.append((("--checkpointing " if ckpt else "") + f"{name} {smaller}",
+                                estimate(**{key: smaller}, checkpointing=ckpt or checkpointing)))
     fits = [f"{flags} ({human_bytes(n)})" for flags, n in options if n <= have]
     if not fits:  # every way at once
         smallest = estimate(lora=adapters, base_dtype="nf4", checkpointing=True, batch=1)
@@ -293,5 +297,5 @@ def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
         fits = [f"not even {way} ({human_bytes(smallest)}): a smaller model"] if smallest > have else \
             [f"{way} ({human_bytes(smallest)})"]
     raise ResourceError(f"{what} at batch {batch} x {seq_len} needs {describe(need, base_dtype if lora else None)}, "
-                        f"but {human_bytes(have)} is available ({where}); would fit: {'; '.join(fits)}. "
+                        f"but {human_bytes(have)} ({have:,} bytes) is available ({where}); would fit: {'; '.join(fits)}. "
                         f"To try anyway, set {SKIP_CHECK_ENV}=1")
