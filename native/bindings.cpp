@@ -172,6 +172,39 @@ PYBIND11_MODULE(_native, m) {
     }, py::arg("a"), py::arg("b"), py::arg("trans_a") = false, py::arg("trans_b") = false,
        py::arg("precision") = "fp32", py::arg("c") = py::none(), py::arg("allow_emulated") = false,
        "allow_emulated: run bf16 on a CPU without bf16 dot products too (oneDNN emulates them), to measure it.");
+    // One product with a stored matrix (gemm::matrix_xwt / matrix_xw), for tests and benchmarks:
+    // W (rows, cols) is stored in format first (not timed: repeats reuse it); then
+    // x (M, cols) W^T, or with backward, dy (M, rows) W, repeated `repeats` times; returns the
+    // result and the seconds of the fastest repeat.
+    m.def("stored_matrix_product", [](F32 a, F32 w, const std::string& format, const std::string& precision,
+                                      bool backward, int repeats) {
+        if (a.ndim() != 2 || w.ndim() != 2) throw std::invalid_argument("zoo: 2-D operands");
+        const int rows = (int)w.shape(0), cols = (int)w.shape(1), M = (int)a.shape(0);
+        if (a.shape(1) != (backward ? rows : cols)) throw std::invalid_argument("zoo: operands do not match");
+        const zoo::DType t = zoo::dtype_named(format);
+        const zoo::Precision p = zoo::precision_named(precision);
+        zoo::gemm::require_precision(p);
+        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
+        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
+        const zoo::Matrix W(data, t, rows, cols);
+        std::vector<float> scratch(zoo::gemm::matrix_scratch_floats(p, t, M, rows, cols) + 1);
+        F32 out({M, backward ? cols : rows});
+        double best = 1e30;
+        {
+            py::gil_scoped_release nogil;
+            for (int r = 0; r < std::max(1, repeats); r++) {
+                const double t0 = omp_get_wtime();
+                if (backward)
+                    zoo::gemm::matrix_xw(p, M, a.data(), rows, W, 0.0f, out.mutable_data(), cols, scratch.data());
+                else
+                    zoo::gemm::matrix_xwt(p, M, a.data(), cols, W, 0.0f, out.mutable_data(), rows, scratch.data());
+                best = std::min(best, omp_get_wtime() - t0);
+            }
+        }
+        return py::make_tuple(out, best);
+    }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
+       py::arg("repeats") = 1);
     m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K) {
         return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K);
     }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"));
@@ -232,6 +265,11 @@ PYBIND11_MODULE(_native, m) {
         return info;
     });
 
+    m.def("cache_floats", [](py::dict cfg, int64_t batch, int64_t max_len) {
+        const auto [B, T] = batch_shape(batch, max_len, "cache_floats");
+        return zoo::cache_floats(dims_from(cfg), B, T);
+    }, py::arg("config"), py::arg("batch_size"), py::arg("max_len"),
+       "Floats of the generation arena (KV cache and buffers) for up to batch_size x max_len tokens.");
     m.def("storage_bytes", [](const std::string& format, size_t rows, size_t cols) {
         return zoo::storage_bytes(zoo::dtype_named(format), rows, cols);
     }, py::arg("format"), py::arg("rows"), py::arg("cols"),

@@ -417,12 +417,14 @@ double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
 // chunk the largest buffer of a small batch (GPT-2 at 4 x 64: 49 MiB of a 105 MiB arena): it
 // takes the budget or half of what else is live while the head runs, no more rows than fp32
 // (GPT-2's head over 256 rows: 89.5 ms in one chunk, 141 ms in two of 128;
-// docs/benchmarks.md). Evened out so the last chunk is not a sliver.
-static int head_chunk_rows(size_t N, int V, bool checkpointing, Precision precision, size_t dead_floats,
+// docs/benchmarks.md). Not over a frozen base, whose head weight is widened or repacked for
+// every chunk, and whose activations are small next to it (llama-3.2-1b's head at 1 x 256:
+// one chunk instead of two). Evened out so the last chunk is not a sliver.
+static int head_chunk_rows(size_t N, int V, bool checkpointing, Precision precision, bool frozen, size_t dead_floats,
                            size_t live_floats) {
     const size_t budget = std::max<size_t>(checkpointing ? 4u << 20 : 8u << 20, dead_floats);
     size_t max_rows = std::max<size_t>(checkpointing ? 16 : 1024, budget / V);
-    if (precision == Precision::bf16 && !checkpointing)
+    if (precision == Precision::bf16 && !checkpointing && !frozen)
         max_rows = std::min(max_rows, std::max<size_t>(16, std::max(budget, live_floats / 2) / V));
     const size_t chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);  // at most N, which limits::max_tokens keeps an int
@@ -534,7 +536,7 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0), kForward | kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
-    p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, pl.total() - pl.end_of(kHead),
+    p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, d.frozen, pl.total() - pl.end_of(kHead),
                                   pl.end_of(kHead));
     take(&p.head_logits, "head_logits", (size_t)p.head_rows * d.vocab_size, kHead);
     if (ad.on("cross_entropy"))
@@ -1082,7 +1084,8 @@ static CacheLayout cache_layout(const Dims& d, int B, int max_len) {
     return c;
 }
 
-size_t Executor::cache_floats(int B, int max_len) const { return cache_layout(d_, B, max_len).floats; }
+size_t cache_floats(const Dims& d, int B, int max_len) { return cache_layout(d, B, max_len).floats; }
+size_t Executor::cache_floats(int B, int max_len) const { return zoo::cache_floats(d_, B, max_len); }
 
 void Executor::reset_cache(int B, int max_len) {
     const CacheLayout c = cache_layout(d_, B, max_len);

@@ -88,6 +88,7 @@ Matmul make_matmul(const Key& k) {
         attr.set_post_ops(ops);
     }
     const dnnl::matmul::primitive_desc pd(engine(), a, b, c, attr);
+    if (getenv("ZOO_DEBUG_GEMM")) fprintf(stderr, "matmul %d %d %d ta%d tb%d bf16ops%d: %s\n", k.M, k.N, k.K, k.trans_a, k.trans_b, k.bf16_operands, pd.impl_info_str());
     return {dnnl::matmul(pd), dnnl::memory(a, engine(), nullptr), dnnl::memory(b, engine(), nullptr),
             dnnl::memory(c, engine(), nullptr), pd.impl_info_str()};
 }
@@ -227,8 +228,18 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
     if (bf16_operands(p, W)) {
         uint16_t* db = reinterpret_cast<uint16_t*>(scratch);
         to_bf16_rows(dy, lddy, M, W.rows, db);
-        if (W.dtype == DType::bf16)
-            return onednn_gemm(p, false, false, M, W.cols, W.rows, db, W.rows, W.data, W.cols, beta, dx, lddx, true);
+        if (W.dtype == DType::bf16) {
+            // In blocks of rows of W (the products' K): one product over all of a wide W (an LM
+            // head's 128K rows) runs at a third of the speed (docs/benchmarks.md).
+            const int R = std::max(64, std::atoi(getenv("ZOO_KT") ? getenv("ZOO_KT") : "2048"));
+            const uint16_t* w = static_cast<const uint16_t*>(W.data);
+            for (int r0 = 0; r0 < W.rows; r0 += R) {
+                const int n = std::min(R, W.rows - r0);
+                onednn_gemm(p, false, false, M, W.cols, n, db + r0, W.rows, w + (size_t)r0 * W.cols, W.cols,
+                            r0 ? 1.0f : beta, dx, lddx, true);
+            }
+            return;
+        }
         uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.rows, W.cols)));
         const int R = tile_rows(W);
         for (int r0 = 0; r0 < W.rows; r0 += R) {

@@ -246,6 +246,8 @@ struct Profile {
 ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
                                 int T, float* base, size_t* total_floats);
 size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad);
+// The generation arena (KV cache and buffers) for up to (B, max_len): what reset_cache maps.
+size_t cache_floats(const Dims& d, int B, int max_len);
 
 class Executor {
 public:

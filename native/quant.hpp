@@ -3,12 +3,12 @@
 // float scales. The products read it through gemm::matrix_* (gemm.hpp), which widen it a tile
 // of rows at a time: never the whole matrix in fp32.
 //   f32   4 bytes a value.
-//   bf16  2 bytes: rounded to nearest even; |error| <= 2^-9 |w|.
+//   bf16  2 bytes: rounded to nearest even; |error| <= 2^-8 |w|.
 //   int8  1 byte, one scale per row (per output channel): w = q s, s = max|row| / 127;
 //         |error| <= s / 2 = max|row| / 254.
 //   nf4   4 bits (two values a byte), one scale per block of 64 values along a row: w =
 //         NF4[q] s, s = max|block| (the NormalFloat levels of QLoRA, which fit normally
-//         distributed weights); |error| <= s (1 - NF4[14]) / 2 = 0.1385 s, the widest gap.
+//         distributed weights); |error| <= s (NF4[1] - NF4[0]) / 2 = 0.152 s, half the widest gap.
 #pragma once
 #include <algorithm>
 #include <cmath>

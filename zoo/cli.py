@@ -536,11 +536,15 @@ def _cmd_launch(args) -> int:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of every verb that runs a model: threads, tokenizer, precision."""
+    """The flags of every verb that runs a model: threads, tokenizer, precision, a LoRA base's format."""
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                   help="of the matrix products (default fp32; bf16 needs a CPU with bf16 dot products)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                   help="of the matrix products (default: a run folder's, else fp32; bf16 needs a CPU with bf16 "
+                        "dot products)")
+    p.add_argument("--base-dtype", choices=["fp32", "bf16", "int8", "nf4"], default=None,
+                   help="an adapter folder (a LoRA run's): the format its frozen base is loaded in (default: the "
+                        "run's, else bf16)")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, budget: str) -> None:
@@ -582,7 +586,8 @@ def _threads_and_precision(args) -> None:
     if args.threads is not None:
         _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
         zoo.set_threads(args.threads)
-    check_precision(args.precision)
+    if args.precision is not None:
+        check_precision(args.precision)
 
 
 def _cmd_generate(args) -> int:
@@ -598,8 +603,7 @@ def _cmd_generate(args) -> int:
     gguf_file = is_gguf(src)
     if not src.is_dir() and not gguf_file:
         raise ValueError(f"--from {src}: no such checkpoint folder or GGUF file")
-    model = _load_allowing_nonfinite(src, args.allow_nonfinite)
-    model.set_precision(args.precision)
+    model = _load_allowing_nonfinite(src, args.allow_nonfinite, args)
     tokenizer = None
     if gguf_file and args.tokenizer is None:  # the vocabulary its metadata carries
         tokenizer = model.pretrained_tokenizer
@@ -672,9 +676,9 @@ def _run_settings(src: Path) -> dict:
 
 def _cmd_eval(args) -> int:
     from .chat_template import ChatTemplate
-    from .data import batches_for, tokenize_files
+    from .data import all_token_ids, batches_for, tokenize_files
     from .evaluate import evaluate
-    from .tokenizers import Tokenizer
+    from .tokenizers import Tokenizer, has_tokenizer
 
     _threads_and_precision(args)
     src = Path(args.from_dir)
@@ -689,12 +693,15 @@ def _cmd_eval(args) -> int:
     data = args.data or run.get("data")
     if not data:
         raise ValueError(f"--data: none given, and {src} is not a run folder whose data zoo could reuse")
-    model = _load_allowing_nonfinite(src, args.allow_nonfinite)
-    model.set_precision(args.precision)
+    model = _load_allowing_nonfinite(src, args.allow_nonfinite, args)
     if s["seq_len"] > model.config.max_seq_len:
         raise ValueError(f"--seq-len {s['seq_len']}: beyond the model's max_seq_len {model.config.max_seq_len}")
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
-    token_file = tokenize_files(data, tokenizer, args.cache_dir, ChatTemplate.for_folder(Path(args.tokenizer or src)))
+    if not args.tokenizer and not has_tokenizer(src) and all_token_ids(data):
+        tokenizer, template = None, None  # token ids need no tokenizer, and this folder has none
+    else:
+        tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
+        template = ChatTemplate.for_folder(Path(args.tokenizer or src))
+    token_file = tokenize_files(data, tokenizer, args.cache_dir, template, vocab_size=model.config.vocab_size)
     windows = batches_for(token_file, s["batch_size"], s["seq_len"], s["val_fraction"] if args.split == "val" else 0.0,
                           s["eval_batches"], s["seed"], f"data {', '.join(map(str, data))}", s["train_on_everything"])
     result = evaluate(model, windows, args.split)
@@ -707,7 +714,7 @@ def _cmd_eval(args) -> int:
         from .atomic import write_json
 
         write_json(Path(args.json), {"schema": "zoo-eval/1", "from": str(src), "data": [str(d) for d in data],
-                                     "split": args.split, "precision": args.precision, **s, **result})
+                                     "split": args.split, "precision": model.precision, **s, **result})
     return 0
 
 
@@ -733,8 +740,7 @@ def _cmd_chat(args) -> int:
     src = Path(args.from_dir)
     if not src.is_dir():
         raise ValueError(f"--from {src}: no such checkpoint folder")
-    model = _load_allowing_nonfinite(src, False)
-    model.set_precision(args.precision)
+    model = _load_allowing_nonfinite(src, False, args)
     tok_dir = Path(args.tokenizer or src)
     tokenizer = Tokenizer.from_pretrained(tok_dir)
     session = ChatSession(model, tokenizer, ChatTemplate.for_folder(tok_dir), args.system,
@@ -827,8 +833,11 @@ def _cmd_plot(args) -> int:
 
 
 def _add_inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="a checkpoint folder: architecture, parameters, dtypes, memory to finetune")
-    p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors)")
+    p = sub.add_parser("inspect", help="a checkpoint folder, a config or a preset: architecture, parameters, dtypes, "
+                                       "memory to finetune (full or LoRA) and to generate")
+    p.add_argument("path", metavar="PATH", help="checkpoint folder (config.json + safetensors), a config.json (or a "
+                                                "folder holding only one), or a preset name (zoo presets)")
+    p.add_argument("--lora-r", type=int, default=16, metavar="R", help="LoRA rank for the memory table (default 16)")
     p.add_argument("--batch", type=int, default=1, metavar="N", help="micro-batch size for the memory estimate")
     p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: min(context, 1024))")
     p.add_argument("--scan", action="store_true",
@@ -842,20 +851,31 @@ def _cmd_inspect(args) -> int:
     _check_flag("--batch", args.batch, args.batch >= 1, ">= 1")
     if args.seq_len is not None:
         _check_flag("--seq-len", args.seq_len, args.seq_len >= 1, ">= 1")
-    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len, scan=args.scan)))
+    _check_flag("--lora-r", args.lora_r, 1 <= args.lora_r <= 4096, "an integer in [1, 4096]")
+    print(format_inspection(inspect_checkpoint(args.path, batch=args.batch, seq_len=args.seq_len, scan=args.scan,
+                                               lora_r=args.lora_r)))
     return 0
 
 
-def _load_allowing_nonfinite(src, allow: bool):
+def _load_allowing_nonfinite(src, allow: bool, args=None):
     """load_pretrained; with allow (--allow-nonfinite), a checkpoint holding NaN or Inf loads too,
-    and the warning that says how many and where is printed as one line."""
+    and the warning that says how many and where is printed as one line. args: a verb's
+    --precision and --base-dtype, each defaulting to the run's when src is a run folder (a LoRA
+    run's adapters then go on the base it trained them on, and compute as it did)."""
     import warnings
 
     from .checkpoints import load_pretrained
+    from .gemm import check_precision
 
+    settings = {}
+    if args is not None:
+        run = _run_settings(Path(src)) if Path(src).is_dir() else {}
+        precision = args.precision or run.get("precision") or "fp32"
+        check_precision(precision)
+        settings = dict(precision=precision, base_dtype=args.base_dtype or run.get("base_dtype"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        model = load_pretrained(src, allow_nonfinite=allow)
+        model = load_pretrained(src, allow_nonfinite=allow, **settings)
     for w in caught:
         print(f"zoo: warning: {w.message}", file=sys.stderr)
     return model

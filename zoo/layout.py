@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -43,15 +43,20 @@ class ParamSpec:
     init: str  # "ones", "zeros", "normal" (std 0.02) or "residual" (std 0.02 / sqrt(2 n_layer))
 
 
-def initial_value(spec: ParamSpec, rng: np.random.Generator, n_layer: int) -> np.ndarray:
+def initial_value(spec: ParamSpec, rng: np.random.Generator, n_layer: int, rows: Optional[int] = None) -> np.ndarray:
     """The tensor's GPT-2-style initial value (float32). The one init, used by zoo.Model and
-    by zoo bench: normal draws come from rng in layout order, so a seed fixes every weight."""
+    by zoo bench: normal draws come from rng in layout order, so a seed fixes every weight.
+    rows: the next rows of it only (the draws of successive calls are those of one whole call),
+    so a frozen base is initialized without a float32 copy of its widest tensor."""
+    shape = spec.shape if rows is None else (rows, *spec.shape[1:])
     if spec.init == "ones":
-        return np.ones(spec.shape, np.float32)
+        return np.ones(shape, np.float32)
     if spec.init == "zeros":
-        return np.zeros(spec.shape, np.float32)
+        return np.zeros(shape, np.float32)
     std = 0.02 / math.sqrt(2 * n_layer) if spec.init == "residual" else 0.02
-    return rng.standard_normal(spec.shape, dtype=np.float32) * np.float32(std)
+    value = rng.standard_normal(shape, dtype=np.float32)
+    value *= np.float32(std)
+    return value
 
 
 def parameter_layout(cfg: "ModelConfig") -> list[ParamSpec]:

@@ -113,6 +113,19 @@ def adapters(cfg: "ModelConfig", lora: LoraConfig) -> list[Adapter]:
     return out
 
 
+def with_targets(cfg: "ModelConfig", lora: LoraConfig) -> LoraConfig:
+    """lora with its targets spelled out: "every linear layer" (None, ["all-linear"]) becomes
+    the module names of cfg's family (q_proj ... down_proj; c_attn, c_proj, c_fc)."""
+    if lora.targets and lora.targets != ["all-linear"]:
+        return lora
+    names: list[str] = []
+    for path, *_ in _layer_modules(cfg, 0):
+        name = path.rsplit(".", 1)[1]
+        if name not in names:
+            names.append(name)
+    return lora.model_copy(update={"targets": names})
+
+
 def adapter_layout(cfg: "ModelConfig", lora: LoraConfig) -> tuple[list["ParamSpec"], list[tuple]]:
     """The adapters' tensors in the trainable arena's order (per layer and slot, its A's then its
     B's), named as PEFT names them without its base_model.model. prefix, and the table the
@@ -153,6 +166,14 @@ def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
         return np.zeros(spec.shape, np.float32)
     bound = 1.0 / math.sqrt(spec.shape[1])
     return rng.uniform(-bound, bound, spec.shape).astype(np.float32)
+
+
+def default_precision(base_dtype: str) -> str:
+    """The products of a LoRA run by default: bf16 over a base narrower than fp32 where the CPU has
+    bf16 dot products (the base is bf16 at best already), else fp32."""
+    from .gemm import gemm_info
+
+    return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] else "fp32"
 
 
 def run_setup(cfg: "ModelConfig", lora: Optional[LoraConfig], base_dtype: str, frozen: bool,

@@ -106,6 +106,16 @@ def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoint
                           base=base_bytes(cfg, base_dtype))
 
 
+def generation_bytes(cfg: ModelConfig, batch: int, seq_len: int, base_dtype: str = "fp32") -> int:
+    """Memory to generate batch sequences of up to seq_len tokens: the weights (in base_dtype)
+    and the KV cache with its buffers; no gradients, no moments, no training activations."""
+    check_batch_shape(batch, seq_len)
+    frozen = base_dtype != "fp32"
+    setup = run_setup(cfg, None, base_dtype, frozen, [], 0)
+    weights = base_bytes(cfg, base_dtype) if frozen else FLOAT_BYTES * cfg.num_parameters()
+    return weights + FLOAT_BYTES * int(_native.cache_floats(setup, int(batch), int(seq_len)))
+
+
 def human_bytes(n: int) -> str:
     value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -222,4 +232,62 @@ def check_memory(needed: int, what: str, fix: str) -> None:
     have, where = available
     raise ResourceError(f"{what} needs {human_bytes(needed)} ({needed:,} bytes), but {human_bytes(have)} "
                         f"({have:,} bytes) is available ({where}); {fix}. "
+                        f"To try anyway, set {SKIP_CHECK_ENV}=1")
+
+
+def describe(m: FinetuneMemory, base_dtype: Optional[str] = None) -> str:
+    """'X = weights ... + activations ...': the parts of an estimate."""
+    parts = ([f"frozen {base_dtype} base {human_bytes(m.base)}", f"adapters {human_bytes(m.parameters)}"] if m.base
+             else [f"weights {human_bytes(m.parameters)}"])
+    parts += [f"gradients {human_bytes(m.gradients)}", f"AdamW moments {human_bytes(m.optimizer)}",
+              f"activations {human_bytes(m.activations)}"]
+    return f"{human_bytes(m.total)} = " + " + ".join(parts)
+
+
+# Narrower frozen bases, in order: each a way to fit a LoRA run that does not.
+_NARROWER = {"fp32": ("bf16", "int8", "nf4"), "bf16": ("int8", "nf4"), "int8": ("nf4",), "nf4": ()}
+
+
+def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool, precision: str,
+                        lora: Optional[LoraConfig], base_dtype: Optional[str], what: str) -> FinetuneMemory:
+    """The memory a finetune of cfg needs (finetune_memory_bytes), checked before anything is
+    allocated: a run that would not fit in what this process can allocate is refused with
+    ResourceError giving the estimate, what is available, and the settings that would fit
+    (--lora, a narrower base, --checkpointing, a smaller batch or sequence), each with its
+    estimate. Returns the estimate."""
+    need = finetune_memory_bytes(cfg, batch, seq_len, checkpointing, precision, lora=lora, base_dtype=base_dtype)
+    available = available_memory_bytes()
+    if os.environ.get(SKIP_CHECK_ENV) == "1" or available is None or need.total <= available[0]:
+        return need
+    have, where = available
+
+    def estimate(**change) -> int:
+        s = dict(batch=batch, seq_len=seq_len, checkpointing=checkpointing, lora=lora, base_dtype=base_dtype)
+        s.update(change)
+        return finetune_memory_bytes(cfg, s["batch"], s["seq_len"], s["checkpointing"], precision,
+                                     lora=s["lora"], base_dtype=s["base_dtype"]).total
+
+    options: list[tuple[str, int]] = []
+    adapters = lora or LoraConfig()
+    base = base_dtype or "bf16"
+    bases = ([("--lora", "bf16")] if lora is None else []) + [
+        (("" if lora else "--lora ") + f"--base-dtype {d}", d) for d in _NARROWER[base if lora else "bf16"]]
+    for flags, d in bases:
+        options.append((flags, estimate(lora=adapters, base_dtype=d)))
+    if not checkpointing:
+        options.append(("--checkpointing", estimate(checkpointing=True)))
+    for name, key, value in (("--batch-size", "batch", batch), ("--seq-len", "seq_len", seq_len)):
+        smaller = value // 2
+        while smaller >= 1 and estimate(**{key: smaller}) > have:
+            smaller //= 2
+        if smaller >= 1:
+            options.append((f"{name} {smaller}", estimate(**{key: smaller})))
+    fits = [f"{flags} ({human_bytes(n)})" for flags, n in options if n <= have]
+    if not fits:  # every way at once
+        smallest = estimate(lora=adapters, base_dtype="nf4", checkpointing=True, batch=1)
+        way = ("" if lora else "--lora ") + "--base-dtype nf4 --checkpointing --batch-size 1"
+        fits = [f"not even {way} ({human_bytes(smallest)}): a smaller model"] if smallest > have else \
+            [f"{way} ({human_bytes(smallest)})"]
+    raise ResourceError(f"{what} at batch {batch} x {seq_len} needs {describe(need, base_dtype if lora else None)}, "
+                        f"but {human_bytes(have)} is available ({where}); would fit: {'; '.join(fits)}. "
                         f"To try anyway, set {SKIP_CHECK_ENV}=1")

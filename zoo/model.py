@@ -14,7 +14,7 @@ from ._load_native import _native
 from .config import ModelConfig
 from .gemm import apply_gemm_environment, check_precision
 from .layout import ParamSpec, frozen_table, initial_value, layout_table, parameter_layout, parameter_offsets
-from .lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup
+from .lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
 from .memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
 
 
@@ -108,6 +108,8 @@ def resolve_ad(ad: AdSpec, cfg: ModelConfig, lora: bool = False) -> dict[str, Op
 
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Values a frozen base is initialized at a time (float32): no copy of a whole 2 GiB tensor.
+_INIT_CHUNK_VALUES = 1 << 24
 
 
 def _finite_float32(name: str, value) -> float:
@@ -180,6 +182,8 @@ class Model:
             base_dtype = "bf16" if lora is not None else "fp32"
         if base_dtype not in BASE_DTYPES:
             raise ValueError(f"base_dtype={base_dtype!r}: choose one of {', '.join(BASE_DTYPES)}")
+        if lora is not None:
+            lora = with_targets(config, lora)
         self.lora = lora
         self.base_dtype = base_dtype
         self.frozen = lora is not None or base_dtype != "fp32"
@@ -302,7 +306,17 @@ class Model:
         run's adapters as PEFT starts them (B zero: the adapted model starts as the base)."""
         rng = np.random.default_rng(seed)
         for p in self.layout:
-            self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer))
+            if not self.frozen:
+                self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer))
+                continue
+            step = max(1, _INIT_CHUNK_VALUES // max(1, math.prod(p.shape[1:])))
+            for r0 in range(0, p.shape[0], step):
+                rows = min(step, p.shape[0] - r0)
+                self.set_base_tensor(p.name, initial_value(p, rng, self.config.n_layer, rows), first_row=r0)
+        self.init_adapters(seed)
+
+    def init_adapters(self, seed: int) -> None:
+        """The LoRA adapters as PEFT starts them (lora.initial_adapter), drawn from seed."""
         rng = np.random.default_rng([seed, 1])
         for p in self.adapter_layout:
             self._params[p.name][...] = initial_adapter(p, rng)

@@ -297,6 +297,23 @@ def load_adapter(model, folder: Union[str, os.PathLike]) -> PeftAdapter:
     return adapter
 
 
+def adapter_base(folder: Union[str, os.PathLike]) -> Path:
+    """The base checkpoint folder an adapter folder names (base_model_name_or_path, relative to
+    the adapter folder when not absolute); an error naming the field if it is not a folder here."""
+    config_path = Path(folder) / ADAPTER_CONFIG
+    raw = read_json(config_path, "adapter config")
+    base = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
+    if not base:
+        raise CheckpointError(config_path, "names no base model; give the base folder and the adapter folder "
+                                           "(zoo.peft_io.load_with_adapter(base, adapter))", key="base_model_name_or_path")
+    path = Path(base) if os.path.isabs(base) else Path(folder) / base
+    if not path.is_dir():
+        raise CheckpointError(config_path, f"{base!r} is not a checkpoint folder on this machine (a Hub name? "
+                                           "download it, then zoo.peft_io.load_with_adapter(base, adapter))",
+                              key="base_model_name_or_path")
+    return path
+
+
 def load_with_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, os.PathLike], **kwargs):
     """A zoo.Model of a Hugging Face checkpoint with a PEFT adapter on its frozen base; kwargs
     (base_dtype=, max_seq_len=, ...) go to zoo.Model.from_pretrained."""

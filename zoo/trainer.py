@@ -57,7 +57,8 @@ from .errors import CheckpointError, DistributedError, ResourceError
 from .evaluate import validation_loss
 from .files import read_json_model
 from .hf_config import CONFIG_FILE
-from .memory import finetune_memory_bytes, human_bytes
+from .memory import describe, finetune_memory_bytes, human_bytes
+from .peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
 from .safetensors_io import INDEX_FILE, Pieces, SafetensorsFile, write_file
@@ -73,7 +74,10 @@ LOCK_FILE = ".zoo-run.lock"
 _TRAINER_FILES = {STATE_FILE, OPTIMIZER_FILE}
 # Files of a model published at the top of --out, by an earlier run or this one.
 _WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
-_MODEL_FILES = {CONFIG_FILE, INDEX_FILE, *TOKENIZER_FILES, "generation_config.json"}
+_MODEL_FILES = {CONFIG_FILE, INDEX_FILE, *TOKENIZER_FILES, "generation_config.json", ADAPTER_CONFIG, ADAPTER_WEIGHTS}
+# The file whose presence makes a published folder complete, put in place last: config.json, or
+# a LoRA run's adapter_config.json.
+_LAST_FILES = (CONFIG_FILE, ADAPTER_CONFIG)
 
 # What a run writes for a moment only, under names with its pid: a checkpoint being written
 # (.tmp-step-N-PID) or pruned (.trash-step-N-PID), replaced checkpoints (.trash-checkpoints-PID),
@@ -310,6 +314,7 @@ class Trainer:
                 self.say(f"note: removed what an interrupted run left in {self.out}: {', '.join(left)}")
             _check_writable(self.out)
             resume_from = self._check_run_folder()
+            self._check_memory_up_front()
             self.model, self.tokenizer, self.tokenizer_dir = self._load_model(resume_from)
             self.chat_template = self._chat_template()
         resuming = resume_from is not None
@@ -369,7 +374,10 @@ class Trainer:
                     (template.source, template.origin, template.bos_token, template.eos_token)}
         sent = group.broadcast("the model's settings", sent)
         if not group.is_root:
-            self.model = zoo.Model(ModelConfig.model_validate(sent["model"]), seed=None, ad=self.cfg.ad)
+            if self.cfg.lora:  # each rank reads the frozen base itself; rank 0 sends the adapters below
+                self.model = self._load_lora_model(None)[0]
+            else:
+                self.model = zoo.Model(ModelConfig.model_validate(sent["model"]), seed=None, ad=self.cfg.ad)
             self.tokenizer_dir = None
             self.chat_template = None if sent["chat_template"] is None else ChatTemplate(*sent["chat_template"])
             source = sent["tokenizer"]
@@ -514,6 +522,8 @@ class Trainer:
         from .tokenizers import Tokenizer
 
         cfg = self.cfg
+        if cfg.lora:
+            return self._load_lora_model(resume_from)
         if resume_from is not None or cfg.from_dir is not None:
             src = resume_from if resume_from is not None else Path(cfg.from_dir)
             if not src.is_dir():
@@ -533,6 +543,56 @@ class Trainer:
         if cfg.tokenizer:
             return model, Tokenizer.from_pretrained(cfg.tokenizer), Path(cfg.tokenizer)
         return model, Tokenizer.byte_level(), None
+
+    def _check_memory_up_front(self) -> None:
+        """The run's memory estimate against what the machine has, from the model's config alone,
+        before any weight is read or arena mapped (memory.check_finetune_fits)."""
+        import zoo
+        from .hf_config import read_config
+        from .memory import check_finetune_fits
+
+        cfg = self.cfg
+        if cfg.from_dir is not None:
+            if not Path(cfg.from_dir).is_dir() or not (Path(cfg.from_dir) / CONFIG_FILE).is_file():
+                return  # _load_model names what is wrong with it
+            model_cfg, what = read_config(Path(cfg.from_dir)), f"finetuning {cfg.from_dir}"
+        else:
+            model_cfg = cfg.model or zoo.preset(cfg.preset or "tiny-llama")
+            what = f"training {cfg.preset or 'the model config'}"
+        rows = cfg.batch_size if self.group is None else -(-cfg.batch_size // self.group.size)
+        check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.checkpointing, cfg.precision, cfg.lora_config(),
+                            cfg.base_dtype, what)
+
+    def _load_lora_model(self, resume_from: Optional[Path]):
+        """A LoRA run: the frozen base from --from (or a new model from the preset or config, seeded),
+        its adapters new or, on --resume, the checkpoint's (which also holds the tokenizer)."""
+        import zoo
+        from .checkpoints import load_pretrained
+        from .peft_io import load_adapter
+        from .tokenizers import Tokenizer
+
+        cfg = self.cfg
+        settings = dict(ad=cfg.ad, lora=cfg.lora_config(), base_dtype=cfg.base_dtype, precision=cfg.precision,
+                        checkpointing=cfg.checkpointing)
+        if cfg.from_dir is not None:
+            src = Path(cfg.from_dir)
+            if not src.is_dir():
+                gguf = src.is_file() and src.suffix.lower() == ".gguf"
+                raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
+                                                      "then --from DIR" if gguf else "no such checkpoint folder"))
+            model = load_pretrained(src, adapter_seed=cfg.seed, **settings)
+        else:
+            model = zoo.Model(cfg.model or zoo.preset(cfg.preset or "tiny-llama"), seed=cfg.seed, **settings)
+            src = None
+        if resume_from is not None:
+            load_adapter(model, resume_from)
+        tok_dir = resume_from if resume_from is not None and has_tokenizer(resume_from) else (
+            Path(cfg.tokenizer) if cfg.tokenizer else src)
+        if tok_dir is None:
+            return model, Tokenizer.byte_level(), None
+        if not cfg.tokenizer and not has_tokenizer(tok_dir) and cfg.data and all_token_ids(cfg.data):
+            return model, None, None
+        return model, Tokenizer.from_pretrained(tok_dir), tok_dir
 
     def _chat_template(self):
         """What chats in the data are rendered with: the tokenizer folder's template, else zoo's
@@ -862,14 +922,15 @@ class Trainer:
         rows = share.rows[1] - share.rows[0]
         begin, end = m.moment_range
         mem = finetune_memory_bytes(m.config, rows, cfg.seq_len, m.checkpointing, m.precision,
-                                    moment_floats=end - begin)
+                                    moment_floats=end - begin, lora=m.lora, base_dtype=m.base_dtype)
         tf = self.token_file
         gemm = gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
                     else f"fp32 products on {gemm['fp32']}")
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         group = self.group
-        self.say(f"model: {m.config.family}-style, {m.n_params:,} parameters; {threads}"
+        trainable = f" ({m.n_params:,} trainable, in the adapters)" if m.lora is not None else ""
+        self.say(f"model: {m.config.family}-style, {m.config.num_parameters():,} parameters{trainable}; {threads}"
                  f"{' per rank' if group is not None else ''}; {products}")
         if group is not None:
             part = (f"{rows} of the {cfg.batch_size} sequences of every micro-batch" if rows != cfg.batch_size else
@@ -877,9 +938,10 @@ class Trainer:
             self.say(f"distributed: {group.size} ranks on {group.hosts} host{'s' if group.hosts > 1 else ''}, each "
                      f"takes {part}; gradients summed across ranks"
                      + (f"; AdamW moments sharded (ZeRO-1), 1/{group.size} per rank" if self.zero else ""))
-        self.say(f"memory{' per rank' if group is not None else ''}: {human_bytes(mem.total)} = weights "
-                 f"{human_bytes(mem.parameters)} + gradients {human_bytes(mem.gradients)} + AdamW moments "
-                 f"{human_bytes(mem.optimizer)} + activations {human_bytes(mem.activations)} at batch {rows} x "
+        if m.lora is not None:
+            self.say(f"LoRA: rank {m.lora.r}, alpha {m.lora.alpha:g}, dropout {m.lora.dropout:g} on "
+                     f"{', '.join(m.lora.targets or ['every linear layer'])}; the {m.base_dtype} base is frozen")
+        self.say(f"memory{' per rank' if group is not None else ''}: {describe(mem, m.base_dtype)} at batch {rows} x "
                  f"{cfg.seq_len}{' with activation checkpointing' if m.checkpointing else ''}")
         formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
         trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
@@ -899,8 +961,6 @@ class Trainer:
         """Write checkpoints/step-N atomically (temp folder, fsync, rename); keep the newest few.
         In a distributed run every rank calls it: they check that their weights agree, the
         ZeRO-1 shards of the moments go to rank 0, and rank 0 writes."""
-        from .checkpoints import save_pretrained
-
         root = self.out / CHECKPOINTS
         final = root / f"step-{self.step:08d}"
         if self.last_checkpoint == final:
@@ -926,7 +986,7 @@ class Trainer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir()
-            save_pretrained(self.model, tmp, tokenizer=self.tokenizer)
+            self._save_model(tmp)
             write_file(tmp / OPTIMIZER_FILE, moments)
             write_json(tmp / STATE_FILE, {
                 "step": self.step, "optimizer_step": int(opt["step"]), "total_steps": self.total_steps,
@@ -949,6 +1009,21 @@ class Trainer:
         self.last_checkpoint = final
         self._prune()
         return final
+
+    def _save_model(self, folder: Path) -> None:
+        """The model into a checkpoint folder: a Hugging Face checkpoint, or a LoRA run's adapters in
+        PEFT's format (naming the base they go on) with the tokenizer files."""
+        from .checkpoints import save_pretrained
+        from .peft_io import save_adapter
+        from .tokenizers import Tokenizer
+
+        if not self.cfg.lora:
+            save_pretrained(self.model, folder, tokenizer=self.tokenizer)
+            return
+        if isinstance(self.tokenizer, Tokenizer):
+            self.tokenizer.save(folder)
+        base = os.path.abspath(self.cfg.from_dir) if self.cfg.from_dir else None
+        save_adapter(self.model, folder, base_model_name_or_path=base)
 
     def _check_same_weights(self) -> None:
         """Every rank's weights are rank 0's, bit for bit (compared by checksum): the summed
@@ -991,7 +1066,8 @@ class Trainer:
 
     def _publish(self, ckpt: Optional[Path]) -> None:
         """Put the final model at the top of --out, so the run folder itself loads in transformers
-        and in `zoo finetune --from`. config.json is what makes a folder a model: it goes first
+        and in `zoo finetune --from`. config.json (a LoRA run's adapter_config.json) is what makes a
+        folder a model: it goes first
         (a folder without it is refused by every loader, naming the file), then what an earlier
         publish left that this model lacks, then each file of this model is put in place
         atomically (a hard link under a temporary name, renamed over the old), config.json
@@ -1001,7 +1077,7 @@ class Trainer:
             return
         names = sorted(f.name for f in ckpt.iterdir() if f.is_file() and f.name not in _TRAINER_FILES)
         self._unpublish(keep=set(names))
-        for name in sorted(names, key=lambda n: n == CONFIG_FILE):
+        for name in sorted(names, key=lambda n: n in _LAST_FILES):
             src, dst = ckpt / name, self.out / name
             if dst.exists() and os.path.samefile(src, dst):
                 continue  # published already (a rename onto the same file would do nothing)
@@ -1022,10 +1098,11 @@ class Trainer:
     def _unpublish(self, keep: set[str]) -> None:
         """Remove the model published at the top of --out, config.json first (see _publish),
         except the files named in `keep` (about to be replaced)."""
-        config = self.out / CONFIG_FILE
-        if config.exists():
-            config.unlink()
-            fsync_dir(self.out)
+        for last in _LAST_FILES:
+            config = self.out / last
+            if config.exists():
+                config.unlink()
+                fsync_dir(self.out)
         for p in self.out.iterdir():
             if (p.name in _MODEL_FILES or _WEIGHT_FILE.match(p.name)) and p.name not in keep and p.is_file():
                 p.unlink()

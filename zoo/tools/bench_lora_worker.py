@@ -27,7 +27,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
 
     import zoo
     from zoo.config import ModelConfig
-    from zoo.lora import LoraConfig
+    from zoo.lora import LoraConfig, default_precision
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()
@@ -36,6 +36,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     B, T, o, lora = manifest["batch"], manifest["seq_len"], manifest["optimizer"], manifest["lora"]
     t0 = time.perf_counter()
     model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, checkpointing=checkpointing, base_dtype=base_dtype,
+                      precision=default_precision(base_dtype),
                       lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
                                       targets=lora["targets"]))
     build_s = time.perf_counter() - t0

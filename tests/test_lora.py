@@ -1,0 +1,345 @@
+"""LoRA over a frozen base (docs/lora.md): the adapter block, the base's storage formats and their
+products, what a LoRA model and a forward-only model allocate, dropout, the memory refusal, and
+LoRA runs through the CLI. Parity with PEFT itself is in test_lora_peft.py."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import zoo
+from zoo import LoraConfig, ModelConfig
+from zoo.trainer import Trainer, TrainInterrupted
+from zoo.train_config import TrainConfig
+
+CLAD = bool(zoo.build_info().get("clad"))
+BF16 = zoo.gemm_info()["bf16_native"]
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+STORIES = SHARED / "stories260K-hf"
+
+GPT2_TINY = ModelConfig(vocab_size=97, max_seq_len=32, d_model=48, n_layer=2, n_head=4, d_ff=96)
+LLAMA_TINY = ModelConfig(vocab_size=101, max_seq_len=32, d_model=40, n_layer=2, n_head=4, n_kv_head=2, head_dim=10,
+                         d_ff=72, norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False,
+                         mlp_bias=False, tied_embeddings=False)
+# Rows of 96 (one and a half nf4 blocks) and a vocabulary whose matrix is widened in two tiles.
+WIDE_VOCAB = ModelConfig(vocab_size=20000, max_seq_len=16, d_model=96, n_layer=1, n_head=4, d_ff=160,
+                         norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False, mlp_bias=False,
+                         tied_embeddings=False)
+
+
+def batch(cfg, B=2, T=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def randomize_adapters(model, seed=1):
+    rng = np.random.default_rng(seed)
+    for name, v in model.parameters().items():
+        v[...] = rng.standard_normal(v.shape).astype(np.float32) * (0.2 if "lora_B" in name else 0.3)
+
+
+def fp32_copy(model) -> zoo.Model:
+    """A trainable fp32 model holding model's base as stored (widened)."""
+    full = zoo.Model(model.config, seed=None)
+    for name in model.base_tensor_names():
+        full.set_base_tensor(name, model.base_tensor(name))
+    return full
+
+
+def merged(model) -> zoo.Model:
+    """fp32_copy with every adapter merged into its module's weight: W + scaling B A."""
+    from zoo.lora import adapters
+
+    full = fp32_copy(model)
+    p = model.parameters()
+    for a in adapters(model.config, model.lora):
+        w = a.module + ".weight"
+        full.set_base_tensor(w, full.base_tensor(w) + model.lora.scaling * p[a.module + ".lora_B.weight"]
+                             @ p[a.module + ".lora_A.weight"])
+    return full
+
+
+# --- the adapter block ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+def test_new_adapters_leave_the_base_unchanged(cfg):
+    tok, tgt = batch(cfg)
+    base = zoo.Model(cfg, seed=3)
+    lora = zoo.Model(cfg, seed=3, lora=LoraConfig(r=4), base_dtype="fp32")
+    assert lora.loss(tok, tgt) == base.loss(tok, tgt)  # B starts at zero
+
+
+@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj", "down_proj"]], ids=["all", "some"])
+def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
+    """The adapted model is the base with W + s B A; its adapters' gradients are the merged
+    model's weight gradient G pulled back: dB = s G A^T, dA = s B^T G (the hand-written
+    full-model pullbacks as the reference)."""
+    if cfg is GPT2_TINY and targets:
+        targets = ["c_attn", "mlp.c_proj"]
+    tok, tgt = batch(cfg)
+    model = zoo.Model(cfg, seed=3, lora=LoraConfig(r=4, alpha=6, targets=targets), base_dtype="fp32")
+    randomize_adapters(model)
+    full = merged(model)
+    assert rel_err(model.logits(tok), full.logits(tok)) < 1e-5
+    _, grads = model.loss_and_grads(tok, tgt)
+    _, full_grads = full.loss_and_grads(tok, tgt)
+    from zoo.lora import adapters
+
+    s, p = model.lora.scaling, model.parameters()
+    for a in adapters(cfg, model.lora):
+        G = full_grads[a.module + ".weight"]
+        A, B = p[a.module + ".lora_A.weight"], p[a.module + ".lora_B.weight"]
+        assert rel_err(grads[a.module + ".lora_B.weight"], s * G @ A.T) < 1e-3, a.module
+        assert rel_err(grads[a.module + ".lora_A.weight"], s * B.T @ G) < 1e-3, a.module
+
+
+def test_targets_name_modules_and_unknown_ones_are_refused():
+    m = zoo.Model(LLAMA_TINY, seed=0, lora=LoraConfig(r=2, targets=["q_proj", "v_proj"]), base_dtype="fp32")
+    assert sorted({n.split(".")[-3] for n in m.parameters()}) == ["q_proj", "v_proj"]
+    assert m.lora.targets == ["q_proj", "v_proj"]
+    assert zoo.Model(LLAMA_TINY, seed=0, lora=LoraConfig(r=2)).lora.targets == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    with pytest.raises(ValueError, match="c_attn.*match no module.*q_proj"):
+        zoo.Model(LLAMA_TINY, lora=LoraConfig(targets=["c_attn"]))
+
+
+def test_dropout_draws_masks_per_pass_and_only_in_training():
+    cfg = LLAMA_TINY
+    tok, tgt = batch(cfg)
+    lora = LoraConfig(r=4, dropout=0.3)
+    a = zoo.Model(cfg, seed=3, lora=lora, base_dtype="fp32")
+    b = zoo.Model(cfg, seed=3, lora=lora, base_dtype="fp32")
+    plain = zoo.Model(cfg, seed=3, lora=LoraConfig(r=4), base_dtype="fp32")
+    for m in (a, b, plain):
+        randomize_adapters(m)
+    assert a.loss(tok, tgt) == plain.loss(tok, tgt)  # evaluation drops nothing
+    la, ga = a.loss_and_grads(tok, tgt)
+    lb, gb = b.loss_and_grads(tok, tgt)
+    assert la == lb and all(np.array_equal(ga[k], gb[k]) for k in ga)  # the same masks for the same pass
+    assert la != plain.loss(tok, tgt)
+    again, _ = a.loss_and_grads(tok, tgt)  # the next pass of the step draws other masks
+    assert again != la
+
+
+# --- the frozen base's formats -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
+def test_each_format_is_within_its_stated_bound(fmt):
+    m = zoo.Model(WIDE_VOCAB, seed=5, base_dtype=fmt)
+    ref = zoo.Model(WIDE_VOCAB, seed=5)
+    for name in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        w = ref.base_tensor(name).astype(np.float64)
+        w[0, :7] *= 40  # an outlier row and block
+        m.set_base_tensor(name, w)
+        err = np.abs(m.base_tensor(name) - w)
+        if fmt == "bf16":
+            bound = np.abs(w) * 2.0**-8
+        elif fmt == "int8":
+            bound = np.abs(w).max(axis=1, keepdims=True) / 254
+        else:
+            blocks = np.abs(np.pad(w, ((0, 0), (0, -w.shape[1] % 64)))).reshape(w.shape[0], -1, 64).max(axis=2)
+            bound = np.repeat(blocks, 64, axis=1)[:, :w.shape[1]] * 0.1520
+        slack = 1e-6 * np.abs(w).max(axis=1, keepdims=True)  # float32 arithmetic of the scales
+        assert (err <= bound + slack).all(), (name, float((err - bound).max()))
+        assert err.max() > 0
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
+def test_products_on_a_stored_base_equal_fp32_products_on_its_values(fmt):
+    """The products widen the stored matrix a tile at a time (the LM head here in two tiles): in
+    fp32 they equal a plain model holding the widened values, logits and adapter gradients."""
+    tok, tgt = batch(WIDE_VOCAB, T=8)
+    m = zoo.Model(WIDE_VOCAB, seed=5, lora=LoraConfig(r=4), base_dtype=fmt)
+    randomize_adapters(m)
+    ref = zoo.Model(WIDE_VOCAB, seed=None, lora=LoraConfig(r=4), base_dtype="fp32")
+    for name in m.base_tensor_names():
+        ref.set_base_tensor(name, m.base_tensor(name))
+    for k, v in m.parameters().items():
+        ref.parameters()[k][...] = v
+    assert rel_err(m.logits(tok), ref.logits(tok)) < 1e-5
+    _, g = m.loss_and_grads(tok, tgt)
+    _, gr = ref.loss_and_grads(tok, tgt)
+    for k in gr:
+        assert rel_err(g[k], gr[k]) < 1e-4, k
+
+
+@pytest.mark.skipif(not BF16, reason="no bf16 dot products on this CPU")
+@pytest.mark.parametrize("fmt", ["bf16", "nf4"])
+def test_bf16_products_on_a_stored_base_stay_close(fmt):
+    tok, tgt = batch(WIDE_VOCAB, T=8)
+    m = zoo.Model(WIDE_VOCAB, seed=5, lora=LoraConfig(r=4), base_dtype=fmt, precision="bf16")
+    ref = zoo.Model(WIDE_VOCAB, seed=5, lora=LoraConfig(r=4), base_dtype=fmt)
+    randomize_adapters(m)
+    randomize_adapters(ref)
+    assert rel_err(m.logits(tok), ref.logits(tok)) < 2e-2
+    _, g = m.loss_and_grads(tok, tgt)
+    _, gr = ref.loss_and_grads(tok, tgt)
+    for k in gr:
+        assert rel_err(g[k], gr[k]) < 5e-2, k
+
+
+# --- what is allocated -----------------------------------------------------------------------
+
+
+def test_a_forward_only_model_allocates_weights_and_cache_only():
+    from zoo.generate import generate
+
+    for m in (zoo.Model(LLAMA_TINY, seed=1), zoo.Model(LLAMA_TINY, seed=1, base_dtype="bf16")):
+        generate(m, [1, 2, 3], 5, temperature=0)
+        m.logits(np.array([[1, 2, 3]]))
+        sizes = m.arena_bytes()
+        assert sizes["gradients"] == 0 and sizes["moments"] == 0, sizes
+        assert sizes["kv_cache"] > 0
+    q = zoo.Model(LLAMA_TINY, seed=1, base_dtype="bf16")
+    full = zoo.Model(LLAMA_TINY, seed=1)
+    assert q.arena_bytes()["frozen_base"] < 0.55 * full.arena_bytes()["weights"]
+    with pytest.raises(RuntimeError, match="frozen and it has no adapters"):
+        q.forward_backward(*batch(LLAMA_TINY))
+
+
+def test_a_lora_step_allocates_training_state_for_the_adapters_alone():
+    m = zoo.Model(LLAMA_TINY, seed=1, lora=LoraConfig(r=4), base_dtype="int8")
+    assert m.arena_bytes()["gradients"] == 0
+    m.forward_backward(*batch(LLAMA_TINY))
+    m.adamw_step(1e-3)
+    sizes = m.arena_bytes()
+    assert sizes["weights"] == sizes["gradients"] == 4 * m.n_params
+    assert sizes["moments"] == 8 * m.n_params
+    assert m.n_params == sum(v.size for v in m.parameters().values())
+    assert sizes["frozen_base"] < 0.3 * 4 * LLAMA_TINY.num_parameters()
+
+
+# --- runs ------------------------------------------------------------------------------------
+
+
+def zoo_cli(*args, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "zoo.cli", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
+
+
+def test_a_run_that_cannot_fit_is_refused_up_front_with_what_would(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world " * 200)
+    r = zoo_cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "run",
+                "--batch-size", "4", "--seq-len", "256", env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
+    assert r.returncode == 3, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "needs" in line and "weights" in line and "AdamW moments" in line and "1.40 GiB is available" in line
+    assert "would fit: --lora (" in line and "--lora --base-dtype int8 (" in line
+    assert not (tmp_path / "run" / "train.log").exists()  # refused before anything was made
+    # A LoRA run fits where the full one did not.
+    ok = zoo_cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "lora",
+                 "--batch-size", "1", "--seq-len", "32", "--lora", "--no-progress", "--sample-tokens", "0",
+                 env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.fixture(scope="module")
+def shakespeare_ids(tmp_path_factory):
+    """tinyshakespeare as stories260K's byte tokens (its vocabulary's ids 3..258 are bytes)."""
+    path = tmp_path_factory.mktemp("data") / "shakespeare.npy"
+    raw = (SHARED / "tinyshakespeare.txt").read_bytes()[:150_000]
+    np.save(path, np.frombuffer(raw, np.uint8).astype(np.int32) + 3)
+    return path
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data/stories260K-hf is not here")
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_lora_on_a_quantized_base_lowers_the_loss(tmp_path, shakespeare_ids, fmt):
+    out = tmp_path / "run"
+    r = zoo_cli("finetune", "--from", STORIES, "--lora", "--lora-r", "16", "--base-dtype", fmt, "--data",
+                shakespeare_ids, "--steps", "40", "--batch-size", "8", "--seq-len", "128", "--lr", "1e-2",
+                "--eval-every", "40", "--out", out, "--no-progress", "--sample-tokens", "0")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [x["val_loss"] for x in records if x.get("val_loss") is not None]
+    assert val[-1] < val[0] - 0.3, val
+    assert f"the {fmt} base is frozen" in (out / "train.log").read_text()
+    # The run folder is a PEFT adapter on its base: eval gives the run's last validation loss.
+    e = zoo_cli("eval", "--from", out, "--split", "val", "--json", tmp_path / "eval.json")
+    assert e.returncode == 0, e.stderr
+    assert abs(json.loads((tmp_path / "eval.json").read_text())["loss"] - val[-1]) < 1e-6
+
+
+def test_a_resumed_lora_run_is_exact(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(300)))
+
+    def cfg(name, **kw):
+        return TrainConfig(preset="tiny-llama", data=[str(text)], out=str(tmp_path / name), steps=10, save_every=4,
+                           batch_size=4, seq_len=32, lr=1e-2, lora=True, lora_r=4, lora_dropout=0.1,
+                           base_dtype="nf4", progress=False, sample_tokens=0, **kw)
+
+    full = Trainer(cfg("full"))
+    full.run()
+
+    def stop_at(step):
+        def hook(done, loss):
+            if done == step:
+                import signal
+
+                signal.raise_signal(signal.SIGINT)
+        return hook
+
+    with pytest.raises(TrainInterrupted):
+        Trainer(cfg("cut")).run(on_step=stop_at(6))
+    resumed = Trainer(cfg("cut", resume=True))
+    assert resumed.step == 6
+    resumed.run()
+    for k, v in full.model.parameters().items():
+        assert np.array_equal(v, resumed.model.parameters()[k]), k
+    assert np.array_equal(full.model.optimizer_state()["v"], resumed.model.optimizer_state()["v"])
+
+
+@pytest.mark.skipif(not CLAD, reason="this zoo was built without the Clad backend")
+@pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
+    tok, tgt = batch(cfg)
+    lora = LoraConfig(r=4, alpha=8, dropout=0.2)
+    manual = zoo.Model(cfg, seed=2, lora=lora, base_dtype="fp32")
+    clad = zoo.Model(cfg, seed=2, lora=lora, base_dtype="fp32", ad={"lora": "clad"})
+    assert clad.ad["lora"] == "clad" and manual.ad["lora"] == "manual"
+    randomize_adapters(manual)
+    randomize_adapters(clad)
+    lm, gm = manual.loss_and_grads(tok, tgt)
+    lc, gc = clad.loss_and_grads(tok, tgt)
+    assert lm == lc
+    for k in gm:
+        assert rel_err(gc[k], gm[k]) < 1e-5, k
+
+
+def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, monkeypatch):
+    from zoo.checkpoints import format_inspection, inspect_checkpoint, save_pretrained
+    from zoo.cli import main
+
+    monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
+    report = inspect_checkpoint("llama-3.1-8b", seq_len=256)
+    full, bf16, int8, nf4 = (plain for _, plain, _ in report["memory_options"][:4])
+    assert nf4 < int8 < bf16 < full
+    assert report["parameters"] == zoo.preset("llama-3.1-8b").num_parameters()
+    text = format_inspection(report)
+    assert "none read" in text and "LoRA r=16, nf4 base" in text and "does not fit" in text and "  fits" in text
+    # config.json alone, and a folder holding only it: the same figures, no weights read
+    save_pretrained(zoo.Model(LLAMA_TINY, seed=0), tmp_path / "ckpt")
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_bytes((tmp_path / "ckpt" / "config.json").read_bytes())
+    from_file = inspect_checkpoint(tmp_path / "cfg" / "config.json", seq_len=16)
+    from_folder = inspect_checkpoint(tmp_path / "cfg", seq_len=16)
+    with_weights = inspect_checkpoint(tmp_path / "ckpt", seq_len=16)
+    assert from_file["memory_options"] == from_folder["memory_options"] == with_weights["memory_options"]
+    assert from_file["weights"] is None and with_weights["loadable"] == "yes"
+    assert main(["inspect", "smollm-135m", "--lora-r", "8"]) == 0
+    assert "LoRA r=8, int8 base" in capsys.readouterr().out
+    assert main(["inspect", "no-such-preset"]) == 1
