@@ -88,7 +88,6 @@ Matmul make_matmul(const Key& k) {
         attr.set_post_ops(ops);
     }
     const dnnl::matmul::primitive_desc pd(engine(), a, b, c, attr);
-    if (getenv("ZOO_DEBUG_GEMM")) fprintf(stderr, "matmul %d %d %d ta%d tb%d bf16ops%d: %s\n", k.M, k.N, k.K, k.trans_a, k.trans_b, k.bf16_operands, pd.impl_info_str());
     return {dnnl::matmul(pd), dnnl::memory(a, engine(), nullptr), dnnl::memory(b, engine(), nullptr),
             dnnl::memory(c, engine(), nullptr), pd.impl_info_str()};
 }

@@ -20,6 +20,10 @@
 
 #include "bf16.hpp"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace zoo {
 
 enum class DType : int { f32 = 0, bf16 = 1, int8 = 2, nf4 = 3 };
@@ -78,35 +82,95 @@ struct Matrix {
     }
 };
 
-// Values [c0, c1) of row r of m widened to fp32 (c0 a multiple of nf4_block).
-inline void widen_row_range(const Matrix& m, size_t r, size_t c0, size_t c1, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 values at a time: the products widen every stored matrix once per pass, so this runs over
+// the whole model two or three times a step (scalar, it cost more than the products of an 8B
+// model's LoRA step; docs/lora.md).
+namespace simd {
+inline __m512 int8x16(const int8_t* v, __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)v))), scale);
+}
+// 8 bytes of nf4 codes (16 values, low nibble first) as fp32.
+inline __m512 nf4x16(const uint8_t* v, __m512 levels, __m512 scale) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)v), low = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), levels), scale);
+}
+inline __m512 bf16x16(const uint16_t* v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)v)), 16));
+}
+// Round to nearest even, as to_bf16 (the values here are finite: scales times levels or int8).
+inline void store_bf16x16(uint16_t* out, __m512 x) {
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    __m512i u = _mm512_castps_si512(x);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                          _mm512_set1_epi32(1))));
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+#endif
+}
+}  // namespace simd
+#endif
+
+// Values [c0, c1) of row r of m widened, to fp32 (Out float) or bf16 bits (Out uint16_t); c0 a
+// multiple of nf4_block.
+template <class Out>
+inline void widen_row_range(const Matrix& m, size_t r, size_t c0, size_t c1, Out* out) {
+    constexpr bool to_bf16_bits = sizeof(Out) == 2;
+    auto put = [&](size_t c, float x) {
+        if constexpr (to_bf16_bits) out[c - c0] = to_bf16(x);
+        else out[c - c0] = x;
+    };
     const size_t C = m.cols;
+    size_t c = c0;
     switch (m.dtype) {
         case DType::bf16: {
             const uint16_t* v = static_cast<const uint16_t*>(m.data) + r * C;
-            for (size_t c = c0; c < c1; c++) out[c - c0] = from_bf16(v[c]);
+            if constexpr (to_bf16_bits) {
+                std::memcpy(out, v + c0, 2 * (c1 - c0));
+                return;
+            }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            for (; c + 16 <= c1; c += 16) _mm512_storeu_ps((float*)out + (c - c0), simd::bf16x16(v + c));
+#endif
+            for (; c < c1; c++) put(c, from_bf16(v[c]));
             return;
         }
         case DType::int8: {
             const int8_t* v = static_cast<const int8_t*>(m.data) + r * C;
             const float s = m.scales()[r];
-            for (size_t c = c0; c < c1; c++) out[c - c0] = v[c] * s;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            const __m512 sv = _mm512_set1_ps(s);
+            for (; c + 16 <= c1; c += 16) {
+                const __m512 x = simd::int8x16(v + c, sv);
+                if constexpr (to_bf16_bits) simd::store_bf16x16((uint16_t*)out + (c - c0), x);
+                else _mm512_storeu_ps((float*)out + (c - c0), x);
+            }
+#endif
+            for (; c < c1; c++) put(c, v[c] * s);
             return;
         }
         case DType::nf4: {
             const size_t nb = nf4_blocks(C);
             const uint8_t* v = static_cast<const uint8_t*>(m.data) + r * nb * (nf4_block / 2);
             const float* s = m.scales() + r * nb;
-            for (size_t c = c0; c < c1; c += 2) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            const __m512 levels = _mm512_loadu_ps(nf4_levels);
+            for (; c + 16 <= c1; c += 16) {  // 16 values never straddle a block of 64
+                const __m512 x = simd::nf4x16(v + c / 2, levels, _mm512_set1_ps(s[c / nf4_block]));
+                if constexpr (to_bf16_bits) simd::store_bf16x16((uint16_t*)out + (c - c0), x);
+                else _mm512_storeu_ps((float*)out + (c - c0), x);
+            }
+#endif
+            for (; c < c1; c++) {
                 const uint8_t byte = v[c / 2];
-                const float sc = s[c / nf4_block];
-                out[c - c0] = nf4_levels[byte & 15] * sc;
-                if (c + 1 < c1) out[c + 1 - c0] = nf4_levels[byte >> 4] * sc;
+                put(c, nf4_levels[(c & 1) ? byte >> 4 : byte & 15] * s[c / nf4_block]);
             }
             return;
         }
         default:
-            for (size_t c = c0; c < c1; c++) out[c - c0] = m.f32()[r * C + c];
+            for (; c < c1; c++) put(c, m.f32()[r * C + c]);
     }
 }
 
@@ -116,27 +180,10 @@ inline void widen_rows(const Matrix& m, int r0, int r1, float* out) {
     for (int r = r0; r < r1; r++) widen_row_range(m, r, 0, m.cols, out + (size_t)(r - r0) * m.cols);
 }
 
-// The same as bf16 bits, for the bf16 products (int8 and nf4 values pass through fp32 in
-// chunks of a row; bf16 values are copied).
+// The same as bf16 bits, for the bf16 products.
 inline void widen_rows_bf16(const Matrix& m, int r0, int r1, uint16_t* out) {
-    constexpr size_t chunk = 4096;
-#pragma omp parallel
-    {
-        float row[chunk];
-#pragma omp for schedule(static)
-        for (int r = r0; r < r1; r++) {
-            uint16_t* o = out + (size_t)(r - r0) * m.cols;
-            if (m.dtype == DType::bf16) {
-                std::memcpy(o, static_cast<const uint16_t*>(m.data) + (size_t)r * m.cols, 2 * (size_t)m.cols);
-                continue;
-            }
-            for (size_t c0 = 0; c0 < (size_t)m.cols; c0 += chunk) {
-                const size_t c1 = std::min<size_t>(m.cols, c0 + chunk);
-                widen_row_range(m, r, c0, c1, row);
-                for (size_t c = c0; c < c1; c++) o[c] = to_bf16(row[c - c0]);
-            }
-        }
-    }
+#pragma omp parallel for schedule(static)
+    for (int r = r0; r < r1; r++) widen_row_range(m, r, 0, m.cols, out + (size_t)(r - r0) * m.cols);
 }
 
 // Stores rows [r0, r0 + n) of an (rows, cols) matrix in format t from fp32 values w (n x cols),

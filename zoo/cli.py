@@ -543,8 +543,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="of the matrix products (default: a run folder's, else fp32; bf16 needs a CPU with bf16 "
                         "dot products)")
     p.add_argument("--base-dtype", choices=["fp32", "bf16", "int8", "nf4"], default=None,
-                   help="an adapter folder (a LoRA run's): the format its frozen base is loaded in (default: the "
-                        "run's, else bf16)")
+                   help="load the weights frozen in this format (less memory; the products then run in bf16 where "
+                        "the CPU has bf16 dot products). An adapter folder (a LoRA run's): the format of its base "
+                        "(default: the run's, else bf16); a checkpoint: fp32 by default")
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperature: float, budget: str) -> None:
@@ -869,10 +870,13 @@ def _load_allowing_nonfinite(src, allow: bool, args=None):
 
     settings = {}
     if args is not None:
+        from .lora import default_precision
+
         run = _run_settings(Path(src)) if Path(src).is_dir() else {}
-        precision = args.precision or run.get("precision") or "fp32"
+        base_dtype = args.base_dtype or run.get("base_dtype")
+        precision = args.precision or run.get("precision") or default_precision(base_dtype or "fp32")
         check_precision(precision)
-        settings = dict(precision=precision, base_dtype=args.base_dtype or run.get("base_dtype"))
+        settings = dict(precision=precision, base_dtype=base_dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         model = load_pretrained(src, allow_nonfinite=allow, **settings)
