@@ -119,6 +119,28 @@ def test_merge_equals_merge_and_unload(base, tmp_path, dtype):
     assert json.loads((out / "config.json").read_text())["model_type"] == family
 
 
+def test_bf16_merge_of_a_bf16_base_is_exact(base, tmp_path, monkeypatch):
+    """A base stored in BF16, merged to bfloat16 (held in bf16, 2 bytes per parameter): every
+    weight is PEFT's float32 merge of the same base rounded once to bf16, bit for bit."""
+    import zoo.checkpoints
+
+    held = []
+    load = zoo.checkpoints.load_pretrained
+    monkeypatch.setattr(zoo.checkpoints, "load_pretrained",
+                        lambda path, **kw: held.append(kw.get("base_dtype")) or load(path, **kw))
+    family, _, hf = base
+    folder = tmp_path / "base-bf16"
+    save_hf_as(hf, folder, dtype=torch.bfloat16)
+    adapter = saved_peft_adapter(folder, FAMILIES[family]["targets"], tmp_path / "adapter")
+    ref = peft_model(folder, [], adapter).merge_and_unload().state_dict()
+    out = tmp_path / "merged"
+    assert main(["merge", str(folder), str(adapter), str(out), "--dtype", "bfloat16"]) == 0
+    written = safetensors_torch.load_file(out / "model.safetensors")
+    for name, value in written.items():
+        assert torch.equal(value, ref[name].to(torch.bfloat16)), name
+    assert held == ["bf16"]
+
+
 def test_merge_carries_the_tokenizer_over(tmp_path):
     """The base's tokenizer files reach the merged folder, as `zoo convert` carries them."""
     from hf_tiny import SHAKESPEARE, gpt2_checkpoint
