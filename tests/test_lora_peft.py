@@ -364,3 +364,15 @@ def test_other_targets_round_trip(tmp_path, family, targets, read_back):
     diff = np.abs(model.logits(tok) - hf_logits(pm, tok)).max()
     assert diff <= 1e-4, f"logits differ by {diff:.2e}"
     assert read_adapter(tmp_path / "adapter", model.config).lora.targets == read_back
+
+
+def test_bf16_factors_are_read_as_float32(base, tmp_path):
+    """PEFT saves the factors in the model's dtype: bf16 ones are widened exactly."""
+    family, folder, _ = base
+    adapter = saved_peft_adapter(folder, FAMILIES[family]["targets"], tmp_path / "adapter")
+    stored = safetensors_torch.load_file(adapter / ADAPTER_WEIGHTS)
+    _edit_tensors(adapter, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    factors = read_adapter(adapter, read_config(folder)).factors
+    assert set(factors) == {k.removeprefix(KEY_PREFIX) for k in stored}
+    for key, value in stored.items():
+        assert np.array_equal(factors[key.removeprefix(KEY_PREFIX)], value.to(torch.bfloat16).float().numpy()), key
