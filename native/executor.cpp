@@ -417,15 +417,17 @@ double Executor::grad_sum_squares(const std::vector<Range>& ranges) const {
 // chunk the largest buffer of a small batch (GPT-2 at 4 x 64: 49 MiB of a 105 MiB arena): it
 // takes the budget or half of what else is live while the head runs, no more rows than fp32
 // (GPT-2's head over 256 rows: 89.5 ms in one chunk, 141 ms in two of 128;
-// docs/benchmarks.md). Not over a frozen base, whose head weight is widened or repacked for
-// every chunk, and whose activations are small next to it (llama-3.2-1b's head at 1 x 256:
-// one chunk instead of two). Evened out so the last chunk is not a sliver.
+// docs/benchmarks.md). Over a frozen base (whose head weight is widened or repacked for every
+// chunk, and whose activations are small next to it) a chunk takes 16M floats, with or without
+// checkpointing: llama-3.1-8b at 1 x 256 in two chunks, not eight, and llama-3.2-1b in two, not
+// one (its peak memory is the target there). Evened out so the last chunk is not a sliver.
 static int head_chunk_rows(size_t N, int V, bool checkpointing, Precision precision, bool frozen, size_t dead_floats,
                            size_t live_floats) {
     const size_t budget = std::max<size_t>(checkpointing ? 4u << 20 : 8u << 20, dead_floats);
     size_t max_rows = std::max<size_t>(checkpointing ? 16 : 1024, budget / V);
     if (precision == Precision::bf16 && !checkpointing && !frozen)
         max_rows = std::min(max_rows, std::max<size_t>(16, std::max(budget, live_floats / 2) / V));
+    if (frozen) max_rows = std::max<size_t>(16, (size_t(16) << 20) / V);  // 64 MiB of logits
     const size_t chunks = (N + max_rows - 1) / max_rows;
     return (int)((N + chunks - 1) / chunks);  // at most N, which limits::max_tokens keeps an int
 }

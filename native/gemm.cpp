@@ -164,11 +164,20 @@ void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, in
 
 namespace {
 
-// Rows of W widened at a time: about 1M values (4 MiB in fp32), at least 16 rows.
+// Rows of W a forward widens at a time: about 1M values (4 MiB in fp32), at least 16 rows.
 int tile_rows(const Matrix& W) { return std::min(W.rows, std::max(16, (1 << 20) / std::max(1, W.cols) / 16 * 16)); }
 
 // Whether the product runs on bf16 operands: a bf16 product with a stored matrix narrower than fp32.
 bool bf16_operands(Precision p, const Matrix& W) { return p == Precision::bf16 && W.dtype != DType::f32; }
+
+// Rows of W (the products' K) a pullback takes at a time: one product over all of a wide W (an
+// LM head's 128K rows) runs slower than in blocks, and only the block's part of dy is rounded
+// to bf16 at a time (scratch of M x block, not M x rows). Blocks read in place: 2048 rows;
+// widened ones: about 4M values.
+int k_block_rows(Precision p, const Matrix& W) {
+    if (bf16_operands(p, W) && W.dtype == DType::bf16) return std::min(W.rows, 2048);
+    return std::min(W.rows, std::max(tile_rows(W), (1 << 22) / std::max(1, W.cols) / 16 * 16));
+}
 
 size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 values in floats, 64-byte rounded
 
@@ -182,11 +191,11 @@ void to_bf16_rows(const float* a, int lda, int M, int K, uint16_t* out) {
 
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
     if (t == DType::f32) return 0;
-    const Matrix shape(nullptr, t, rows, cols);
-    const size_t left = (size_t)M * std::max(rows, cols);
-    if (p == Precision::bf16)
-        return bf16_floats(left) + (t == DType::bf16 ? 0 : bf16_floats((size_t)tile_rows(shape) * cols));
-    return (size_t)tile_rows(shape) * cols;
+    const Matrix W(nullptr, t, rows, cols);
+    const size_t forward_tile = (size_t)tile_rows(W) * cols, pullback_tile = (size_t)k_block_rows(p, W) * cols;
+    if (p != Precision::bf16) return std::max(forward_tile, pullback_tile);
+    const size_t left = (size_t)M * std::max(cols, k_block_rows(p, W));  // x, or a block of dy, in bf16
+    return bf16_floats(left) + (t == DType::bf16 ? 0 : bf16_floats(std::max(forward_tile, pullback_tile)));
 }
 
 void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
@@ -194,14 +203,14 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
     check_beta(beta);
     if (W.dtype == DType::f32) return gemm(p, false, true, M, W.rows, W.cols, x, ldx, W.f32(), W.cols, beta, y, ldy);
     if (M <= 0) return;
+    const int R = tile_rows(W);
 #ifdef ZOO_GEMM_ONEDNN
     if (bf16_operands(p, W)) {
         uint16_t* xb = reinterpret_cast<uint16_t*>(scratch);
         to_bf16_rows(x, ldx, M, W.cols, xb);
         if (W.dtype == DType::bf16)
             return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
-        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.rows, W.cols)));
-        const int R = tile_rows(W);
+        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.cols, k_block_rows(p, W))));
         for (int r0 = 0; r0 < W.rows; r0 += R) {
             const int n = std::min(R, W.rows - r0);
             widen_rows_bf16(W, r0, r0 + n, tile);
@@ -210,7 +219,6 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
         return;
     }
 #endif
-    const int R = tile_rows(W);
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         widen_rows(W, r0, r0 + n, scratch);
@@ -223,33 +231,24 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
     check_beta(beta);
     if (W.dtype == DType::f32) return gemm(p, false, false, M, W.cols, W.rows, dy, lddy, W.f32(), W.cols, beta, dx, lddx);
     if (M <= 0) return;
+    const int R = k_block_rows(p, W);
 #ifdef ZOO_GEMM_ONEDNN
     if (bf16_operands(p, W)) {
         uint16_t* db = reinterpret_cast<uint16_t*>(scratch);
-        to_bf16_rows(dy, lddy, M, W.rows, db);
-        if (W.dtype == DType::bf16) {
-            // In blocks of rows of W (the products' K): one product over all of a wide W (an LM
-            // head's 128K rows) runs at a third of the speed (docs/benchmarks.md).
-            const int R = std::max(64, std::atoi(getenv("ZOO_KT") ? getenv("ZOO_KT") : "2048"));
-            const uint16_t* w = static_cast<const uint16_t*>(W.data);
-            for (int r0 = 0; r0 < W.rows; r0 += R) {
-                const int n = std::min(R, W.rows - r0);
-                onednn_gemm(p, false, false, M, W.cols, n, db + r0, W.rows, w + (size_t)r0 * W.cols, W.cols,
-                            r0 ? 1.0f : beta, dx, lddx, true);
-            }
-            return;
-        }
-        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.rows, W.cols)));
-        const int R = tile_rows(W);
+        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.cols, R)));
         for (int r0 = 0; r0 < W.rows; r0 += R) {
             const int n = std::min(R, W.rows - r0);
-            widen_rows_bf16(W, r0, r0 + n, tile);
-            onednn_gemm(p, false, false, M, W.cols, n, db + r0, W.rows, tile, W.cols, r0 ? 1.0f : beta, dx, lddx, true);
+            to_bf16_rows(dy + r0, lddy, M, n, db);
+            const void* w = static_cast<const uint16_t*>(W.data) + (size_t)r0 * W.cols;
+            if (W.dtype != DType::bf16) {
+                widen_rows_bf16(W, r0, r0 + n, tile);
+                w = tile;
+            }
+            onednn_gemm(p, false, false, M, W.cols, n, db, n, w, W.cols, r0 ? 1.0f : beta, dx, lddx, true);
         }
         return;
     }
 #endif
-    const int R = tile_rows(W);
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         widen_rows(W, r0, r0 + n, scratch);

@@ -48,6 +48,14 @@ inline const float nf4_levels[16] = {
     -1.0f,       -0.6961928f, -0.52507305f, -0.39491749f, -0.28444138f, -0.18477343f, -0.09105004f, 0.0f,
     0.07958030f, 0.16093020f, 0.24611230f,  0.33791524f,  0.44070983f,  0.56261700f,  0.72295684f,  1.0f};
 
+// Halfway between neighbouring levels: where rounding to the nearest level changes.
+inline const float nf4_midpoints[15] = {
+    (nf4_levels[0] + nf4_levels[1]) / 2,   (nf4_levels[1] + nf4_levels[2]) / 2,   (nf4_levels[2] + nf4_levels[3]) / 2,
+    (nf4_levels[3] + nf4_levels[4]) / 2,   (nf4_levels[4] + nf4_levels[5]) / 2,   (nf4_levels[5] + nf4_levels[6]) / 2,
+    (nf4_levels[6] + nf4_levels[7]) / 2,   (nf4_levels[7] + nf4_levels[8]) / 2,   (nf4_levels[8] + nf4_levels[9]) / 2,
+    (nf4_levels[9] + nf4_levels[10]) / 2,  (nf4_levels[10] + nf4_levels[11]) / 2, (nf4_levels[11] + nf4_levels[12]) / 2,
+    (nf4_levels[12] + nf4_levels[13]) / 2, (nf4_levels[13] + nf4_levels[14]) / 2, (nf4_levels[14] + nf4_levels[15]) / 2};
+
 inline size_t nf4_blocks(size_t cols) { return (cols + nf4_block - 1) / nf4_block; }
 
 // Bytes of the values, and of the whole block (values, then the scales 64-byte aligned).
@@ -223,18 +231,17 @@ inline void store_rows(DType t, int rows, int cols, int r0, int n, const float* 
                     for (size_t c = c0; c < c1; c++) amax = std::fmax(amax, std::fabs(x[c]));
                     scales[r * nb + b] = amax;
                     const float inv = amax > 0 ? 1.0f / amax : 0.0f;
-                    for (size_t c = c0; c < c0 + nf4_block; c += 2) {
-                        uint8_t codes[2] = {7, 7};  // level 0.0 for the padding past the row's end
-                        for (int k = 0; k < 2; k++) {
-                            if (c + k >= c1) continue;
-                            const float v = x[c + k] * inv;
-                            int best = 0;
-                            for (int l = 1; l < 16; l++)
-                                if (std::fabs(v - nf4_levels[l]) < std::fabs(v - nf4_levels[best])) best = l;
-                            codes[k] = (uint8_t)best;
-                        }
-                        q[c / 2] = uint8_t(codes[0] | (codes[1] << 4));
+                    uint8_t codes[nf4_block];
+                    for (size_t c = c0; c < c0 + nf4_block; c++) {
+                        // The nearest level: how many midpoints between levels lie below v
+                        // (a tie goes to the lower level). Level 7 is 0.0, for the padding.
+                        const float v = c < c1 ? x[c] * inv : 0.0f;
+                        int code = 0;
+                        for (int l = 0; l < 15; l++) code += v > nf4_midpoints[l];
+                        codes[c - c0] = (uint8_t)code;
                     }
+                    for (size_t c = c0; c < c0 + nf4_block; c += 2)
+                        q[c / 2] = uint8_t(codes[c - c0] | (codes[c - c0 + 1] << 4));
                 }
                 break;
             }

@@ -168,7 +168,10 @@ def _records(out: Path) -> tuple[list[dict], list[dict]]:
 def _weights(folder: Path) -> dict[str, np.ndarray]:
     from zoo.safetensors_io import SafetensorsFile
 
-    with SafetensorsFile(folder / "model.safetensors") as f:
+    weights = folder / "model.safetensors"
+    if not weights.exists():  # a LoRA run's: its adapters
+        weights = folder / "adapter_model.safetensors"
+    with SafetensorsFile(weights) as f:
         return {name: f.read(name) for name in f.tensors}
 
 
@@ -252,6 +255,18 @@ def test_finetuning_a_hugging_face_checkpoint_on_two_ranks(tmp_path):
     _one_process(tmp_path / "one", from_dir=str(ckpt))
     status, console, _ = _launch(2, tmp_path / "two", verb="finetune", from_dir=str(ckpt))
     assert status == 0, console
+    _assert_same_run(tmp_path / "two", tmp_path / "one")
+
+
+@needs_mpi
+def test_a_lora_run_on_two_ranks_trains_as_one_process(tmp_path):
+    """Each rank reads the frozen base itself; rank 0 sends the adapters; the ranks sum the
+    adapters' gradients only."""
+    settings = dict(lora=True, lora_r=4, base_dtype="fp32")
+    _one_process(tmp_path / "one", **settings)
+    status, console, _ = _launch(2, tmp_path / "two", **settings)
+    assert status == 0, console
+    assert "the fp32 base is frozen" in console
     _assert_same_run(tmp_path / "two", tmp_path / "one")
 
 

@@ -343,3 +343,13 @@ def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, mo
     assert main(["inspect", "smollm-135m", "--lora-r", "8"]) == 0
     assert "LoRA r=8, int8 base" in capsys.readouterr().out
     assert main(["inspect", "no-such-preset"]) == 1
+
+
+def test_a_frozen_base_is_initialized_as_the_full_model_a_block_of_rows_at_a_time(monkeypatch):
+    import zoo.model
+
+    monkeypatch.setattr(zoo.model, "_INIT_CHUNK_VALUES", 100)  # many blocks per tensor
+    frozen = zoo.Model(LLAMA_TINY, seed=4, base_dtype="fp32", lora=LoraConfig(r=2))
+    full = zoo.Model(LLAMA_TINY, seed=4)
+    for name in full.base_tensor_names():
+        assert np.array_equal(frozen.base_tensor(name), full.base_tensor(name)), name

@@ -423,15 +423,17 @@ def _inspect_weights(path: Path, scan: bool) -> dict:
 def memory_options(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16) -> list[tuple[str, int, int]]:
     """(setting, bytes, bytes with activation checkpointing) for full finetuning, LoRA of rank
     lora_r on every linear layer over each base format, and (one number, twice) generation."""
-    from .lora import LoraConfig
+    from .lora import LoraConfig, default_precision
 
     out = [("full finetune (fp32, AdamW)", finetune_memory_bytes(cfg, batch, seq_len).total,
             finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True).total)]
     lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
     for fmt in ("bf16", "int8", "nf4"):
+        precision = default_precision(fmt)  # what a LoRA run over it takes by default
         out.append((f"LoRA r={lora_r}, {fmt} base",
-                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt).total,
-                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt).total))
+                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt, precision=precision).total,
+                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt,
+                                          precision=precision).total))
     for fmt in ("fp32", "bf16"):
         g = generation_bytes(cfg, batch, seq_len, fmt)
         out.append((f"generation, {fmt} weights", g, g))

@@ -82,23 +82,25 @@ class FinetuneMemory:
 
 def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
                           precision: str = "fp32", moment_floats: Optional[int] = None,
-                          lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None) -> FinetuneMemory:
+                          lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None,
+                          zero_ranks: int = 1) -> FinetuneMemory:
     """Memory for finetuning with AdamW at micro-batch (batch, seq_len): full finetuning, or with
     lora adapters over a frozen base in base_dtype (default bf16); checkpointing: with activation
     checkpointing (each layer recomputed in the pullback); precision: of the products (a bf16
     step keeps some activations in bf16); moment_floats: the parameters whose AdamW moments this
-    process keeps (default all; a ZeRO-1 shard)."""
+    process keeps (default all; a ZeRO-1 shard), or zero_ranks: the ranks the moments are
+    sharded across (ZeRO-1), each keeping its share."""
     check_batch_shape(batch, seq_len)
     if lora is None:
         n = cfg.num_parameters()
-        moments = n if moment_floats is None else moment_floats
+        moments = -(-n // zero_ranks) if moment_floats is None else moment_floats
         return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n,
                               optimizer=2 * FLOAT_BYTES * moments,
                               activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision))
     base_dtype = base_dtype or "bf16"
     specs, table = adapter_layout(cfg, lora)
     n = sum(s.shape[0] * s.shape[1] for s in specs)
-    moments = n if moment_floats is None else moment_floats
+    moments = -(-n // zero_ranks) if moment_floats is None else moment_floats
     setup = run_setup(cfg, lora, base_dtype, True, table, 0)
     return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * moments,
                           activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision,
@@ -249,13 +251,15 @@ _NARROWER = {"fp32": ("bf16", "int8", "nf4"), "bf16": ("int8", "nf4"), "int8": (
 
 
 def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool, precision: str,
-                        lora: Optional[LoraConfig], base_dtype: Optional[str], what: str) -> FinetuneMemory:
+                        lora: Optional[LoraConfig], base_dtype: Optional[str], what: str,
+                        zero_ranks: int = 1) -> FinetuneMemory:
     """The memory a finetune of cfg needs (finetune_memory_bytes), checked before anything is
     allocated: a run that would not fit in what this process can allocate is refused with
     ResourceError giving the estimate, what is available, and the settings that would fit
     (--lora, a narrower base, --checkpointing, a smaller batch or sequence), each with its
     estimate. Returns the estimate."""
-    need = finetune_memory_bytes(cfg, batch, seq_len, checkpointing, precision, lora=lora, base_dtype=base_dtype)
+    need = finetune_memory_bytes(cfg, batch, seq_len, checkpointing, precision, lora=lora, base_dtype=base_dtype,
+                                 zero_ranks=zero_ranks)
     available = available_memory_bytes()
     if os.environ.get(SKIP_CHECK_ENV) == "1" or available is None or need.total <= available[0]:
         return need
@@ -265,7 +269,7 @@ def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
         s = dict(batch=batch, seq_len=seq_len, checkpointing=checkpointing, lora=lora, base_dtype=base_dtype)
         s.update(change)
         return finetune_memory_bytes(cfg, s["batch"], s["seq_len"], s["checkpointing"], precision,
-                                     lora=s["lora"], base_dtype=s["base_dtype"]).total
+                                     lora=s["lora"], base_dtype=s["base_dtype"], zero_ranks=zero_ranks).total
 
     options: list[tuple[str, int]] = []
     adapters = lora or LoraConfig()

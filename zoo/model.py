@@ -261,22 +261,25 @@ class Model:
         shape = next(p.shape for p in self.layout if p.name == name)
         return self._exec.load_base(index, first, rows).reshape(shape)
 
-    def set_base_tensor(self, name: str, value, first_row: int = 0) -> None:
-        """Sets a tensor of the model (or its rows from first_row on: value then holds whole
-        rows of it), stored in the base's format (rounded or quantized)."""
-        if not self.frozen:
-            view = self._params[name] if first_row == 0 else self._params[name][first_row:]
-            arr = np.asarray(value)
-            if arr.size != view.size or (first_row == 0 and arr.shape != view.shape):
-                raise ValueError(f"{name}: shape {arr.shape}, the model's is {self._params[name].shape}")
-            view.reshape(-1)[...] = arr.reshape(-1)
-            return
-        index, first, rows, cols = self._base_spot(name)
+    def set_base_tensor(self, name: str, value, first_row: Optional[int] = None) -> None:
+        """Sets a tensor of the model, stored in the base's format (rounded or quantized); with
+        first_row, only its rows from there on (value then holds whole rows of it)."""
+        shape = next(p.shape for p in self.layout if p.name == name) if name in self._base_where or \
+            name in self._params else None
+        if shape is None:
+            raise KeyError(f"no tensor named {name!r} in this model")
+        cols = math.prod(shape[1:])
         arr = np.asarray(value, dtype=np.float32)
-        if arr.size % cols or (first_row == 0 and arr.size != rows * cols) or first_row + arr.size // cols > rows:
-            raise ValueError(f"{name}: {arr.size} values from row {first_row}, the model's tensor has "
-                             f"{rows} rows of {cols}")
-        self._exec.store_base(index, first + first_row, np.ascontiguousarray(arr).reshape(-1, cols))
+        whole = first_row is None
+        first_row = first_row or 0
+        if (whole and arr.shape != shape) or arr.size % cols or first_row + arr.size // cols > shape[0]:
+            raise ValueError(f"{name}: shape {arr.shape}" + ("" if whole else f" from row {first_row}")
+                             + f", the model's tensor is {shape}")
+        if not self.frozen:
+            self._params[name].reshape(shape[0], -1)[first_row:first_row + arr.size // cols] = arr.reshape(-1, cols)
+            return
+        index, first, _, stored_cols = self._base_spot(name)
+        self._exec.store_base(index, first + first_row, np.ascontiguousarray(arr).reshape(-1, stored_cols))
 
     def _base_spot(self, name: str) -> tuple[int, int, int, int]:
         try:

@@ -169,8 +169,9 @@ class TrainConfig(BaseModel):
         budgets = [n for n in ("steps", "epochs", "tokens") if getattr(self, n) is not None]
         if len(budgets) > 1:
             raise ValueError(f"set only one budget of steps, epochs, tokens (got {', '.join(budgets)})")
+        # Set away from their defaults without --lora: a mistake (a saved config holds the defaults).
         lora_fields = sorted(f for f in ("lora_r", "lora_alpha", "lora_dropout", "lora_targets", "base_dtype")
-                             if f in self.model_fields_set and getattr(self, f) is not None)
+                             if getattr(self, f) != TrainConfig.model_fields[f].default)
         if lora_fields and not self.lora:
             raise ValueError(f"{', '.join(flag(f) for f in lora_fields)} apply to a LoRA run: add {flag('lora')}")
         if self.lora and self.base_dtype is None:

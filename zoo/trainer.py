@@ -57,7 +57,7 @@ from .errors import CheckpointError, DistributedError, ResourceError
 from .evaluate import validation_loss
 from .files import read_json_model
 from .hf_config import CONFIG_FILE
-from .memory import describe, finetune_memory_bytes, human_bytes
+from .memory import available_memory_bytes, describe, human_bytes
 from .peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from .gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
@@ -560,8 +560,13 @@ class Trainer:
             model_cfg = cfg.model or zoo.preset(cfg.preset or "tiny-llama")
             what = f"training {cfg.preset or 'the model config'}"
         rows = cfg.batch_size if self.group is None else -(-cfg.batch_size // self.group.size)
-        check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.checkpointing, cfg.precision, cfg.lora_config(),
-                            cfg.base_dtype, what)
+        ranks = 1 if self.group is None else self.group.size
+        need = check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.checkpointing, cfg.precision, cfg.lora_config(),
+                                   cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1)
+        have = available_memory_bytes()
+        self.say(f"memory{' per rank' if self.group is not None else ''}: {describe(need, cfg.base_dtype)} at batch "
+                 f"{rows} x {cfg.seq_len}{' with activation checkpointing' if cfg.checkpointing else ''}"
+                 + (f"; {human_bytes(have[0])} available" if have else ""))
 
     def _load_lora_model(self, resume_from: Optional[Path]):
         """A LoRA run: the frozen base from --from (or a new model from the preset or config, seeded),
@@ -917,12 +922,8 @@ class Trainer:
 
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
-        # The same estimator as zoo inspect and the model cards.
         share = self.share
         rows = share.rows[1] - share.rows[0]
-        begin, end = m.moment_range
-        mem = finetune_memory_bytes(m.config, rows, cfg.seq_len, m.checkpointing, m.precision,
-                                    moment_floats=end - begin, lora=m.lora, base_dtype=m.base_dtype)
         tf = self.token_file
         gemm = gemm_info()
         products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
@@ -941,8 +942,6 @@ class Trainer:
         if m.lora is not None:
             self.say(f"LoRA: rank {m.lora.r}, alpha {m.lora.alpha:g}, dropout {m.lora.dropout:g} on "
                      f"{', '.join(m.lora.targets or ['every linear layer'])}; the {m.base_dtype} base is frozen")
-        self.say(f"memory{' per rank' if group is not None else ''}: {describe(mem, m.base_dtype)} at batch {rows} x "
-                 f"{cfg.seq_len}{' with activation checkpointing' if m.checkpointing else ''}")
         formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
         trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
                                                                    if self.cfg.train_on_everything else "")
