@@ -18,9 +18,9 @@ from hf_helpers import hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llam
 from zoo.cli import main  # noqa: E402
 from zoo.errors import CheckpointError  # noqa: E402
 from zoo.hf_config import read_config  # noqa: E402
-from zoo.lora import LoraConfig, adapters, module_names  # noqa: E402
-from zoo.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, factor_names, factor_shapes,  # noqa: E402
-                         load_adapter, load_with_adapter, read_adapter, save_adapter)
+from zoo.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
+from zoo.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter, load_with_adapter,  # noqa: E402
+                         read_adapter, save_adapter)
 
 FAMILIES = {
     "gpt2": dict(make=lambda: tiny_gpt2(), targets=["c_attn", "c_proj", "c_fc"]),
@@ -83,9 +83,7 @@ def test_adapted_modules_are_peft_modules(base):
     assert module_names(cfg) == targets
     pm = peft_model(folder, targets)
     ref = {n: tuple(p.shape) for n, p in peft_factors(pm).items()}
-    ours = {}
-    for a in adapters(cfg, LoraConfig(r=R, targets=targets)):
-        ours.update(zip(factor_names(a), factor_shapes(a, R)))
+    ours = {spec.name: spec.shape for spec in adapter_layout(cfg, LoraConfig(r=R, targets=targets))[0]}
     assert ours == ref
 
 

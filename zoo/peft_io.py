@@ -32,7 +32,7 @@ from .atomic import write_json
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_json, parse_model
-from .lora import Adapter, LoraConfig, adapters, module_names
+from .lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -43,13 +43,9 @@ PEFT_VERSION = "0.21.0"  # the PEFT release whose files these are (written as pe
 
 
 def factor_names(a: Adapter) -> tuple[str, str]:
-    """An adapter's A and B by zoo's names (PEFT's, less its base_model.model. prefix)."""
+    """An adapter's A and B by zoo's names (PEFT's, less its base_model.model. prefix), as
+    zoo.lora.adapter_layout names them."""
     return f"{a.module}.lora_A.weight", f"{a.module}.lora_B.weight"
-
-
-def factor_shapes(a: Adapter, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """A is (r, in_features), B (out_features, r), for a Linear and for GPT-2's Conv1D alike."""
-    return (r, a.d_in), (a.o1 - a.o0, r)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -177,17 +173,16 @@ def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> PeftAdapt
         raise CheckpointError(config_path, f"{conf.fan_in_fan_out} for a {cfg.family} model, whose modules are "
                                            f"{'Conv1D' if fan_in_fan_out else 'Linear'} (expected {fan_in_fan_out})",
                               key="fan_in_fan_out")
-    factors = _read_factors(folder / ADAPTER_WEIGHTS, placed, conf.r)
+    factors = _read_factors(folder / ADAPTER_WEIGHTS, cfg, lora)
     return PeftAdapter(folder, lora, placed, factors, conf.base_model_name_or_path)
 
 
-def _read_factors(path: Path, placed: list[Adapter], r: int) -> dict[str, np.ndarray]:
-    """Every adapter's A and B from the weights file, as float32: names, shapes and dtypes checked
-    first, and no tensor left over (one zoo has no place for would silently be dropped)."""
-    expected: dict[str, tuple[int, int]] = {}
-    for a in placed:
-        for name, shape in zip(factor_names(a), factor_shapes(a, r)):
-            expected[name] = shape
+def _read_factors(path: Path, cfg: ModelConfig, lora: LoraConfig) -> dict[str, np.ndarray]:
+    """Every adapter's A (r, in_features) and B (out_features, r) from the weights file, as
+    float32: names, shapes and dtypes checked first, and no tensor left over (one zoo has no place
+    for would silently be dropped)."""
+    r = lora.r
+    expected = {spec.name: spec.shape for spec in adapter_layout(cfg, lora)[0]}
     with SafetensorsFile(path) as f:
         stored = {}
         for name in f.tensors:
@@ -229,7 +224,7 @@ def save_adapter(model, folder: Union[str, os.PathLike], *, base_model_name_or_p
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     params = model.parameters()
-    tensors = [(KEY_PREFIX + name, params[name]) for a in adapters(model.config, lora) for name in factor_names(a)]
+    tensors = [(KEY_PREFIX + name, value) for name, value in params.items()]
     write_file(folder / ADAPTER_WEIGHTS, tensors, "F32", metadata={"format": "pt"})
     if base_model_name_or_path is None:
         pretrained = getattr(model, "pretrained_path", None)
