@@ -1,24 +1,20 @@
 """`python -m zoo.tools.bench_lora` end to end on the tiny presets: it runs, prints its table,
 writes its JSON, and each side trains the same adapters. No timing assertions. One thread."""
 
-import importlib.util
 import json
 import math
 
 import pytest
 
-from zoo.peft_io import adapted_modules, target_names
+from zoo.lora import LoraConfig, adapters, module_names
 from zoo.presets import preset
 from zoo.tools import bench_lora
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1", "--seq-len", "32", "--rank", "4"]
-needs_core = pytest.mark.skipif(importlib.util.find_spec("zoo.lora") is None,
-                                reason="zoo's LoRA core (zoo/lora.py) is not in this build")
 
 
 def adapter_params(name: str, r: int = 4) -> int:
-    cfg = preset(name)
-    return sum(r * (m.in_features + m.out_features) for m in adapted_modules(cfg, target_names(cfg)))
+    return sum(r * (a.d_in + a.o1 - a.o0) for a in adapters(preset(name), LoraConfig(r=r)))
 
 
 def check_system(s: dict, tokens: int) -> None:
@@ -44,7 +40,7 @@ def test_torch_side(tmp_path, capsys, name, settings):
         assert "| torch_bf16 | bf16 weights, fp32 adapters, autocast bf16, gradient checkpointing" in table
     r = json.loads(out.read_text())
     assert r["schema"] == "zoo-bench-lora/1" and set(r["systems"]) == {f"torch_{s}" for s in settings}
-    assert r["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": target_names(preset(name))}
+    assert r["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": module_names(preset(name))}
     assert f"--base none --torch {' '.join(settings)}" in r["command"] and r["ratios"] == {}
     for s in r["systems"].values():
         check_system(s, 32)
@@ -60,7 +56,6 @@ def test_bad_flags_are_one_line(capsys):
     assert "this model's modules are q_proj" in capsys.readouterr().err
 
 
-@needs_core
 def test_zoo_next_to_torch(tmp_path, capsys):
     """zoo over each base format, next to PyTorch + PEFT: the same adapters, a ratio per pair."""
     pytest.importorskip("peft")

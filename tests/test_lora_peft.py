@@ -2,7 +2,6 @@
 gradients, adapters in PEFT's format both ways, `zoo merge` against merge_and_unload, and the
 adapters zoo refuses (each error naming the file and the field or tensor)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,12 +18,9 @@ from hf_helpers import hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llam
 from zoo.cli import main  # noqa: E402
 from zoo.errors import CheckpointError  # noqa: E402
 from zoo.hf_config import read_config  # noqa: E402
-from zoo.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, adapted_modules, load_adapter,  # noqa: E402
-                         load_with_adapter, read_adapter, save_adapter, target_names)
-
-# The native LoRA core (zoo/lora.py and zoo.Model(lora=...)).
-needs_core = pytest.mark.skipif(importlib.util.find_spec("zoo.lora") is None,
-                                reason="zoo's LoRA core (zoo/lora.py) is not in this build")
+from zoo.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
+from zoo.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter, load_with_adapter,  # noqa: E402
+                         read_adapter, save_adapter)
 
 FAMILIES = {
     "gpt2": dict(make=lambda: tiny_gpt2(), targets=["c_attn", "c_proj", "c_fc"]),
@@ -58,7 +54,7 @@ def peft_model(folder: Path, targets, adapter: Path | None = None):
 def peft_factors(pm) -> dict[str, torch.Tensor]:
     """PEFT's trainable factors by zoo's names (`<module>.lora_A.weight`)."""
     return {n.removeprefix(KEY_PREFIX).replace(".default.", "."): p for n, p in pm.named_parameters()
-            if p.requires_grad}
+            if ".lora_" in n}
 
 
 def peft_loss_and_grads(pm, tok, tgt) -> tuple[float, dict[str, np.ndarray]]:
@@ -84,13 +80,10 @@ def test_adapted_modules_are_peft_modules(base):
     family, folder, _ = base
     targets = FAMILIES[family]["targets"]
     cfg = read_config(folder)
-    assert target_names(cfg) == targets if family == "llama" else set(target_names(cfg)) == set(targets)
+    assert module_names(cfg) == targets
     pm = peft_model(folder, targets)
     ref = {n: tuple(p.shape) for n, p in peft_factors(pm).items()}
-    ours = {}
-    for m in adapted_modules(cfg, targets):
-        a, b = m.factor_names()
-        ours[a], ours[b] = (R, m.in_features), (m.out_features, R)
+    ours = {spec.name: spec.shape for spec in adapter_layout(cfg, LoraConfig(r=R, targets=targets))[0]}
     assert ours == ref
 
 
@@ -114,7 +107,7 @@ def test_merge_equals_merge_and_unload(base, tmp_path, dtype):
         else:  # zoo rounds its float32 sum to bf16 once; PEFT's float32 sum rounded: within one bf16 step
             assert torch.allclose(value.float(), want.float(), rtol=2 ** -8, atol=1e-6), name
     base_tensors = safetensors_torch.load_file(folder / "model.safetensors")
-    n_adapted = len(adapted_modules(read_config(folder), FAMILIES[family]["targets"]))
+    n_adapted = len(adapters(read_config(folder), LoraConfig(targets=FAMILIES[family]["targets"])))
     assert sum(not torch.equal(written[k].float(), base_tensors[k].to(written[k].dtype).float())
                for k in written if k in base_tensors) == n_adapted
     # transformers loads it and computes what PEFT's merged model computes.
@@ -122,6 +115,28 @@ def test_merge_equals_merge_and_unload(base, tmp_path, dtype):
     diff = np.abs(hf_logits(load_hf_fp32(out), tok) - hf_logits(merged, tok)).max()
     assert diff <= (1e-4 if dtype == "float32" else 0.5), diff
     assert json.loads((out / "config.json").read_text())["model_type"] == family
+
+
+def test_bf16_merge_of_a_bf16_base_is_exact(base, tmp_path, monkeypatch):
+    """A base stored in BF16, merged to bfloat16 (held in bf16, 2 bytes per parameter): every
+    weight is PEFT's float32 merge of the same base rounded once to bf16, bit for bit."""
+    import zoo.checkpoints
+
+    held = []
+    load = zoo.checkpoints.load_pretrained
+    monkeypatch.setattr(zoo.checkpoints, "load_pretrained",
+                        lambda path, **kw: held.append(kw.get("base_dtype")) or load(path, **kw))
+    family, _, hf = base
+    folder = tmp_path / "base-bf16"
+    save_hf_as(hf, folder, dtype=torch.bfloat16)
+    adapter = saved_peft_adapter(folder, FAMILIES[family]["targets"], tmp_path / "adapter")
+    ref = peft_model(folder, [], adapter).merge_and_unload().state_dict()
+    out = tmp_path / "merged"
+    assert main(["merge", str(folder), str(adapter), str(out), "--dtype", "bfloat16"]) == 0
+    written = safetensors_torch.load_file(out / "model.safetensors")
+    for name, value in written.items():
+        assert torch.equal(value, ref[name].to(torch.bfloat16)), name
+    assert held == ["bf16"]
 
 
 def test_merge_carries_the_tokenizer_over(tmp_path):
@@ -221,8 +236,8 @@ def test_regex_and_all_linear_targets_are_read(base, tmp_path):
                                                                        task_type="CAUSAL_LM"))
         pm.save_pretrained(tmp_path / "a")
         adapter = read_adapter(tmp_path / "a", cfg)
-        assert set(adapter.targets) == set(FAMILIES[family]["targets"]), how
-        assert adapter.scaling == ALPHA / R
+        assert adapter.lora.targets == FAMILIES[family]["targets"], how
+        assert adapter.lora.scaling == ALPHA / R
 
 
 REFUSED_TENSORS = {
@@ -264,8 +279,6 @@ def test_missing_files_are_named(base, tmp_path):
 
 
 def zoo_lora_model(folder: Path, targets):
-    from zoo.lora import LoraConfig
-
     return zoo.Model.from_pretrained(folder, lora=LoraConfig(r=R, alpha=ALPHA, targets=list(targets)),
                                      base_dtype="fp32")
 
@@ -279,7 +292,6 @@ def copy_factors(pm, model) -> None:
         params[name][...] = p.detach().numpy()
 
 
-@needs_core
 def test_logits_and_gradients_match_peft(base):
     family, folder, _ = base
     targets = FAMILIES[family]["targets"]
@@ -298,7 +310,6 @@ def test_logits_and_gradients_match_peft(base):
         assert err <= 1e-3, f"{name}: gradient relative error {err:.2e}"
 
 
-@needs_core
 def test_zoo_saved_adapter_loads_in_peft(base, tmp_path):
     family, folder, _ = base
     targets = FAMILIES[family]["targets"]
@@ -316,7 +327,6 @@ def test_zoo_saved_adapter_loads_in_peft(base, tmp_path):
     assert not any(p.requires_grad for p in pm.parameters())  # loaded for inference: nothing else changed
 
 
-@needs_core
 def test_peft_saved_adapter_loads_in_zoo(base, tmp_path):
     family, folder, _ = base
     targets = FAMILIES[family]["targets"]
@@ -330,3 +340,37 @@ def test_peft_saved_adapter_loads_in_zoo(base, tmp_path):
     _edit_config(adapter, lora_alpha=ALPHA * 2)
     with pytest.raises(CheckpointError, match="lora_alpha"):
         load_adapter(model, adapter)
+
+
+@pytest.mark.parametrize("family,targets,read_back", [
+    ("gpt2", ["c_attn", "mlp.c_proj"], ["c_attn", "mlp.c_proj"]),  # one of GPT-2's two c_proj
+    ("llama", None, FAMILIES["llama"]["targets"]),  # every linear layer
+])
+def test_other_targets_round_trip(tmp_path, family, targets, read_back):
+    """zoo's targets as PEFT reads them: its matching rule is zoo's, so they go into
+    target_modules unchanged and come back as the same modules."""
+    folder = tmp_path / "base"
+    save_hf_as(FAMILIES[family]["make"](), folder)
+    model = zoo.Model.from_pretrained(folder, lora=LoraConfig(r=R, alpha=ALPHA, targets=targets), base_dtype="fp32")
+    rng = np.random.default_rng(4)
+    for p in model.parameters().values():
+        p[...] = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(0.1)
+    save_adapter(model, tmp_path / "adapter")
+    pm = peft_model(folder, [], tmp_path / "adapter")
+    assert set(peft_factors(pm)) == set(model.parameters())
+    tok, _ = tokens()
+    diff = np.abs(model.logits(tok) - hf_logits(pm, tok)).max()
+    assert diff <= 1e-4, f"logits differ by {diff:.2e}"
+    assert read_adapter(tmp_path / "adapter", model.config).lora.targets == read_back
+
+
+def test_bf16_factors_are_read_as_float32(base, tmp_path):
+    """PEFT saves the factors in the model's dtype: bf16 ones are widened exactly."""
+    family, folder, _ = base
+    adapter = saved_peft_adapter(folder, FAMILIES[family]["targets"], tmp_path / "adapter")
+    stored = safetensors_torch.load_file(adapter / ADAPTER_WEIGHTS)
+    _edit_tensors(adapter, lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items()}))
+    factors = read_adapter(adapter, read_config(folder)).factors
+    assert set(factors) == {k.removeprefix(KEY_PREFIX) for k in stored}
+    for key, value in stored.items():
+        assert np.array_equal(factors[key.removeprefix(KEY_PREFIX)], value.to(torch.bfloat16).float().numpy()), key

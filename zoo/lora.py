@@ -87,6 +87,13 @@ def _matches(path: str, target: str) -> bool:
     return path == target or path.endswith("." + target)
 
 
+def module_names(cfg: "ModelConfig") -> list[str]:
+    """The module names a target may use for cfg's linear layers, in layer order (q_proj ...
+    down_proj as cfg's MLP has them; c_attn, c_proj, c_fc)."""
+    names = GPT2_MODULES if cfg.family == "gpt2" else LLAMA_MODULES
+    return [n for n in names if any(_matches(m[0], n) for m in _layer_modules(cfg, 0))]
+
+
 def adapters(cfg: "ModelConfig", lora: LoraConfig) -> list[Adapter]:
     """The adapters lora puts on cfg, in layer order, a slot's in column order. A target that
     matches no module is an error naming the modules there are."""
@@ -101,9 +108,8 @@ def adapters(cfg: "ModelConfig", lora: LoraConfig) -> list[Adapter]:
                 out.append(Adapter(path, i, slot, o0, o1, d_in))
     unused = [t for t in targets if t not in used and not everything]
     if unused:
-        names = GPT2_MODULES if cfg.family == "gpt2" else LLAMA_MODULES
         raise ValueError(f"lora targets {unused} match no module of this model; its linear layers: "
-                         f"{', '.join(n for n in names if any(_matches(a[0], n) for a in _layer_modules(cfg, 0)))}")
+                         f"{', '.join(module_names(cfg))}")
     return out
 
 

@@ -8,10 +8,12 @@ module path (model.layers.0.self_attn.q_proj, transformer.h.0.attn.c_attn). A mo
 becomes W + (lora_alpha / r) * B @ A, W in (out, in) orientation; GPT-2's Conv1D modules store
 W transposed (fan_in_fan_out), their A and B are the same as a Linear's.
 
-zoo adapts a module type (q_proj, c_attn, ...) in every layer, with one rank and one alpha, and
-nothing else. An adapter that needs more (DoRA, rsLoRA's scaling, per-module ranks, biases,
-modules_to_save, some layers only, the LM head) is refused by reading: the error names the field
-or tensor, rather than loading a model that computes something else.
+Which modules an adapter sits on, and their shapes, come from zoo/lora.py (zoo.lora.adapters),
+as for zoo's own LoRA runs. zoo adapts the modules its targets name (q_proj, c_attn, attn.c_proj
+...) in every layer, with one rank and one alpha, and nothing else. An adapter that needs more
+(DoRA, rsLoRA's scaling, per-module ranks, biases, modules_to_save, some layers only, the LM
+head) is refused by reading: the error names the field or tensor, rather than loading a model
+that computes something else.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .atomic import write_json
 from .config import ModelConfig
 from .errors import CheckpointError
 from .files import read_json, parse_model
-from .layout import parameter_layout
+from .lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
 from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -40,53 +42,18 @@ KEY_PREFIX = "base_model.model."
 PEFT_VERSION = "0.21.0"  # the PEFT release whose files these are (written as peft_version)
 
 
-@dataclass(frozen=True)
-class AdaptedModule:
-    """One module a LoRA adapter changes: its Hugging Face path and the shapes of its factors."""
-
-    path: str  # e.g. model.layers.0.self_attn.q_proj
-    weight: str  # its base weight, by zoo's (the Hugging Face) name
-    in_features: int
-    out_features: int
-    conv1d: bool  # GPT-2's Conv1D: the checkpoint stores the weight (in, out)
-
-    def factor_names(self) -> tuple[str, str]:
-        return f"{self.path}.lora_A.weight", f"{self.path}.lora_B.weight"
-
-
-def target_names(cfg: ModelConfig) -> list[str]:
-    """The module types LoRA can target in a model of cfg, in layer order (the last part of the
-    module path of every 2-D weight inside a layer: q_proj ... down_proj, or c_attn, c_proj, c_fc)."""
-    names: list[str] = []
-    for spec in parameter_layout(cfg):
-        if spec.layer == 0 and len(spec.shape) == 2:
-            kind = spec.name.removesuffix(".weight").rsplit(".", 1)[1]
-            if kind not in names:
-                names.append(kind)
-    return names
-
-
-def adapted_modules(cfg: ModelConfig, targets) -> list[AdaptedModule]:
-    """The modules a LoRA over `targets` (module types) adapts, in layout order; GPT-2's c_proj
-    is both attn.c_proj and mlp.c_proj, as in PEFT."""
-    targets = set(targets)
-    out = []
-    for spec in parameter_layout(cfg):
-        if spec.layer < 0 or len(spec.shape) != 2:
-            continue
-        path = spec.name.removesuffix(".weight")
-        if path.rsplit(".", 1)[1] in targets:
-            out_features, in_features = spec.shape  # zoo stores every weight (out, in)
-            out.append(AdaptedModule(path, spec.name, in_features, out_features, spec.hf_transposed))
-    return out
+def factor_names(a: Adapter) -> tuple[str, str]:
+    """An adapter's A and B by zoo's names (PEFT's, less its base_model.model. prefix), as
+    zoo.lora.adapter_layout names them."""
+    return f"{a.module}.lora_A.weight", f"{a.module}.lora_B.weight"
 
 
 # --- reading ------------------------------------------------------------------------------------
 
 
 class PeftLoraFile(BaseModel):
-    """The fields of adapter_config.json that zoo reads. The others PEFT writes are checked by
-    _unsupported_fields: harmless ones pass, any other that is set is refused."""
+    """The fields of adapter_config.json that zoo reads. Of the others PEFT writes, the harmless
+    ones pass and any other that is set is refused (read_adapter)."""
 
     model_config = ConfigDict(extra="allow")
     peft_type: str
@@ -116,30 +83,18 @@ _FEATURES = {"use_dora": "DoRA", "use_rslora": "rsLoRA scaling (lora_alpha / sqr
 
 
 @dataclass
-class Adapter:
-    """An adapter read from a folder and checked against a model config."""
+class PeftAdapter:
+    """An adapter folder, read and checked against a model config."""
 
     folder: Path
-    r: int
-    alpha: float
-    dropout: float
-    targets: list[str]  # module types, in layer order
-    modules: list[AdaptedModule]
+    lora: LoraConfig  # the zoo LoRA that computes what the adapter computes
+    adapters: list[Adapter]  # the modules it sits on (zoo.lora.adapters of cfg and lora)
     factors: dict[str, np.ndarray]  # zoo name (`<module>.lora_A.weight`) -> float32
     base_model_name_or_path: Optional[str]
-
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.r
 
 
 def _is_set(value: Any) -> bool:
     return value not in (None, False, "", 0) and value != {} and value != []
-
-
-def _candidate_modules(cfg: ModelConfig) -> list[str]:
-    """Every Linear/Conv1D module of the transformers model of cfg, as PEFT's matching sees them."""
-    return [m.path for m in adapted_modules(cfg, target_names(cfg))] + ["lm_head"]
 
 
 def _peft_matches(target_modules: Union[list[str], str], module: str) -> bool:
@@ -152,7 +107,25 @@ def _peft_matches(target_modules: Union[list[str], str], module: str) -> bool:
     return any(module == t or module.endswith("." + t) for t in target_modules)
 
 
-def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> Adapter:
+def _in_layer(module: str) -> str:
+    """A module's path inside its layer: model.layers.3.self_attn.q_proj -> self_attn.q_proj."""
+    return module.split(".", 3)[3]  # past model.layers.3. or transformer.h.3.
+
+
+def _zoo_targets(cfg: ModelConfig, selected: list[str]) -> list[str]:
+    """zoo targets that name the selected modules: a module name (q_proj, c_proj) where every
+    module it names in a layer is selected, else the path inside the layer (attn.c_proj)."""
+    paths = list(dict.fromkeys(_in_layer(m) for m in selected))
+    every = [_in_layer(a.module) for a in adapters(cfg, LoraConfig(targets=None)) if a.layer == 0]
+    targets = []
+    for name in module_names(cfg):
+        named = [p for p in every if p == name or p.endswith("." + name)]
+        chosen = [p for p in named if p in paths]
+        targets += [name] if chosen and len(chosen) == len(named) else chosen
+    return targets
+
+
+def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> PeftAdapter:
     """Read a PEFT LoRA adapter folder for a model of `cfg`: every field and tensor checked before
     it is used, each error naming the file and the field or tensor at fault."""
     folder = Path(folder)
@@ -164,50 +137,52 @@ def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> Adapter:
         raise CheckpointError(config_path, "not a JSON object")
     conf = parse_model(config_path, PeftLoraFile, raw, ADAPTER_CONFIG)
     if conf.peft_type.upper() != "LORA":
-        raise CheckpointError(config_path, f"peft_type {conf.peft_type!r}: zoo reads LoRA adapters only", key="peft_type")
-    if not math.isfinite(conf.lora_alpha):
-        raise CheckpointError(config_path, f"lora_alpha {conf.lora_alpha} is not finite", key="lora_alpha")
+        raise CheckpointError(config_path, f"peft_type {conf.peft_type!r}: zoo reads LoRA adapters only",
+                              key="peft_type")
+    if not (math.isfinite(conf.lora_alpha) and conf.lora_alpha > 0):
+        raise CheckpointError(config_path, f"{conf.lora_alpha}: must be a finite number > 0", key="lora_alpha")
     if conf.bias != "none":
-        raise CheckpointError(config_path, f"bias {conf.bias!r}: zoo's adapters train no biases (only 'none')",
-                              key="bias")
+        raise CheckpointError(config_path, f"{conf.bias!r}: zoo's adapters train no biases (only 'none')", key="bias")
     for field in sorted(set(raw) - set(PeftLoraFile.model_fields) - _HARMLESS_FIELDS):
         if _is_set(raw[field]):
             what = _FEATURES.get(field, "a PEFT feature zoo does not have")
             raise CheckpointError(config_path, f"{raw[field]!r}: {what}; zoo cannot represent it", key=field)
 
-    selected = [m for m in _candidate_modules(cfg) if _peft_matches(conf.target_modules, m)]
+    every = [a.module for a in adapters(cfg, LoraConfig(targets=None))]
+    try:
+        selected = [m for m in every + ["lm_head"] if _peft_matches(conf.target_modules, m)]
+    except re.error as e:
+        raise CheckpointError(config_path, f"{conf.target_modules!r} is not a regular expression ({e})",
+                              key="target_modules") from None
     if not selected:
-        raise CheckpointError(config_path, f"{conf.target_modules!r} selects no module of this model (it has "
-                                           f"{', '.join(target_names(cfg))})", key="target_modules")
+        raise CheckpointError(config_path, f"{conf.target_modules!r} selects no module of this model (its linear "
+                                           f"layers: {', '.join(module_names(cfg))})", key="target_modules")
     if "lm_head" in selected:
         raise CheckpointError(config_path, "adapts lm_head; zoo adapts the linear layers inside the blocks only",
                               key="target_modules")
-    kinds = {m.rsplit(".", 1)[1] for m in selected}
-    targets = [t for t in target_names(cfg) if t in kinds]
-    modules = adapted_modules(cfg, targets)
-    missed = [m.path for m in modules if m.path not in selected]
+    lora = LoraConfig(r=conf.r, alpha=conf.lora_alpha, dropout=conf.lora_dropout,
+                      targets=_zoo_targets(cfg, selected))
+    placed = adapters(cfg, lora)
+    missed = sorted({a.module for a in placed} - set(selected), key=every.index)
     if missed:
-        raise CheckpointError(config_path, f"{conf.target_modules!r} adapts some {'/'.join(targets)} modules but not "
-                                           f"{missed[0]}; zoo adapts a module type in every layer",
+        raise CheckpointError(config_path, f"{conf.target_modules!r} adapts {_in_layer(missed[0])} in some layers "
+                                           f"but not {missed[0]}; zoo adapts a module in every layer",
                               key="target_modules")
     fan_in_fan_out = cfg.family == "gpt2"
     if conf.fan_in_fan_out != fan_in_fan_out:
         raise CheckpointError(config_path, f"{conf.fan_in_fan_out} for a {cfg.family} model, whose modules are "
                                            f"{'Conv1D' if fan_in_fan_out else 'Linear'} (expected {fan_in_fan_out})",
                               key="fan_in_fan_out")
-    factors = _read_factors(folder / ADAPTER_WEIGHTS, modules, conf.r)
-    return Adapter(folder, conf.r, float(conf.lora_alpha), conf.lora_dropout, targets, modules, factors,
-                   conf.base_model_name_or_path)
+    factors = _read_factors(folder / ADAPTER_WEIGHTS, cfg, lora)
+    return PeftAdapter(folder, lora, placed, factors, conf.base_model_name_or_path)
 
 
-def _read_factors(path: Path, modules: list[AdaptedModule], r: int) -> dict[str, np.ndarray]:
-    """Every module's A and B from the weights file, as float32: names, shapes and dtypes checked
-    first, and no tensor left over (one zoo has no place for would silently be dropped)."""
-    expected: dict[str, tuple[int, int]] = {}
-    for m in modules:
-        a, b = m.factor_names()
-        expected[a] = (r, m.in_features)
-        expected[b] = (m.out_features, r)
+def _read_factors(path: Path, cfg: ModelConfig, lora: LoraConfig) -> dict[str, np.ndarray]:
+    """Every adapter's A (r, in_features) and B (out_features, r) from the weights file, as
+    float32: names, shapes and dtypes checked first, and no tensor left over (one zoo has no place
+    for would silently be dropped)."""
+    r = lora.r
+    expected = {spec.name: spec.shape for spec in adapter_layout(cfg, lora)[0]}
     with SafetensorsFile(path) as f:
         stored = {}
         for name in f.tensors:
@@ -239,13 +214,6 @@ def _read_factors(path: Path, modules: list[AdaptedModule], r: int) -> dict[str,
 # --- a zoo model's adapters in and out ----------------------------------------------------------
 
 
-def lora_config(adapter: Adapter):
-    """The zoo.LoraConfig of an adapter read from a folder."""
-    from .lora import LoraConfig
-
-    return LoraConfig(r=adapter.r, alpha=adapter.alpha, dropout=adapter.dropout, targets=adapter.targets)
-
-
 def save_adapter(model, folder: Union[str, os.PathLike], *, base_model_name_or_path: Optional[str] = None) -> Path:
     """Write a LoRA model's adapters as a PEFT adapter folder (float32), each file atomically,
     adapter_config.json last (a folder with one is complete). base_model_name_or_path defaults to
@@ -255,25 +223,21 @@ def save_adapter(model, folder: Union[str, os.PathLike], *, base_model_name_or_p
         raise ValueError("save_adapter: the model has no LoRA adapters (zoo.Model(..., lora=LoraConfig(...)))")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    modules = adapted_modules(model.config, lora.targets)
     params = model.parameters()
-    tensors = []
-    for m in modules:
-        for name in m.factor_names():
-            tensors.append((KEY_PREFIX + name, params[name]))
+    tensors = [(KEY_PREFIX + name, value) for name, value in params.items()]
     write_file(folder / ADAPTER_WEIGHTS, tensors, "F32", metadata={"format": "pt"})
     if base_model_name_or_path is None:
         pretrained = getattr(model, "pretrained_path", None)
         base_model_name_or_path = str(pretrained) if pretrained is not None else None
-    write_json(folder / ADAPTER_CONFIG, peft_config_dict(model.config, lora.r, lora.alpha, lora.dropout,
-                                                         lora.targets, base_model_name_or_path))
+    write_json(folder / ADAPTER_CONFIG, peft_config_dict(model.config, lora, base_model_name_or_path))
     return folder
 
 
-def peft_config_dict(cfg: ModelConfig, r: int, alpha: float, dropout: float, targets,
-                     base_model_name_or_path: Optional[str]) -> dict:
+def peft_config_dict(cfg: ModelConfig, lora: LoraConfig, base_model_name_or_path: Optional[str]) -> dict:
     """adapter_config.json as PEFT 0.21 writes it for a plain LoRA (its other fields keep PEFT's
-    defaults when it reads the file)."""
+    defaults when it reads the file). PEFT matches target_modules as zoo does (a module whose path
+    is, or ends with, a target), so zoo's targets are written as they are."""
+    alpha = lora.alpha
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -281,10 +245,10 @@ def peft_config_dict(cfg: ModelConfig, r: int, alpha: float, dropout: float, tar
         "base_model_name_or_path": base_model_name_or_path,
         "revision": None,
         "inference_mode": True,
-        "r": r,
+        "r": lora.r,
         "lora_alpha": int(alpha) if float(alpha).is_integer() else float(alpha),
-        "lora_dropout": dropout,
-        "target_modules": [t for t in target_names(cfg) if t in set(targets)],
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.targets) if lora.targets is not None else module_names(cfg),
         "exclude_modules": None,
         "fan_in_fan_out": cfg.family == "gpt2",  # GPT-2's Conv1D stores weights (in, out)
         "bias": "none",
@@ -300,24 +264,28 @@ def peft_config_dict(cfg: ModelConfig, r: int, alpha: float, dropout: float, tar
     }
 
 
-def load_adapter(model, folder: Union[str, os.PathLike]) -> Adapter:
-    """Copy a PEFT adapter's factors into a LoRA model whose rank, alpha and targets are the
-    adapter's (errors name the field that differs)."""
+def load_adapter(model, folder: Union[str, os.PathLike]) -> PeftAdapter:
+    """Copy a PEFT adapter's factors into a LoRA model with the adapter's rank, scaling and
+    modules (errors name the field that differs)."""
     lora = getattr(model, "lora", None)
     if lora is None:
         raise ValueError("load_adapter: the model has no LoRA adapters; make it with "
-                         "lora=peft_io.lora_config(peft_io.read_adapter(folder, config)), or use load_with_adapter")
+                         "lora=read_adapter(folder, config).lora, or use load_with_adapter")
     adapter = read_adapter(folder, model.config)
     config_path = adapter.folder / ADAPTER_CONFIG
-    if adapter.r != lora.r:
-        raise CheckpointError(config_path, f"{adapter.r}, but the model's LoRA has r={lora.r}", key="r")
-    if not math.isclose(adapter.scaling, lora.scaling, rel_tol=1e-6):
-        raise CheckpointError(config_path, f"{adapter.alpha:g} (scaling {adapter.scaling:g}), but the model's "
-                                           f"LoRA has alpha={lora.alpha:g} (scaling {lora.scaling:g})",
+    if adapter.lora.r != lora.r:
+        raise CheckpointError(config_path, f"{adapter.lora.r}, but the model's LoRA has r={lora.r}", key="r")
+    if not math.isclose(adapter.lora.scaling, lora.scaling, rel_tol=1e-6):
+        raise CheckpointError(config_path, f"{adapter.lora.alpha:g} (scaling {adapter.lora.scaling:g}), but the "
+                                           f"model's LoRA has alpha={lora.alpha:g} (scaling {lora.scaling:g})",
                               key="lora_alpha")
-    if set(adapter.targets) != set(lora.targets):
-        raise CheckpointError(config_path, f"adapts {', '.join(adapter.targets)}, but the model's LoRA targets "
-                                           f"{', '.join(lora.targets)}", key="target_modules")
+    theirs = [a.module for a in adapter.adapters]
+    ours = [a.module for a in adapters(model.config, lora)]
+    if theirs != ours:
+        extra = next(iter([m for m in theirs if m not in ours] + [m for m in ours if m not in theirs]))
+        raise CheckpointError(config_path, f"adapts {', '.join(adapter.lora.targets)}, but the model's LoRA "
+                                           f"targets {', '.join(lora.targets or module_names(model.config))} "
+                                           f"({extra} is in one and not the other)", key="target_modules")
     params = model.parameters()
     for name, value in adapter.factors.items():
         params[name][...] = value
@@ -348,7 +316,7 @@ def load_with_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, 
     from .model import Model
 
     adapter = read_adapter(adapter_folder, read_config(base))
-    model = Model.from_pretrained(base, lora=lora_config(adapter), **kwargs)
+    model = Model.from_pretrained(base, lora=adapter.lora, **kwargs)
     load_adapter(model, adapter_folder)
     return model
 
@@ -359,16 +327,35 @@ def load_with_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, 
 def merge_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, os.PathLike],
                   out: Union[str, os.PathLike], dtype: str = "float32") -> Path:
     """Write base + adapter as one Hugging Face checkpoint (W + scaling * B @ A in every adapted
-    module), tokenizer and generation files carried over from the base, as save_pretrained does.
-    The base is loaded in float32 (4 bytes per parameter) and each sum made in float32, then
-    stored as `dtype`."""
+    module, W in zoo's (out, in) orientation, GPT-2's Conv1D transposed back on saving), with the
+    base's tokenizer and generation files, as save_pretrained carries them. Each sum is made in
+    float32 and rounded once, to `dtype`, as it is stored.
+
+    The base is held in float32 (4 bytes per parameter), or in bf16 (2 bytes: an 8B model in 16
+    GB) where that loses nothing: a bfloat16 merge of a base stored in BF16."""
     from .checkpoints import load_pretrained, save_pretrained
 
-    model = load_pretrained(base)
+    held = "bf16" if dtype == "bfloat16" and _stored_in_bf16(base) else "fp32"
+    model = load_pretrained(base, base_dtype=held)
     adapter = read_adapter(adapter_folder, model.config)
-    params = model.parameters()
-    scaling = np.float32(adapter.scaling)
-    for m in adapter.modules:
-        a_name, b_name = m.factor_names()
-        params[m.weight] += scaling * (adapter.factors[b_name] @ adapter.factors[a_name])
+    scaling = np.float32(adapter.lora.scaling)
+    for a in adapter.adapters:
+        a_name, b_name = factor_names(a)
+        weight = f"{a.module}.weight"
+        merged = model.base_tensor(weight)  # a float32 copy, exact from either format
+        merged += scaling * (adapter.factors[b_name] @ adapter.factors[a_name])
+        model.set_base_tensor(weight, merged)  # bf16: rounded once, as saving as bfloat16 would
     return save_pretrained(model, out, dtype=dtype)
+
+
+def _stored_in_bf16(base: Union[str, os.PathLike]) -> bool:
+    """Whether every weight of a checkpoint folder is stored in BF16 (a GGUF file: no)."""
+    from .checkpoints import check_tensors
+    from .gguf_model import is_gguf
+    from .hf_config import read_config
+    from .safetensors_io import CheckpointReader
+
+    if is_gguf(base):
+        return False
+    with CheckpointReader(base) as reader:
+        return all(reader.info(m.stored).dtype == "BF16" for m in check_tensors(read_config(base), reader))

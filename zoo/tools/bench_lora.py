@@ -109,14 +109,14 @@ def lora_flops(cfg, tokens: int, rank: int, adapted: list) -> dict:
     gradients (6 x r x (in + out) x tokens). Attention is left out (as in the issue's floor)."""
     n = matmul_params(cfg)
     frozen = 4 * n * tokens
-    adapters = sum(6 * rank * (m.in_features + m.out_features) * tokens for m in adapted)
-    return {"total": frozen + adapters, "frozen": frozen, "adapters": adapters, "matmul_params": n,
+    small = sum(6 * rank * (a.d_in + a.o1 - a.o0) * tokens for a in adapted)
+    return {"total": frozen + small, "frozen": frozen, "adapters": small, "matmul_params": n,
             "formula": "4 * N_matmul * tokens + 6 * r * (in + out) * tokens per adapter"}
 
 
 def run_bench(args: argparse.Namespace) -> dict:
     from ..hf_config import config_to_hf
-    from ..peft_io import adapted_modules, target_names
+    from ..lora import LoraConfig, adapters, module_names
 
     cfg = model_config(args.preset or (None if args.config else "llama-3.2-1b"), args.config)
     preset_name = args.preset or (None if args.config else "llama-3.2-1b")
@@ -134,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ValueError("--torch needs torch, transformers and peft installed (pip install -e '.[dev]')")
     if not bases and not settings:
         raise ValueError("nothing to measure: --base none and --torch none")
-    known = target_names(cfg)
+    known = module_names(cfg)
     targets = args.targets or known
     unknown = [t for t in targets if t not in known]
     if unknown:
@@ -142,7 +142,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     alpha = args.alpha if args.alpha is not None else 2.0 * args.rank
     lora = {"r": args.rank, "alpha": alpha, "dropout": 0.0, "targets": targets}
     tokens = args.batch_size * args.seq_len
-    flops = lora_flops(cfg, tokens, args.rank, adapted_modules(cfg, targets))
+    flops = lora_flops(cfg, tokens, args.rank, adapters(cfg, LoraConfig(r=args.rank, targets=targets)))
 
     raw: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="zoo-bench-lora-") as tmp:
