@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "bf16.hpp"
-#include "model.hpp"
+#include "layers.hpp"
 
 namespace zoo {
 
@@ -89,6 +89,7 @@ static size_t kernel_floats(const Dims& d, const std::string& role) {
     if (role == "wte") return V * D;
     if (role == "wpe") return d.rope ? 0 : (size_t)d.max_seq_len * D;
     if (role == "lm_head_w") return d.tied_embeddings ? 0 : V * D;
+    if ((role == "ln2_w" || role == "ln2_b") && !d.layer->second_norm) return 0;
     if (role == "ln1_w" || role == "ln2_w" || role == "lnf_w") return D;
     if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias ? D : 0;
     if (role == "qkv_w") return (size_t)d.qkv_dim() * D;
@@ -245,8 +246,10 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
         take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
-        take(&l.res_mid, at + "res_mid", N * D, internals);
-        take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
+        if (d.layer->second_norm) {
+            take(&l.res_mid, at + "res_mid", N * D, internals);
+            take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
+        }
         take_saved(&l.fc, &fc_bf16[i], at + "fc", N * d.fc_dim());
     }
     take(&p.lnf, "lnf", N * D, kForward | kHead);
@@ -272,6 +275,7 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     take(&p.d_att, "d_att", N * d.attn_dim(), kPullback);
     take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
     take(&p.d_act, "d_act", N * d.d_ff, kPullback);
+    if (d.layer->forward) take(&p.d_layer_in, "d_layer_in", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
@@ -361,6 +365,7 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.rope = pick(rope_block.pullback, rope_block.pullback_clad, "rope");
     pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
+    pb.layer = d_.layer->pullback_clad;
     if (pb.activation && pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
         pb.activation_fused = d_.mlp->recompute_and_pullback;
     ad_ = ad;
@@ -371,6 +376,12 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
 // A block without a pullback in this build (one written as a forward only, without Clad)
 // runs forward but cannot train.
 void Executor::check_trainable() const {
+    if (d_.layer->forward && !pb_.layer)
+        throw std::runtime_error(std::string("zoo: layer='") + d_.layer->name +
+                                 "' is written as a forward over block calls, and its pullback is the one Clad "
+                                 "generates from it, which needs the Clad backend this build does not have: the "
+                                 "model runs forward (logits, generation) but cannot train. Rebuild zoo with "
+                                 "ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> (docs/clad.md)");
     if (!pb_.norm || !pb_.activation) {
         const char* name = !pb_.norm ? d_.norm->name : d_.mlp->name;
         throw std::runtime_error(std::string("zoo: block '") + name +
@@ -444,7 +455,16 @@ struct PositionsScope {
     ~PositionsScope() { slot = nullptr; }
 };
 
+LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode) {
+    const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
+    const bool cached = pass == LayerPass::cached;
+    return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
+                     positions_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
+                     cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode};
+}
+
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
+    if (d_.layer->forward) return d_.layer->forward(layer_call(i, a, B, T, pass, pos0, GradMode::add));
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
@@ -457,17 +477,9 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
                                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
     if (pass == LayerPass::cached) {
         // This call's keys and values join the cache; its queries attend to everything cached.
-        const int hd = d_.head_dim;
-        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * hd;
+        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * d_.head_dim;
         float *kc = k_cache_ + i * layer_kv, *vc = v_cache_ + i * layer_kv;
-        for (int b = 0; b < B; b++)
-            for (int t = 0; t < T; t++)
-                for (int g = 0; g < d_.n_kv_head; g++) {
-                    const float* row = a.qkv + ((size_t)b * T + t) * d_.qkv_dim();
-                    const size_t at = (((size_t)b * d_.n_kv_head + g) * cache_len_ + pos0 + t) * hd;
-                    std::memcpy(kc + at, row + (d_.n_head + g) * hd, sizeof(float) * hd);
-                    std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
-                }
+        append_kv_cache(d_, a.qkv, kc, vc, B, T, pos0, cache_len_);
         TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
@@ -488,6 +500,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
 // a_.d_res holds dL/d(layer output) on entry and dL/d(layer input) on exit: the residual adds
 // pass it through unchanged, so the norm pullbacks add their parts into it.
 void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
+    if (d_.layer->forward) return pb_.layer(layer_call(i, a_.layers[i], B, T, LayerPass::replay, 0, mode));
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     LayerTensors& g = g_.layers[i];
