@@ -460,7 +460,8 @@ LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPas
     const bool cached = pass == LayerPass::cached;
     return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
                      positions_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
-                     cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode};
+                     cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode,
+                     &profile};
 }
 
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {

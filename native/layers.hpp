@@ -7,6 +7,8 @@
 // reverse, fan-outs summed. A new arrangement: its header in layers/, one line in
 // layer_arrangements (docs/adding_a_block.md).
 #pragma once
+#include <omp.h>
+
 #include <cstring>
 #include <string>
 
@@ -42,6 +44,7 @@ struct ZOO_CLAD_OPAQUE LayerCall {
     int B, T, pos0;
     LayerPass pass;
     GradMode mode;                // the gradient lifecycle's: write or add the parameter gradients
+    Profile* profile;             // the executor's per-block wall times
 
     int N() const { return B * T; }
     // The sizes an arrangement's forward passes to its block calls (member calls of an opaque
@@ -55,6 +58,22 @@ struct ZOO_CLAD_OPAQUE LayerCall {
     Attention attention() const { return Attention{d->n_head, d->n_kv_head, d->head_dim}; }
     // Outputs kept per layer are recomputed by no replay; outputs in buffers every layer shares are.
     bool replay() const { return pass == LayerPass::replay; }
+};
+
+// Adds its scope's wall time to the profile's slot while profiling is on: as forward time, or
+// as pullback time in the custom derivatives and in a pullback's replay (where the sequential
+// layer counts its recomputes too).
+struct LayerTimer {
+    Profile* profile;
+    ProfileSlot slot;
+    bool pullback;
+    double t0;
+    LayerTimer(const LayerCall* c, ProfileSlot s, bool in_pullback)
+        : profile(c->profile->on ? c->profile : nullptr), slot(s), pullback(in_pullback || c->replay()),
+          t0(profile ? omp_get_wtime() : 0.0) {}
+    ~LayerTimer() {
+        if (profile) (pullback ? profile->pullback : profile->forward)[slot] += omp_get_wtime() - t0;
+    }
 };
 
 // This call's keys and values (rows of qkv) join layer's KV cache at pos0 (B, n_kv_head,
@@ -83,6 +102,7 @@ inline void append_kv_cache(const Dims& d, const float* qkv, float* kc, float* v
 // y = norm(x) * w (+ b); stats: the layer's ln1_stats (slot 1) or ln2_stats (slot 2).
 inline float* norm_stats(const LayerCall* c, int slot) { return slot == 1 ? c->a->ln1_stats : c->a->ln2_stats; }
 inline void layer_norm_call(const float* x, const float* w, const float* b, float* y, int slot, const LayerCall* c) {
+    const LayerTimer timer(c, k_norm, false);
     const Dims& d = *c->d;
     float* stats = norm_stats(c, slot);
     d.norm->forward({d.d_model, d.norm_eps, c->N(), x, w, b, stats}, y, stats);
@@ -91,6 +111,7 @@ inline void layer_norm_call(const float* x, const float* w, const float* b, floa
 // y = x W^T + b.
 inline void layer_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
                               const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
     if (!c->replay()) c->linear(in, out).forward(x, W, b, y, c->N());
 }
 
@@ -98,17 +119,20 @@ inline void layer_linear_call(const float* x, const float* W, const float* b, fl
 // the stream is updated in place). The recompute before a checkpointed pullback skips it.
 inline void layer_residual_linear_call(const float* x, const float* W, const float* b, const float* r, float* y,
                                        int in, int out, const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
     if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), r);
 }
 
 // y += x W^T + b: a second projection into the same residual stream.
 inline void layer_accumulate_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
                                          const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
     if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), y);
 }
 
 // RoPE on the q and k heads of qkv, in place (nothing without RoPE positions).
 inline void layer_rope_call(float* qkv, const LayerCall* c) {
+    const LayerTimer timer(c, k_rope, false);
     const Dims& d = *c->d;
     if (d.rope && !c->replay())
         RoPE{d.head_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin, c->B, c->T,
@@ -118,6 +142,7 @@ inline void layer_rope_call(float* qkv, const LayerCall* c) {
 // att = causal attention over qkv: over the whole sequences in training (saving lse, and in a
 // bf16 step qkv and att in bf16), against the KV cache in generation.
 inline void layer_attention_call(float* qkv, float* att, const LayerCall* c) {
+    const LayerTimer timer(c, k_attention, false);
     const Dims& d = *c->d;
     const LayerActs& a = *c->a;
     const size_t N = c->N();
@@ -134,6 +159,7 @@ inline void layer_attention_call(float* qkv, float* att, const LayerCall* c) {
 
 // act = the MLP activation of fc (a bf16 step keeps fc in bf16, rounding it in place).
 inline void layer_activation_call(float* fc, float* act, const LayerCall* c) {
+    const LayerTimer timer(c, k_activation, false);
     const Dims& d = *c->d;
     const LayerActs& a = *c->a;  // (read through c->a->fc_bf16 directly, the call crashes Clad's analysis)
     if (a.fc_bf16 && c->pass == LayerPass::train) round_and_save_bf16(fc, a.fc_bf16, (size_t)c->N() * d.fc_dim());
@@ -149,6 +175,7 @@ using ::zoo::LayerCall;
 
 inline void layer_norm_call_pullback(const float* x, const float* w, const float* b, float* y, int slot,
                                      const LayerCall* c, float* d_x, float* d_w, float* d_b, float* d_y, int*) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_norm, true);
     const ::zoo::Dims& d = *c->d;
     // The norm pullback adds into dx by contract; its weight gradients follow the lifecycle.
     c->pb->norm({d.d_model, d.norm_eps, c->N(), x, w, b, ::zoo::norm_stats(c, slot)}, d_y, d_x, d_w, d_b,
@@ -159,6 +186,7 @@ inline void layer_norm_call_pullback(const float* x, const float* w, const float
 // (given no dx, it computes the parameter part only).
 inline void linear_call_pullback(const float* x, const float* W, const float* b, const float* d_y, float* d_x,
                                  float* d_W, float* d_b, int in, int out, const LayerCall* c) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_linear, true);
     const ::zoo::Linear l = c->linear(in, out);
     l.pullback_input(W, d_y, d_x, c->N(), /*accumulate_dx=*/true);
     c->pb->linear(l, x, W, b, d_y, nullptr, d_W, d_b, c->N(), c->mode, c->plan->pullback_scratch);
@@ -174,9 +202,12 @@ inline void layer_linear_call_pullback(const float* x, const float* W, const flo
 inline void layer_residual_linear_call_pullback(const float* x, const float* W, const float* b, const float* r,
                                                 float* y, int in, int out, const LayerCall* c, float* d_x,
                                                 float* d_W, float* d_b, float* d_r, float* d_y, int*, int*) {
-    const size_t n = (size_t)c->N() * out;
+    {
+        const ::zoo::LayerTimer timer(c, ::zoo::k_linear, true);  // the residual add is the linear's, as ever
+        const size_t n = (size_t)c->N() * out;
 #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) d_r[i] += d_y[i];
+        for (size_t i = 0; i < n; i++) d_r[i] += d_y[i];
+    }
     linear_call_pullback(x, W, b, d_y, d_x, d_W, d_b, in, out, c);
 }
 
@@ -189,6 +220,7 @@ inline void layer_accumulate_linear_call_pullback(const float* x, const float* W
 
 // In place on the adjoint, like the forward on qkv.
 inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qkv) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_rope, true);
     const ::zoo::Dims& d = *c->d;
     if (d.rope)
         c->pb->rope(::zoo::RoPE{d.head_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
@@ -198,6 +230,7 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
 // The attention pullback writes d_qkv: the arrangement's one reader of qkv (the layer pullback
 // zeroes it first either way).
 inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCall* c, float* d_qkv, float* d_att) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_attention, true);
     c->pb->attention(c->attention(), qkv, c->positions, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch, c->B,
                      c->T);
 }
@@ -205,6 +238,7 @@ inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCal
 // The activation pullback writes d_fc: the arrangement's one reader of fc.
 inline void layer_activation_call_pullback(float* fc, float* act, const LayerCall* c, float* d_fc,
                                            float* d_act) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_activation, true);
     c->pb->activation(c->d->d_ff, fc, d_act, d_fc, c->plan->pullback_scratch, c->N());
 }
 }  // namespace clad::custom_derivatives::zoo

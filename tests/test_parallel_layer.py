@@ -182,6 +182,19 @@ def test_generation_with_the_kv_cache_matches_the_full_forward(cfg):
     assert len(generate(model, [1, 2, 3], max_new_tokens=5)) == 5
 
 
+def test_the_block_profile_sees_inside_the_layer():
+    model = make_model(GPT2_PARALLEL)
+    tokens, targets = batch(GPT2_PARALLEL)
+    model.set_profiling(True)
+    model.loss(tokens, targets)
+    if CLAD:
+        model.forward_backward(tokens, targets)
+    profile = model.block_profile()
+    for kind in ("norm", "linear", "attention", "activation"):
+        forward, pullback = profile[kind]
+        assert forward > 0 and (pullback > 0) == CLAD, (kind, profile[kind])
+
+
 def test_hugging_face_export_is_refused_naming_the_field(tmp_path):
     for cfg in (GPT2_PARALLEL, LLAMA_PARALLEL):
         assert hf_incompatibility(cfg)[0] == "layer"
