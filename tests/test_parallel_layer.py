@@ -8,6 +8,7 @@ it refuses to train, naming the layer. With Clad: every gradient against the PyT
 against central differences, on the hand-written block pullbacks and on Clad's, with activation
 checkpointing and in bf16, and it trains."""
 
+import json
 import math
 import warnings
 
@@ -322,3 +323,22 @@ def test_trains(cfg):
         first = loss if first is None else first
     assert loss < 0.8 * first
     assert zoo.blocks.layers()["parallel"] == {"second_norm": False, "trainable": True}
+
+
+def test_bench_layer_prints_a_table_and_writes_json(tmp_path, capsys):
+    from zoo.tools import bench_layer
+
+    out = tmp_path / "layer.json"
+    argv = ["--preset", "tiny-llama", "--n-layer", "1", "--vocab-size", "64", "--batch-size", "2", "--seq-len", "8",
+            "--threads", "1", "--rounds", "1", "--json", str(out)]
+    status = bench_layer.main(argv)
+    if not CLAD:
+        assert status == 1 and "without the Clad backend" in capsys.readouterr().err and not out.exists()
+        return
+    assert status == 0
+    table = capsys.readouterr().out
+    assert "| parallel (chained by Clad) | manual |" in table and "| sequential (hand-chained) | clad |" in table
+    rows = json.loads(out.read_text())["results"][0]["rows"]
+    assert [(r["layer"], r["ad"]) for r in rows] == [("sequential", "manual"), ("sequential", "clad"),
+                                                     ("parallel", "manual"), ("parallel", "clad")]
+    assert all(r["step_ms"] > 0 and r["forward_ms"] > 0 for r in rows)
