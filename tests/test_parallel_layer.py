@@ -21,6 +21,7 @@ import zoo
 from zoo import ModelConfig
 from zoo.errors import CheckpointError
 from zoo.generate import generate
+from zoo.gguf_model import save_gguf
 from zoo.hf_config import config_to_hf, hf_incompatibility
 from zoo.model import ADError
 
@@ -205,6 +206,8 @@ def test_hugging_face_export_is_refused_naming_the_field(tmp_path):
     model = make_model(GPT2_PARALLEL)
     with pytest.warns(UserWarning, match="layer='parallel'"):
         model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="layer"):  # llama.cpp's architectures are sequential too
+        save_gguf(model, tmp_path / "model.gguf")
     back = zoo.Model.from_pretrained(tmp_path / "ckpt")
     assert back.config == GPT2_PARALLEL
     tokens, _ = batch(GPT2_PARALLEL)
@@ -298,6 +301,22 @@ def test_the_plan_keeps_every_buffer_the_layer_reads_live(cfg):
     assert poisoned_loss == loss
     for k in grads:
         np.testing.assert_array_equal(poisoned[k], grads[k])
+
+
+@needs_clad
+@CONFIGS
+def test_packed_rows_and_accumulation(cfg):
+    """Two examples packed in one row (positions restart) train as the same two examples in two
+    rows; a second pass without zero_grads adds (the gradient lifecycle's add mode)."""
+    model = make_model(cfg)
+    tokens, targets = batch(cfg, B=2, T=12)
+    packed_loss, packed = model.loss_and_grads(tokens.reshape(1, 24), targets.reshape(1, 24),
+                                               positions=np.tile(np.arange(12), 2).reshape(1, 24))
+    loss, rows = model.loss_and_grads(tokens, targets)
+    assert abs(packed_loss - loss) <= 1e-6 * abs(loss)
+    assert max(rel_err(packed[k], rows[k]) for k in rows) <= 1e-5
+    model.forward_backward(tokens, targets)  # adds onto the gradients of loss_and_grads
+    assert max(rel_err(model.gradients()[k], 2 * rows[k]) for k in rows) <= 1e-6
 
 
 @needs_clad
