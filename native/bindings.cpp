@@ -6,7 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "gemm.hpp"
-#include "model.hpp"
+#include "layers.hpp"
 
 namespace py = pybind11;
 using zoo::Executor;
@@ -60,6 +60,7 @@ zoo::Dims dims_from(const py::dict& c) {
     d.d_ff = size_field(c, "d_ff", max_width);
     d.norm = &zoo::find_norm(c["norm"].cast<std::string>());
     d.mlp = &zoo::find_activation(c["mlp"].cast<std::string>());
+    d.layer = &zoo::find_layer(c["layer"].cast<std::string>());
     d.rope = c["positions"].cast<std::string>() == "rope";
     d.norm_eps = c["norm_eps"].cast<float>();
     d.attention_bias = c["attention_bias"].cast<bool>();
@@ -243,6 +244,13 @@ PYBIND11_MODULE(_native, m) {
             activations[a->name] = py::dict(py::arg("gate_width") = a->gate_width);
         info["norms"] = norms;
         info["activations"] = activations;
+        // Layer arrangements: trainable where this build has their pullback (Clad's, for all but
+        // the executor's own sequential layer).
+        py::dict layers;
+        for (const zoo::LayerArrangement* l : zoo::layer_arrangements)
+            layers[l->name] = py::dict(py::arg("second_norm") = l->second_norm,
+                                       py::arg("trainable") = !l->forward || l->pullback_clad);
+        info["layers"] = layers;
         // The roles a layout table may bind (zoo/layout.py names its tensors' roles from these).
         std::vector<std::string> model_roles, layer_roles;
 #define ZOO_MODEL_ROLE_NAME(r) model_roles.push_back(#r);

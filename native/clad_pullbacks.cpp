@@ -10,3 +10,5 @@
 // derivatives) through the blocks. Each header defines its Clad pullbacks, and instantiates
 // the generic activation pullback for its row kernel, under ZOO_CLAD_TU.
 #include "registry.hpp"
+// Layer arrangements: Clad chains their block calls (layers.hpp).
+#include "layers.hpp"

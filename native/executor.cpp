@@ -5,7 +5,7 @@
 #include <cstring>
 
 #include "bf16.hpp"
-#include "model.hpp"
+#include "layers.hpp"
 
 namespace zoo {
 
@@ -27,6 +27,10 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
                                               : "zoo: a table of frozen tensors, but the base trains");
     if (!d_.frozen && (!adapters.empty() || d_.lora_width))
         throw std::invalid_argument("zoo: LoRA adapters sit on a frozen base; this base trains");
+    if (d_.frozen && d_.layer->forward)  // its block calls read the fp32 weights and know no adapters
+        throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
+                                    "' runs on a trainable fp32 base only: no frozen base (LoRA, or weights in "
+                                    "bf16, int8 or nf4) yet");
     if (d_.lora_dropout < 0.0f || !(d_.lora_dropout < 1.0f))
         throw std::invalid_argument("zoo: lora dropout must be in [0, 1)");
     plan_grad_ranges(layout, adapters);  // checks the tables before anything is bound
@@ -129,6 +133,7 @@ static size_t kernel_floats(const Dims& d, const std::string& role) {
     if (role == "wte") return V * D;
     if (role == "wpe") return d.rope ? 0 : (size_t)d.max_seq_len * D;
     if (role == "lm_head_w") return d.tied_embeddings ? 0 : V * D;
+    if ((role == "ln2_w" || role == "ln2_b") && !d.layer->second_norm) return 0;
     if (role == "ln1_w" || role == "ln2_w" || role == "lnf_w") return D;
     if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias ? D : 0;
     if (role == "qkv_w") return (size_t)d.qkv_dim() * D;
@@ -504,8 +509,10 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
         take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
-        take(&l.res_mid, at + "res_mid", N * D, internals);
-        take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
+        if (d.layer->second_norm) {
+            take(&l.res_mid, at + "res_mid", N * D, internals);
+            take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
+        }
         take_saved(&l.fc, &fc_bf16[i], at + "fc", N * d.fc_dim());
     }
     take(&p.lnf, "lnf", N * D, kForward | kHead);
@@ -531,6 +538,7 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     take(&p.d_att, "d_att", N * d.attn_dim(), kPullback);
     take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
     take(&p.d_act, "d_act", N * d.d_ff, kPullback);
+    if (d.layer->forward) take(&p.d_layer_in, "d_layer_in", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     if (d.frozen && d.matrix_dtype != DType::f32)
         take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
@@ -627,6 +635,7 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
     pb.lora = pick(lora_block.pullback, lora_block.pullback_clad, "lora");
+    pb.layer = d_.layer->pullback_clad;
     if (pb.activation && pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
         pb.activation_fused = d_.mlp->recompute_and_pullback;
     ad_ = ad;
@@ -640,6 +649,12 @@ void Executor::check_trainable() const {
     if (d_.frozen && n_params_ == 0)
         throw std::runtime_error("zoo: this model's base is frozen and it has no adapters: nothing to train "
                                  "(give it LoRA adapters, or load the base trainable in fp32)");
+    if (d_.layer->forward && !pb_.layer)
+        throw std::runtime_error(std::string("zoo: layer='") + d_.layer->name +
+                                 "' is written as a forward over block calls, and its pullback is the one Clad "
+                                 "generates from it, which needs the Clad backend this build does not have: the "
+                                 "model runs forward (logits, generation) but cannot train. Rebuild zoo with "
+                                 "ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> (docs/clad.md)");
     if (!pb_.norm || !pb_.activation) {
         const char* name = !pb_.norm ? d_.norm->name : d_.mlp->name;
         throw std::runtime_error(std::string("zoo: block '") + name +
@@ -723,7 +738,17 @@ struct FlagScope {
     ~FlagScope() { flag = false; }
 };
 
+LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode) {
+    const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
+    const bool cached = pass == LayerPass::cached;
+    return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
+                     positions_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
+                     cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode,
+                     &profile};
+}
+
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
+    if (d_.layer->forward) return d_.layer->forward(layer_call(i, a, B, T, pass, pos0, GradMode::add));
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const LayerMatrices& wm = wm_.layers[i];
@@ -738,17 +763,9 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
                                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
     if (pass == LayerPass::cached) {
         // This call's keys and values join the cache; its queries attend to everything cached.
-        const int hd = d_.head_dim;
-        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * hd;
+        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * d_.head_dim;
         float *kc = k_cache_ + i * layer_kv, *vc = v_cache_ + i * layer_kv;
-        for (int b = 0; b < B; b++)
-            for (int t = 0; t < T; t++)
-                for (int g = 0; g < d_.n_kv_head; g++) {
-                    const float* row = a.qkv + ((size_t)b * T + t) * d_.qkv_dim();
-                    const size_t at = (((size_t)b * d_.n_kv_head + g) * cache_len_ + pos0 + t) * hd;
-                    std::memcpy(kc + at, row + (d_.n_head + g) * hd, sizeof(float) * hd);
-                    std::memcpy(vc + at, row + (d_.n_head + d_.n_kv_head + g) * hd, sizeof(float) * hd);
-                }
+        append_kv_cache(d_, a.qkv, kc, vc, B, T, pos0, cache_len_);
         TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
@@ -826,6 +843,7 @@ void Executor::linear_pullback(int i, LoraSlot slot, const Linear& l, const floa
 // a_.d_res holds dL/d(layer output) on entry and dL/d(layer input) on exit: the residual adds
 // pass it through unchanged, so the norm pullbacks add their parts into it.
 void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
+    if (d_.layer->forward) return pb_.layer(layer_call(i, a_.layers[i], B, T, LayerPass::replay, 0, mode));
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const LayerMatrices& wm = wm_.layers[i];

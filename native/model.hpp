@@ -20,10 +20,24 @@
 
 namespace zoo {
 
+// How a layer arranges its blocks (ModelConfig.layer; the list is in layers.hpp). The default,
+// sequential, is the executor's own hand-chained layer (layer_forward, layer_pullback); any
+// other is written as a forward over block calls, and its pullback is Clad's gradient of that
+// forward, which chains the blocks' pullbacks (docs/clad.md).
+struct LayerCall;  // layers.hpp: what one call of a layer reads and writes
+using LayerRun = void (*)(const LayerCall& c);
+struct LayerArrangement {
+    const char* name;
+    bool second_norm;        // a norm of its own before the MLP (ln_2): the layout's and the plan's business
+    LayerRun forward;        // null: the executor's sequential layer
+    LayerRun pullback_clad;  // Clad's gradient of forward; null without the Clad backend (or for sequential)
+};
+
 struct Dims {
     int vocab_size, max_seq_len, d_model, n_layer, n_head, n_kv_head, head_dim, d_ff;
     const NormBlock* norm;
     const ActivationBlock* mlp;
+    const LayerArrangement* layer;
     bool rope;
     float norm_eps;
     bool attention_bias, mlp_bias, tied_embeddings;
@@ -144,7 +158,7 @@ struct SlotAdapters {
 // pointers, null otherwise; bf16.hpp). Generation: x, res_mid and out are one buffer, the
 // residual stream updated in place.
 struct LayerActs {
-    const float* x;
+    const float* x;  // (with the parallel layer, res_mid, ln2 and ln2_stats are unused)
     float *ln1, *ln1_stats, *qkv, *lse, *att, *res_mid, *ln2, *ln2_stats, *fc, *act, *out;
     uint16_t *qkv_bf16 = nullptr, *att_bf16 = nullptr, *fc_bf16 = nullptr;
     // Where a frozen base's products widen its matrices, and the adapters' scratch.
@@ -161,6 +175,7 @@ struct ActivationPlan {
     // Adjoints, shared by all layers.
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
           *d_act = nullptr;
+    float* d_layer_in = nullptr;  // a Clad-chained layer's input adjoint (its seed, d_res, must not alias it)
     float* attention_scratch = nullptr;  // the attention forward's
     float* pullback_scratch = nullptr;   // the largest need of the model's pullbacks (one runs at a time)
     float* head_scratch = nullptr;       // the cross-entropy pullback's
@@ -192,7 +207,14 @@ struct Pullbacks {
     EmbeddingPullback embedding = nullptr;
     CrossEntropyPullback cross_entropy = nullptr;
     LoraPullback lora = nullptr;
+    LayerRun layer = nullptr;  // a layer arrangement's (Clad's chaining); null for the sequential layer
 };
+
+// Which pass a layer call is: training, the recompute before a checkpointed pullback (which
+// stops before the projections into the residual stream), generation against the KV cache, or
+// the forward sweep of a Clad-chained layer pullback (replay: only what the pullback reads from
+// buffers all layers share is recomputed; layers.hpp).
+enum class LayerPass { train, recompute, cached, replay };
 
 // The gradient region's lifecycle, with its transitions in one place. fresh: zero_grads was
 // called, the next pass writes the gradients (no clearing pass, and no GEMM reads old ones);
@@ -337,8 +359,6 @@ public:
     const float* forward_cached(const int32_t* tokens, int B, int T, int pos0);
 
 private:
-    enum class LayerPass { train, recompute, cached };
-
     Dims d_;
     size_t n_params_;
     Arena params_;       // the trainable tensors
@@ -405,6 +425,8 @@ private:
     // stops before the output projection), and generation against the KV cache from pos0.
     void layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0 = 0);
     void layer_pullback(int i, int B, int T, GradMode mode);
+    // A layer arrangement's call (layers.hpp): layer i's weights, gradients, buffers and pass.
+    LayerCall layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode);
     double head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode);
     void norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const;
     void norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,

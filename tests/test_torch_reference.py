@@ -30,10 +30,12 @@ def tokens_and_targets(cfg, B=2, T=12, seed=0):
 
 
 def allowed_values(field: str) -> set:
-    """What a config may name: the native block registry lists the norms and MLP activations
-    (zoo.blocks), the config's Literal the positions."""
+    """What a config may name: the native block registry lists the norms, MLP activations and
+    layer arrangements (zoo.blocks), the config's Literal the positions."""
     if field == "norm":
         return set(blocks.norms())
+    if field == "layer":
+        return set(blocks.layers())
     if field == "mlp":
         return set(blocks.activations())
     return set(typing.get_args(ModelConfig.model_fields[field].annotation))

@@ -25,6 +25,14 @@ def activations() -> dict[str, dict]:
     return dict(_info()["activations"])
 
 
+def layers() -> dict[str, dict]:
+    """{name: {"second_norm": bool, "trainable": bool}} for every layer arrangement
+    (ModelConfig.layer): whether it has a norm of its own before the MLP (ln_2), and whether
+    this build can train it (an arrangement other than sequential trains on the pullback Clad
+    generates from its forward, so only a build with the Clad backend)."""
+    return dict(_info()["layers"])
+
+
 def blocks() -> list[dict]:
     """Every block by the name ad= takes: {"name", "kind" ("norm", "mlp" or "fixed"),
     "manual", "clad" (which pullbacks this build has), "in_step" (a training step runs it)}."""

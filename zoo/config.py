@@ -66,6 +66,9 @@ class ModelConfig(BaseModel):
     norm: str = "layernorm"  # a norm of the block registry (zoo/blocks.py): layernorm, rmsnorm, ...
     norm_eps: float = Field(default=1e-5, gt=0)
     mlp: str = "gelu"  # an activation of the registry: gelu, swiglu, relu2 (forward only without Clad), ...
+    # How a layer arranges its blocks: "sequential" (x + attn(norm1(x)), then + mlp(norm2(.))) or
+    # "parallel" (x + attn(norm(x)) + mlp(norm(x)), GPT-J/Falcon; trains only with the Clad backend).
+    layer: str = "sequential"
     positions: Literal["learned", "rope"] = "learned"
     rope_theta: float = Field(default=10000.0, gt=0)
     rope_scaling: Optional[RopeScaling] = None
@@ -94,11 +97,11 @@ class ModelConfig(BaseModel):
             data["d_ff"] = 4 * data["d_model"]
         return data
 
-    @field_validator("norm", "mlp")
+    @field_validator("norm", "mlp", "layer")
     @classmethod
     def _registered_block(cls, v: str, info) -> str:
-        registered, what = (blocks.norms(), "norm") if info.field_name == "norm" else (blocks.activations(),
-                                                                                       "MLP activation")
+        registered, what = {"norm": (blocks.norms(), "norm"), "mlp": (blocks.activations(), "MLP activation"),
+                            "layer": (blocks.layers(), "layer arrangement")}[info.field_name]
         if v not in registered:
             raise ValueError(f"{v!r} is no {what} of this zoo; registered: {', '.join(registered)}")
         return v

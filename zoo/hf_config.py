@@ -243,12 +243,12 @@ def hf_incompatibility(cfg: ModelConfig) -> tuple[str, str] | None:
     """(field, why) when the class of cfg's naming family (GPT2LMHeadModel or LlamaForCausalLM)
     cannot express cfg, else None."""
     if cfg.family == "gpt2":
-        arch, wanted = "GPT2LMHeadModel", (("norm", "layernorm"), ("mlp", "gelu"), ("attention_bias", True),
-                                           ("mlp_bias", True), ("n_kv_head", cfg.n_head))
+        arch, wanted = "GPT2LMHeadModel", (("layer", "sequential"), ("norm", "layernorm"), ("mlp", "gelu"),
+                                           ("attention_bias", True), ("mlp_bias", True), ("n_kv_head", cfg.n_head))
         if cfg.head_dim * cfg.n_head != cfg.d_model:
             return "head_dim", f"{arch} needs head_dim * n_head == d_model, got {cfg.head_dim} * {cfg.n_head}"
     else:
-        arch, wanted = "LlamaForCausalLM", (("norm", "rmsnorm"), ("mlp", "swiglu"))
+        arch, wanted = "LlamaForCausalLM", (("layer", "sequential"), ("norm", "rmsnorm"), ("mlp", "swiglu"))
         if cfg.d_model % cfg.n_head != 0:  # transformers' LlamaConfig rejects this even with an explicit head_dim
             return "n_head", f"{arch} needs d_model divisible by n_head, got {cfg.d_model} and {cfg.n_head}"
     for field, expected in wanted:

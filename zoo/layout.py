@@ -3,7 +3,8 @@ shapes, order in the parameter arena, and the role the native executor binds the
 
 Naming rule: configs with learned positions use GPT2LMHeadModel names, configs with RoPE
 use LlamaForCausalLM names. A block the family does not have keeps the family's pattern
-(e.g. a GPT-2-named model with RMSNorm has ln_1.weight and no ln_1.bias; a Llama-named
+(e.g. a GPT-2-named model with RMSNorm has ln_1.weight and no ln_1.bias; a parallel-residual
+layer has ln_1 (input_layernorm) and no ln_2 (post_attention_layernorm); a Llama-named
 model with LayerNorm gets input_layernorm.bias; a Llama-named GELU MLP has up_proj and
 down_proj only; a GPT-2-named SwiGLU MLP has mlp.c_fc holding [gate; up]).
 
@@ -109,6 +110,7 @@ def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     d, hd = cfg.d_model, cfg.head_dim
     fc_out = blocks.activations()[cfg.mlp]["gate_width"] * cfg.d_ff
     norm_bias = blocks.norms()[cfg.norm]["bias"]
+    second_norm = blocks.layers()[cfg.layer]["second_norm"]
     out: list[ParamSpec] = []
 
     def add(name, shape, role, layer=-1, transposed=False, decay=False):
@@ -127,9 +129,10 @@ def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         add(p + "attn.c_proj.weight", (d, cfg.n_head * hd), "attn_out_w", i, True, True)
         if cfg.attention_bias:
             add(p + "attn.c_proj.bias", (d,), "attn_out_b", i)
-        add(p + "ln_2.weight", (d,), "ln2_w", i)
-        if norm_bias:
-            add(p + "ln_2.bias", (d,), "ln2_b", i)
+        if second_norm:
+            add(p + "ln_2.weight", (d,), "ln2_w", i)
+            if norm_bias:
+                add(p + "ln_2.bias", (d,), "ln2_b", i)
         add(p + "mlp.c_fc.weight", (fc_out, d), "fc_w", i, True, True)
         if cfg.mlp_bias:
             add(p + "mlp.c_fc.bias", (fc_out,), "fc_b", i)
@@ -149,6 +152,7 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     q_out, kv_out = cfg.n_head * hd, cfg.n_kv_head * hd
     gated = blocks.activations()[cfg.mlp]["gate_width"] == 2
     norm_bias = blocks.norms()[cfg.norm]["bias"]
+    second_norm = blocks.layers()[cfg.layer]["second_norm"]
     out: list[ParamSpec] = []
 
     def add(name, shape, role, layer=-1, decay=False):
@@ -173,9 +177,10 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
         add(p + "self_attn.o_proj.weight", (d, q_out), "attn_out_w", i, True)
         if cfg.attention_bias:
             add(p + "self_attn.o_proj.bias", (d,), "attn_out_b", i)
-        add(p + "post_attention_layernorm.weight", (d,), "ln2_w", i)
-        if norm_bias:
-            add(p + "post_attention_layernorm.bias", (d,), "ln2_b", i)
+        if second_norm:
+            add(p + "post_attention_layernorm.weight", (d,), "ln2_w", i)
+            if norm_bias:
+                add(p + "post_attention_layernorm.bias", (d,), "ln2_b", i)
         if gated:
             add(p + "mlp.gate_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
             add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "", i, True)

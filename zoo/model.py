@@ -395,6 +395,11 @@ class Model:
     def check_trainable(self) -> None:
         """Raises ADError, naming the block, if a block of this model has no pullback in this
         build (a block written as a forward only, in a build without Clad)."""
+        if not blocks.layers()[self.config.layer]["trainable"]:
+            raise ADError(f"layer={self.config.layer!r} is written as a forward over block calls, and its pullback "
+                          "is the one Clad generates from that forward, which needs the Clad backend this zoo was "
+                          "built without: the model runs forward (logits, loss, generation) but cannot train; "
+                          + CLAD_BUILD_HINT)
         missing = [b for b, v in self.ad.items() if v is None]
         if missing:
             field = next(b["kind"] for b in blocks.blocks() if b["name"] == missing[0])

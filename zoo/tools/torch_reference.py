@@ -100,13 +100,17 @@ def rotary_positions(model, x):
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm}  # (x, weight, bias, eps)
 MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2}  # fc's output -> proj's input
 POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
-BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "POSITIONS", POSITIONS))
+# Whether attention and MLP both read the one norm's output and add into the stream together
+# (the parallel residual, GPT-J style) or run one after the other, each after its own norm.
+LAYERS = {"sequential": False, "parallel": True}
+BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "POSITIONS", POSITIONS),
+                ("layer", "LAYERS", LAYERS))
 
 # Every ModelConfig field the forward below reads or that is a plain shape. A field zoo gains
 # later is refused until this file implements it.
 CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
                  "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
-                 "mlp_bias", "tied_embeddings"}
+                 "mlp_bias", "tied_embeddings", "layer"}
 ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # zoo's parameter roles (zoo/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
@@ -166,6 +170,7 @@ class Decoder(nn.Module):
         self.cfg = dict(cfg)
         self.norm, self.mlp = NORMS[cfg["norm"]], MLPS[cfg["mlp"]]
         self.positions = POSITIONS[cfg["positions"]]
+        self.parallel = LAYERS[cfg.get("layer", "sequential")]
         self.layers = nn.ModuleList(nn.Module() for _ in range(cfg["n_layer"]))
         for role in GLOBAL_ROLES:
             self.register_parameter(role, None)
@@ -195,9 +200,13 @@ class Decoder(nn.Module):
             k = rotate(k.view(B, T, nkv, hd).transpose(1, 2))
             v = v.view(B, T, nkv, hd).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), layer.attn_out_w, layer.attn_out_b)
-            h = self.norm(x, layer.ln2_w, layer.ln2_b, eps)
+            attn_out = F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), layer.attn_out_w, layer.attn_out_b)
+            if not self.parallel:
+                x = x + attn_out
+                h = self.norm(x, layer.ln2_w, layer.ln2_b, eps)
             x = x + F.linear(self.mlp(F.linear(h, layer.fc_w, layer.fc_b)), layer.proj_w, layer.proj_b)
+            if self.parallel:
+                x = x + attn_out
         x = self.norm(x, self.lnf_w, self.lnf_b, eps)
         return F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w)
 

@@ -1,0 +1,257 @@
+// Layer arrangements (ModelConfig.layer): how a layer composes its blocks. The default,
+// sequential (x + attn(norm1(x)), then + mlp(norm2(.))), is the executor's own hand-chained
+// layer. Any other is written here as a forward over the block calls below, and nothing more:
+// its pullback is Clad's gradient of that forward (clad::gradient of a function of block
+// calls), and each block call has the block's pullback as its Clad custom derivative, so Clad
+// chains the blocks' pullbacks (the hand-written ones or Clad's, as the model's ad= picks) in
+// reverse, fan-outs summed. A new arrangement: its header in layers/, one line in
+// layer_arrangements (docs/adding_a_block.md).
+#pragma once
+#include <omp.h>
+
+#include <cstring>
+#include <string>
+
+#include "bf16.hpp"
+#include "model.hpp"
+
+// Clad treats a type marked so as opaque: a LayerCall argument gets no adjoint, and Clad never
+// looks inside it. Only clang knows the attribute; every translation unit of a Clad build is
+// compiled by clang, so the type is the same everywhere.
+#if defined(__clang__)
+#define ZOO_CLAD_OPAQUE __attribute__((annotate("non_differentiable")))
+#else
+#define ZOO_CLAD_OPAQUE
+#endif
+
+namespace zoo {
+
+// One call of a layer: everything its block calls need besides the tensors the forward passes
+// explicitly (those are what Clad differentiates). Filled by Executor::layer_call.
+struct ZOO_CLAD_OPAQUE LayerCall {
+    const Dims* d;
+    Precision precision;
+    const Pullbacks* pb;          // the model's block pullbacks (ad=)
+    const LayerTensors* w;        // the layer's weights
+    LayerTensors* g;              // and gradients
+    const LayerActs* a;           // its buffers
+    const ActivationPlan* plan;   // the adjoints and scratch its pullback uses (training only)
+    const float *rope_cos, *rope_sin;
+    const int32_t* positions;     // the step's packed positions, or null
+    float* attention_scratch;
+    float *k_cache, *v_cache, *probs;  // generation: this layer's KV cache
+    int cache_len;
+    int B, T, pos0;
+    LayerPass pass;
+    GradMode mode;                // the gradient lifecycle's: write or add the parameter gradients
+    Profile* profile;             // the executor's per-block wall times
+
+    int N() const { return B * T; }
+    // The sizes an arrangement's forward passes to its block calls (member calls of an opaque
+    // type: Clad leaves them alone).
+    int d_model() const { return d->d_model; }
+    int d_ff() const { return d->d_ff; }
+    int qkv_dim() const { return d->qkv_dim(); }
+    int attn_dim() const { return d->attn_dim(); }
+    int fc_dim() const { return d->fc_dim(); }
+    Linear linear(int in, int out) const { return Linear{in, out, precision}; }
+    Attention attention() const { return Attention{d->n_head, d->n_kv_head, d->head_dim}; }
+    // Outputs kept per layer are recomputed by no replay; outputs in buffers every layer shares are.
+    bool replay() const { return pass == LayerPass::replay; }
+};
+
+// Adds its scope's wall time to the profile's slot while profiling is on: as forward time, or
+// as pullback time in the custom derivatives and in a pullback's replay (where the sequential
+// layer counts its recomputes too).
+struct LayerTimer {
+    Profile* profile;
+    ProfileSlot slot;
+    bool pullback;
+    double t0;
+    LayerTimer(const LayerCall* c, ProfileSlot s, bool in_pullback)
+        : profile(c->profile->on ? c->profile : nullptr), slot(s), pullback(in_pullback || c->replay()),
+          t0(profile ? omp_get_wtime() : 0.0) {}
+    ~LayerTimer() {
+        if (profile) (pullback ? profile->pullback : profile->forward)[slot] += omp_get_wtime() - t0;
+    }
+};
+
+// This call's keys and values (rows of qkv) join layer's KV cache at pos0 (B, n_kv_head,
+// cache_len, head_dim).
+inline void append_kv_cache(const Dims& d, const float* qkv, float* kc, float* vc, int B, int T, int pos0,
+                            int cache_len) {
+    const int hd = d.head_dim;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++)
+            for (int g = 0; g < d.n_kv_head; g++) {
+                const float* row = qkv + ((size_t)b * T + t) * d.qkv_dim();
+                const size_t at = (((size_t)b * d.n_kv_head + g) * cache_len + pos0 + t) * hd;
+                std::memcpy(kc + at, row + (d.n_head + g) * hd, sizeof(float) * hd);
+                std::memcpy(vc + at, row + (d.n_head + d.n_kv_head + g) * hd, sizeof(float) * hd);
+            }
+}
+
+// --- block calls: what an arrangement's forward is written in --------------------------------
+// Each runs its block forward (all of it in training and generation; in a pullback's replay
+// only where the output lives in a buffer every layer shares: the norm output and the MLP
+// activation). Their Clad custom derivatives (below, Clad build only) call the model's block
+// pullbacks and follow Clad's convention: they add into the adjoints of their inputs, and the
+// layer pullback starts every adjoint at zero. Sizes are int arguments (Clad passes them
+// through); c carries the rest.
+
+// y = norm(x) * w (+ b); stats: the layer's ln1_stats (slot 1) or ln2_stats (slot 2).
+inline float* norm_stats(const LayerCall* c, int slot) { return slot == 1 ? c->a->ln1_stats : c->a->ln2_stats; }
+inline void layer_norm_call(const float* x, const float* w, const float* b, float* y, int slot, const LayerCall* c) {
+    const LayerTimer timer(c, k_norm, false);
+    const Dims& d = *c->d;
+    float* stats = norm_stats(c, slot);
+    d.norm->forward({d.d_model, d.norm_eps, c->N(), x, w, b, stats}, y, stats);
+}
+
+// y = x W^T + b.
+inline void layer_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
+                              const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
+    if (!c->replay()) c->linear(in, out).forward(x, W, b, y, c->N());
+}
+
+// y = r + x W^T + b: a projection into the residual stream r (r may be y in generation, where
+// the stream is updated in place). The recompute before a checkpointed pullback skips it.
+inline void layer_residual_linear_call(const float* x, const float* W, const float* b, const float* r, float* y,
+                                       int in, int out, const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
+    if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), r);
+}
+
+// y += x W^T + b: a second projection into the same residual stream.
+inline void layer_accumulate_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
+                                         const LayerCall* c) {
+    const LayerTimer timer(c, k_linear, false);
+    if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), y);
+}
+
+// RoPE on the q and k heads of qkv, in place (nothing without RoPE positions).
+inline void layer_rope_call(float* qkv, const LayerCall* c) {
+    const LayerTimer timer(c, k_rope, false);
+    const Dims& d = *c->d;
+    if (d.rope && !c->replay())
+        RoPE{d.head_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin, c->B, c->T,
+                                 c->positions, c->pos0);
+}
+
+// att = causal attention over qkv: over the whole sequences in training (saving lse, and in a
+// bf16 step qkv and att in bf16), against the KV cache in generation.
+inline void layer_attention_call(float* qkv, float* att, const LayerCall* c) {
+    const LayerTimer timer(c, k_attention, false);
+    const Dims& d = *c->d;
+    const LayerActs& a = *c->a;
+    const size_t N = c->N();
+    if (c->replay()) return;
+    if (c->pass == LayerPass::cached) {
+        append_kv_cache(d, qkv, c->k_cache, c->v_cache, c->B, c->T, c->pos0, c->cache_len);
+        c->attention().forward_cached(qkv, c->k_cache, c->v_cache, c->probs, att, c->B, c->T, c->pos0, c->cache_len);
+        return;
+    }
+    if (a.qkv_bf16) round_and_save_bf16(qkv, a.qkv_bf16, N * d.qkv_dim());
+    c->attention().forward(qkv, c->positions, a.lse, att, c->attention_scratch, c->B, c->T);
+    if (a.att_bf16) round_and_save_bf16(att, a.att_bf16, N * d.attn_dim());
+}
+
+// act = the MLP activation of fc (a bf16 step keeps fc in bf16, rounding it in place).
+inline void layer_activation_call(float* fc, float* act, const LayerCall* c) {
+    const LayerTimer timer(c, k_activation, false);
+    const Dims& d = *c->d;
+    const LayerActs& a = *c->a;  // (read through c->a->fc_bf16 directly, the call crashes Clad's analysis)
+    if (a.fc_bf16 && c->pass == LayerPass::train) round_and_save_bf16(fc, a.fc_bf16, (size_t)c->N() * d.fc_dim());
+    d.mlp->forward(d.d_ff, fc, act, c->N());
+}
+
+}  // namespace zoo
+
+#ifdef ZOO_CLAD_TU
+// The block calls' derivatives: the model's block pullbacks, adding into the input adjoints.
+namespace clad::custom_derivatives::zoo {
+using ::zoo::LayerCall;
+
+inline void layer_norm_call_pullback(const float* x, const float* w, const float* b, float* y, int slot,
+                                     const LayerCall* c, float* d_x, float* d_w, float* d_b, float* d_y, int*) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_norm, true);
+    const ::zoo::Dims& d = *c->d;
+    // The norm pullback adds into dx by contract; its weight gradients follow the lifecycle.
+    c->pb->norm({d.d_model, d.norm_eps, c->N(), x, w, b, ::zoo::norm_stats(c, slot)}, d_y, d_x, d_w, d_b,
+                c->plan->pullback_scratch, c->mode);
+}
+
+// dx += dy W (one GEMM, as in either linear pullback); dW, db from the model's linear pullback
+// (given no dx, it computes the parameter part only).
+inline void linear_call_pullback(const float* x, const float* W, const float* b, const float* d_y, float* d_x,
+                                 float* d_W, float* d_b, int in, int out, const LayerCall* c) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_linear, true);
+    const ::zoo::Linear l = c->linear(in, out);
+    l.pullback_input(W, d_y, d_x, c->N(), /*accumulate_dx=*/true);
+    c->pb->linear(l, x, W, b, d_y, nullptr, d_W, d_b, c->N(), c->mode, c->plan->pullback_scratch);
+}
+
+inline void layer_linear_call_pullback(const float* x, const float* W, const float* b, float* y, int in, int out,
+                                       const LayerCall* c, float* d_x, float* d_W, float* d_b, float* d_y, int*,
+                                       int*) {
+    linear_call_pullback(x, W, b, d_y, d_x, d_W, d_b, in, out, c);
+}
+
+// The residual passes its adjoint straight through: d_r += d_y.
+inline void layer_residual_linear_call_pullback(const float* x, const float* W, const float* b, const float* r,
+                                                float* y, int in, int out, const LayerCall* c, float* d_x,
+                                                float* d_W, float* d_b, float* d_r, float* d_y, int*, int*) {
+    {
+        const ::zoo::LayerTimer timer(c, ::zoo::k_linear, true);  // the residual add is the linear's, as ever
+        const size_t n = (size_t)c->N() * out;
+#pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < n; i++) d_r[i] += d_y[i];
+    }
+    linear_call_pullback(x, W, b, d_y, d_x, d_W, d_b, in, out, c);
+}
+
+// y's earlier value passes through (its adjoint is d_y, unchanged).
+inline void layer_accumulate_linear_call_pullback(const float* x, const float* W, const float* b, float* y, int in,
+                                                  int out, const LayerCall* c, float* d_x, float* d_W, float* d_b,
+                                                  float* d_y, int*, int*) {
+    linear_call_pullback(x, W, b, d_y, d_x, d_W, d_b, in, out, c);
+}
+
+// In place on the adjoint, like the forward on qkv.
+inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qkv) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_rope, true);
+    const ::zoo::Dims& d = *c->d;
+    if (d.rope)
+        c->pb->rope(::zoo::RoPE{d.head_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
+                    c->B, c->T, c->positions, c->plan->pullback_scratch);
+}
+
+// The attention pullback writes d_qkv: the arrangement's one reader of qkv (the layer pullback
+// zeroes it first either way).
+inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCall* c, float* d_qkv, float* d_att) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_attention, true);
+    c->pb->attention(c->attention(), qkv, c->positions, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch, c->B,
+                     c->T);
+}
+
+// The activation pullback writes d_fc: the arrangement's one reader of fc.
+inline void layer_activation_call_pullback(float* fc, float* act, const LayerCall* c, float* d_fc,
+                                           float* d_act) {
+    const ::zoo::LayerTimer timer(c, ::zoo::k_activation, true);
+    c->pb->activation(c->d->d_ff, fc, d_act, d_fc, c->plan->pullback_scratch, c->N());
+}
+}  // namespace clad::custom_derivatives::zoo
+#endif
+
+#include "layers/parallel.hpp"
+
+namespace zoo {
+
+inline const LayerArrangement sequential_layer{"sequential", /*second_norm=*/true, nullptr, nullptr};
+inline const LayerArrangement* const layer_arrangements[] = {&sequential_layer, &parallel_layer};
+inline const LayerArrangement& find_layer(const std::string& name) {
+    return find_block(layer_arrangements, name, "layer");
+}
+
+}  // namespace zoo
