@@ -353,3 +353,33 @@ def test_a_frozen_base_is_initialized_as_the_full_model_a_block_of_rows_at_a_tim
     full = zoo.Model(LLAMA_TINY, seed=4)
     for name in full.base_tensor_names():
         assert np.array_equal(frozen.base_tensor(name), full.base_tensor(name)), name
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "nf4"])
+def test_stored_matrix_products_over_many_tiles_equal_numpy(fmt):
+    """Both products (x W^T, dy W) with W widened a tile and a block of rows at a time (here
+    five forward tiles and two pullback blocks) equal numpy's on the stored values."""
+    from zoo._native import stored_matrix_product
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((50000, 96)).astype(np.float32)
+    x, dy = rng.standard_normal((5, 96)).astype(np.float32), rng.standard_normal((5, 50000)).astype(np.float32)
+    widened = _as_stored(zoo.Model(WIDE_VOCAB, seed=None, base_dtype=fmt), W)
+    y, _ = stored_matrix_product(x, W, fmt, "fp32", False)
+    dx, _ = stored_matrix_product(dy, W, fmt, "fp32", True)
+    assert rel_err(y, x.astype(np.float64) @ widened.T) < 1e-5
+    assert rel_err(dx, dy.astype(np.float64) @ widened) < 1e-5
+
+
+def _as_stored(model, W):
+    """W's rows as the model's format stores them, through its (96, 96) q_proj, 96 rows at a time
+    (every format stores rows independently)."""
+    name = "model.layers.0.self_attn.q_proj.weight"
+    out = np.empty_like(W)
+    for r0 in range(0, W.shape[0], 96):
+        block = np.zeros((96, 96), np.float32)
+        rows = W[r0:r0 + 96]
+        block[:len(rows)] = rows
+        model.set_base_tensor(name, block)
+        out[r0:r0 + 96] = model.base_tensor(name)[:len(rows)]
+    return out
