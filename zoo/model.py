@@ -176,6 +176,7 @@ class Model:
         apply_gemm_environment()
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
+        self._base_shapes = {p.name: p.shape for p in self.layout}
         # A LoRA run's base is frozen, in bf16 unless told otherwise; a base stored narrower than
         # fp32 is frozen too (it runs forward: logits, evaluation, generation).
         if base_dtype is None:
@@ -258,14 +259,12 @@ class Model:
         if not self.frozen:
             return self._params[name].copy()
         index, first, rows, cols = self._base_spot(name)
-        shape = next(p.shape for p in self.layout if p.name == name)
-        return self._exec.load_base(index, first, rows).reshape(shape)
+        return self._exec.load_base(index, first, rows).reshape(self._base_shapes[name])
 
     def set_base_tensor(self, name: str, value, first_row: Optional[int] = None) -> None:
         """Sets a tensor of the model, stored in the base's format (rounded or quantized); with
         first_row, only its rows from there on (value then holds whole rows of it)."""
-        shape = next(p.shape for p in self.layout if p.name == name) if name in self._base_where or \
-            name in self._params else None
+        shape = self._base_shapes.get(name)
         if shape is None:
             raise KeyError(f"no tensor named {name!r} in this model")
         cols = math.prod(shape[1:])
