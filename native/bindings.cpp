@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "alloc_count.hpp"
 #include "gemm.hpp"
 #include "layers.hpp"
 
@@ -417,6 +418,25 @@ PYBIND11_MODULE(_native, m) {
                  return e.forward_backward(tokens.data(), targets.data(), pos, B, T, grad_scale);
              },
              py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none())
+        // A test instrument (tests/test_no_allocation.py): the C++ heap allocations made by
+        // `steps` training steps (zero_grads, forward_backward, adamw_step), counted inside the
+        // native calls, where pybind11's own argument handling is not.
+        .def("count_step_allocations",
+             [](Executor& e, Tokens tokens, Tokens targets, int steps) {
+                 const auto [B, T] = check_tokens(tokens, "tokens");
+                 same_shape(targets, tokens, "targets");
+                 py::gil_scoped_release nogil;
+                 zoo::count_allocations(true);
+                 for (int i = 0; i < steps; i++) {
+                     e.zero_grads();
+                     e.forward_backward(tokens.data(), targets.data(), nullptr, B, T, 1.0f);
+                     e.adamw_step(1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, -1.0);
+                 }
+                 const long n = zoo::allocations_counted();
+                 zoo::count_allocations(false);
+                 return n;
+             },
+             py::arg("tokens"), py::arg("targets"), py::arg("steps"))
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
         .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })

@@ -13,9 +13,7 @@
 
 namespace zoo {
 
-// The two inner loops as functions of their own. Clad differentiates each with one flat,
-// countable loop; written nested in the row kernel, the inner trip counts go on a tape and
-// the reverse loops do not vectorize (2x slower pullback, docs/clad.md).
+// Dot product and a*x + y: the inner loops of the row kernel below.
 inline float vec_dot(const float* a, const float* b, int n) {
     float s = 0.0f;
     for (int i = 0; i < n; i++) s += a[i] * b[i];
@@ -26,10 +24,8 @@ inline void vec_axpy(float a, const float* x, float* y, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-// One query row against keys 0..n_keys-1 (rows kv_stride apart). Writes the softmax
-// probabilities p (n_keys) and the output o (hd). Written for Clad: each p[j] is written
-// twice (score, then probability: one taped value per key), the scale sits inside the
-// exponent and the normalization is a subtracted log-sum, so no other value needs a tape.
+// One query row against keys 0..n_keys-1 (rows kv_stride apart): generation with a KV cache.
+// Writes the softmax probabilities p (n_keys) and the output o (hd).
 inline void attention_forward_row(const float* q, const float* k, const float* v, float* p,
                                   float* o, int kv_stride, int n_keys, int hd, float scale) {
     for (int j = 0; j < n_keys; j++) p[j] = vec_dot(q, k + (size_t)j * kv_stride, hd);
@@ -57,7 +53,8 @@ inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
 
 // s[r][0..n16) = a[r] . bt[:, j]: R rows of a (lda apart, kdim long) against the columns of
 // bt, kdim rows of ldb floats (keys transposed, so 16 keys load as one vector). n16 % 16 == 0.
-template <int R>
+// Add: s += instead of s = (a custom derivative adds into its adjoints).
+template <int R, bool Add = false>
 inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int ldb, int kdim, int n16,
                                float* s, int lds) {
     int j = 0;
@@ -72,8 +69,9 @@ inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int 
             }
         }
         for (int r = 0; r < R; r++) {
-            store16(s + (size_t)r * lds + j, acc0[r]);
-            store16(s + (size_t)r * lds + j + 16, acc1[r]);
+            float* sr = s + (size_t)r * lds + j;
+            store16(sr, Add ? load16(sr) + acc0[r] : acc0[r]);
+            store16(sr + 16, Add ? load16(sr + 16) + acc1[r] : acc1[r]);
         }
     }
     for (; j < n16; j += 16) {
@@ -82,12 +80,16 @@ inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int 
             const f32x16 b = load16(bt + (size_t)k * ldb + j);
             for (int r = 0; r < R; r++) acc[r] += b * a[r * lda + k];
         }
-        for (int r = 0; r < R; r++) store16(s + (size_t)r * lds + j, acc[r]);
+        for (int r = 0; r < R; r++) {
+            float* sr = s + (size_t)r * lds + j;
+            store16(sr, Add ? load16(sr) + acc[r] : acc[r]);
+        }
     }
 }
 
 // c[r][0..hd) = sum over j < n of p[r][j] m[j]: R rows of weights times rows of m (ldm apart).
-template <int R>
+// Add: c += instead of c =.
+template <int R, bool Add = false>
 inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t ldm, int n, int hd,
                                float* c, size_t ldc) {
     int d0 = 0;
@@ -102,8 +104,9 @@ inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t l
             }
         }
         for (int r = 0; r < R; r++) {
-            store16(c + r * ldc + d0, acc0[r]);
-            store16(c + r * ldc + d0 + 16, acc1[r]);
+            float* cr = c + r * ldc + d0;
+            store16(cr, Add ? load16(cr) + acc0[r] : acc0[r]);
+            store16(cr + 16, Add ? load16(cr + 16) + acc1[r] : acc1[r]);
         }
     }
     for (; d0 + 16 <= hd; d0 += 16) {
@@ -112,13 +115,16 @@ inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t l
             const f32x16 mj = load16(m + j * ldm + d0);
             for (int r = 0; r < R; r++) acc[r] += mj * p[r * ldp + j];
         }
-        for (int r = 0; r < R; r++) store16(c + r * ldc + d0, acc[r]);
+        for (int r = 0; r < R; r++) {
+            float* cr = c + r * ldc + d0;
+            store16(cr, Add ? load16(cr) + acc[r] : acc[r]);
+        }
     }
     for (; d0 < hd; d0++)  // head_dim not a multiple of 16
         for (int r = 0; r < R; r++) {
             float s = 0.0f;
             for (int j = 0; j < n; j++) s += p[r * ldp + j] * m[j * ldm + d0];
-            c[r * ldc + d0] = s;
+            c[r * ldc + d0] = Add ? c[r * ldc + d0] + s : s;
         }
 }
 
@@ -180,9 +186,71 @@ inline void transpose_rows(const float* x, size_t ld, int n, int hd, float* xt, 
     }
 }
 
+// --- What the Clad backend differentiates: a block of query rows of one head ----------------
+// attention_forward_rows: scores, softmax, weighted values. Clad writes the softmax's
+// derivative; the two products are functions of their own whose derivatives (products too)
+// are the tiled kernels above, given to Clad as custom derivatives as linear.hpp gives it the
+// GEMM's. Clad cannot tile: differentiated as scalar loops (one dot product per key, the row
+// kernel above) the pullback cost 6-7x the hand-written one (docs/clad.md).
+constexpr int kAttentionBlockRows = 8;  // query rows per tile
+inline int attention_padded(int n) { return (n + 15) / 16 * 16; }
+
+// s[r][0..padded(n)) = scale q_r . k_j: R query rows (stride apart) against keys transposed
+// (kt, hd rows of Tp floats); k (rows stride apart) is what the derivative reads. The scale is
+// applied here, not in the softmax: a float argument of the softmax would get an adjoint that
+// Clad accumulates through a pointer in every iteration, which keeps its loops scalar.
+inline void attention_scores(const float* q, const float* k, const float* kt, float* s, int R, int n, int hd,
+                             int stride, int Tp, float scale) {
+    const int n16 = attention_padded(n);
+    if (R == kAttentionBlockRows)
+        tile_rows_dot_cols<kAttentionBlockRows>(q, stride, kt, Tp, hd, n16, s, Tp);
+    else
+        for (int r = 0; r < R; r++)
+            tile_rows_dot_cols<1>(q + (size_t)r * stride, stride, kt, Tp, hd, n16, s + (size_t)r * Tp, Tp);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < n16; j++) s[(size_t)r * Tp + j] *= scale;
+}
+
+// o[r] += sum over j < n of p[r][j] v_j: R rows of probabilities (Tp apart) times value rows
+// (stride apart), into output rows ldo apart. vt (values transposed) is what the derivative reads.
+inline void attention_weighted_values(const float* p, const float* v, const float* vt, float* o, int R, int n,
+                                      int hd, int stride, int ldo, int Tp) {
+    if (R == kAttentionBlockRows)
+        tile_weighted_rows<kAttentionBlockRows, true>(p, Tp, v, stride, n, hd, o, ldo);
+    else
+        for (int r = 0; r < R; r++)
+            tile_weighted_rows<1, true>(p + (size_t)r * Tp, Tp, v, stride, n, hd, o + (size_t)r * ldo, ldo);
+}
+
+// Row r of the block (rows Tp apart): the softmax of the scores over keys first..keys-1 into
+// p, zero elsewhere up to n16. Flat loops, each element written once: Clad tapes nothing.
+// The row is an argument, not an offset of s and p: Clad (master 4b2c0eef) drops the reverse
+// loop's r-- when r appears only in a pointer offset.
+inline void attention_softmax_row(const float* s, float* p, int r, int Tp, int first, int keys, int n16) {
+    const size_t row = (size_t)r * Tp;
+    float mx = row_max(s + row + first, keys - first);
+    float sum = 0.0f;
+    for (int j = first; j < keys; j++) sum += fast_exp(s[row + j] - mx);
+    float lse = std::log(sum);
+    for (int j = first; j < keys; j++) p[row + j] = fast_exp(s[row + j] - mx - lse);
+    for (int j = 0; j < first; j++) p[row + j] = 0.0f;
+    for (int j = keys; j < n16; j++) p[row + j] = 0.0f;
+}
+
+// Query rows t0..t0+R-1 of one head against keys 0..t0+R-1: row r attends to keys
+// first[r]..t0+r (its packed example). Adds the output rows into o (the caller zeroes o): an add
+// passes the adjoint through, so the gradient reads dL/do where it lies. s, p: R x Tp each.
+inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
+                                   const float* vt, float* s, float* p, float* o, const int* first, int t0, int R,
+                                   int hd, int stride, int ldo, int Tp, float scale) {
+    attention_scores(q, k, kt, s, R, t0 + R, hd, stride, Tp, scale);
+    for (int r = 0; r < R; r++) attention_softmax_row(s, p, r, Tp, first[r], t0 + r + 1, attention_padded(t0 + R));
+    attention_weighted_values(p, v, vt, o, R, t0 + R, hd, stride, ldo, Tp);
+}
+
 struct Attention {
     int n_head, n_kv_head, head_dim;
-    static constexpr int kBlockRows = 8;  // query rows per tile
+    static constexpr int kBlockRows = kAttentionBlockRows;
 
     int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
     static int padded(int T) { return (T + 15) / 16 * 16; }
@@ -273,11 +341,13 @@ struct Attention {
                        const float* lse, const float* dout, float* dq, float* dk, float* dv, float* block, int t0,
                        int T, float scale) const;
 
-    // The Clad backend's pullback: Clad's gradient of attention_forward_row, one task per
+    // The Clad backend's pullback: Clad's gradient of attention_forward_rows, one task per
     // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
-    // replays each row's softmax instead of reading lse. scratch: clad_scratch_floats().
-    size_t clad_row_floats(int T) const { return ((size_t)2 * T + 2 * head_dim + 15) / 16 * 16; }
-    size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_row_floats(T); }
+    // replays each block's softmax instead of reading lse. Per thread: keys and values
+    // transposed (hd x padded T each), the scores, probabilities and their adjoints (a block of
+    // rows each). scratch: clad_scratch_floats().
+    size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 4 * kBlockRows) * padded(T); }
+    size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_thread_floats(T); }
     void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
                        int B, int T) const;
 };
@@ -299,16 +369,62 @@ inline const FixedBlock<AttentionPullback> attention_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-// Per thread: [p (T) | dp (T) | o (hd) | seed (hd)].
+namespace clad::custom_derivatives::zoo {
+// The products' derivatives. Scores: dq += scale ds k, dk += scale ds^T q; s was written, so
+// its adjoint is consumed (zeroed). The scale is a constant: no adjoint.
+inline void attention_scores_pullback(const float* q, const float* k, const float* kt, float* s, int R, int n, int hd,
+                                      int stride, int Tp, float scale, float* d_q, float* d_k, float* d_s, int*, int*,
+                                      int*, int*, int*, float*) {
+    using namespace ::zoo;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < n; j++) d_s[(size_t)r * Tp + j] *= scale;
+    if (R == kAttentionBlockRows) {
+        tile_weighted_rows<kAttentionBlockRows, true>(d_s, Tp, k, stride, n, hd, d_q, stride);
+        tile_add_weighted_cols<kAttentionBlockRows>(d_s, Tp, q, stride, n, hd, d_k, stride);
+    } else {
+        for (int r = 0; r < R; r++) {
+            tile_weighted_rows<1, true>(d_s + (size_t)r * Tp, Tp, k, stride, n, hd, d_q + (size_t)r * stride, stride);
+            tile_add_weighted_cols<1>(d_s + (size_t)r * Tp, Tp, q + (size_t)r * stride, stride, n, hd, d_k, stride);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < attention_padded(n); j++) d_s[(size_t)r * Tp + j] = 0.0f;
+}
+// Weighted values: the replay does nothing (nothing reads o); dp += do v^T, dv += p^T do.
+inline void attention_weighted_values_reverse_forw(const float*, const float*, const float*, float*, int, int, int,
+                                                   int, int, int, const float*, const float*, const float*, float*,
+                                                   int, int, int,
+                                                   int, int, int, clad::pullback_state<>&) {}
+inline void attention_weighted_values_pullback(const float* p, const float* v, const float* vt, float* o, int R,
+                                               int n, int hd, int stride, int ldo, int Tp, float* d_p, float* d_v,
+                                               float* d_o, int*, int*, int*, int*, int*, int*,
+                                               clad::pullback_state<>) {
+    using namespace ::zoo;
+    if (R == kAttentionBlockRows) {
+        tile_rows_dot_cols<kAttentionBlockRows, true>(d_o, ldo, vt, Tp, hd, attention_padded(n), d_p, Tp);
+        tile_add_weighted_cols<kAttentionBlockRows>(p, Tp, d_o, ldo, n, hd, d_v, stride);
+    } else {
+        for (int r = 0; r < R; r++) {
+            tile_rows_dot_cols<1, true>(d_o + (size_t)r * ldo, ldo, vt, Tp, hd, attention_padded(n),
+                                        d_p + (size_t)r * Tp, Tp);
+            tile_add_weighted_cols<1>(p + (size_t)r * Tp, Tp, d_o + (size_t)r * ldo, ldo, n, hd, d_v, stride);
+        }
+    }
+}
+}  // namespace clad::custom_derivatives::zoo
+
 void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv,
                                    float* scratch, int B, int T) const {
-    const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
+    const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T), ldo = n_head * hd;
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel
     {
-        auto grad = clad::gradient(attention_forward_row, "q, k, v, p, o");
-        float* p = scratch + omp_get_thread_num() * clad_row_floats(T);
-        float *dp = p + T, *o = p + 2 * T, *seed = o + hd;
+        auto grad = clad::gradient(attention_forward_rows, "q, k, v, s, p, o");
+        float* kt = scratch + omp_get_thread_num() * clad_thread_floats(T);
+        float *vt = kt + (size_t)hd * Tp, *s = vt + (size_t)hd * Tp, *p = s + (size_t)kBlockRows * Tp;
+        float *ds = p + (size_t)kBlockRows * Tp, *dp = ds + (size_t)kBlockRows * Tp;
+        // The adjoints of s and p start at zero; each block's gradient leaves them so.
+        for (size_t i = 0; i < 2 * (size_t)kBlockRows * Tp; i++) ds[i] = 0.0f;
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
             for (int g = 0; g < n_kv_head; g++) {
@@ -318,23 +434,27 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
                 const float* v = base + (n_head + n_kv_head + g) * hd;
                 float* dk = dbase + (n_head + g) * hd;
                 float* dv = dbase + (n_head + n_kv_head + g) * hd;
+                transpose_rows(k, stride, T, hd, kt, Tp);
+                transpose_rows(v, stride, T, hd, vt, Tp);
                 // The gradient adds into dq, dk, dv; this pullback writes them.
                 for (int t = 0; t < T; t++) {
                     float* row = dbase + (size_t)t * stride;
-                    for (int i = 0; i < group * hd; i++) row[g * group * hd + i] = 0.0f;
-                    for (int i = 0; i < hd; i++) dk[(size_t)t * stride + i] = dv[(size_t)t * stride + i] = 0.0f;
+                    std::memset(row + g * group * hd, 0, sizeof(float) * group * hd);
+                    std::memset(dk + (size_t)t * stride, 0, sizeof(float) * hd);
+                    std::memset(dv + (size_t)t * stride, 0, sizeof(float) * hd);
                 }
+                const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
                 for (int h = g * group; h < (g + 1) * group; h++)
-                    for (int t = 0; t < T; t++) {
-                        const float* dout = d_out + ((size_t)b * T + t) * n_head * hd + h * hd;
-                        // keys first..t: this row's packed example (all of 0..t without positions)
-                        const size_t first = t - position_of(positions ? positions + (size_t)b * T : nullptr, t, T);
-                        const int keys = t + 1 - (int)first;
-                        for (int i = 0; i < hd; i++) seed[i] = dout[i];  // consumed
-                        for (int j = 0; j < keys; j++) dp[j] = 0.0f;
-                        grad.execute(base + (size_t)t * stride + h * hd, k + first * stride, v + first * stride, p,
-                                     o, stride, keys, hd, scale, dbase + (size_t)t * stride + h * hd,
-                                     dk + first * stride, dv + first * stride, dp, seed);
+                    for (int t0 = 0; t0 < T;) {
+                        const int R = t0 + kBlockRows <= T ? kBlockRows : 1;
+                        int first[kBlockRows];  // keys first..t: the row's packed example
+                        for (int r = 0; r < R; r++) first[r] = pos ? t0 + r - pos[t0 + r] : 0;
+                        // The output's adjoint passes through the add: read where it lies.
+                        float* dout = const_cast<float*>(d_out) + ((size_t)b * T + t0) * ldo + h * hd;
+                        grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, p, nullptr, first, t0, R,
+                                     hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk, dv, ds, dp,
+                                     dout);
+                        t0 += R;
                     }
             }
     }

@@ -3,11 +3,12 @@
     python -m zoo.tools.bench_ad --preset gpt2 --batch-size 4 --seq-len 64 --threads 1 2 --rounds 7
 
 Two models with the same weights, one with ad="manual" and one with ad="clad", stepped in
-turn in one process so that both see the same load on a shared machine. Per block, the median
-over rounds of the time its pullbacks take in one training step (the executor's block
-profile; for cross-entropy, whose hand-written pullback is fused with the loss, loss and
-adjoint together); then the median full training step (forward, pullbacks, AdamW) without
-profiling.
+turn in one process so that both see the same load on a shared machine. First the full
+training step as a user runs it (zero_grads, forward_backward, adamw_step), nothing
+profiled, the backends alternated ABBA (manual-clad, then clad-manual) so that neither
+always runs first; then, in separate profiled steps, per block the time its pullbacks take in
+one step (the executor's block profile; for cross-entropy, whose hand-written pullback is
+fused with the loss, loss and adjoint together). Medians over rounds.
 Needs a zoo built with Clad; zoo bench --ad clad measures the Clad step alone.
 """
 
@@ -18,9 +19,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from zoo.tools.bench_worker import cpu_info
 
 # Profile kinds (native/model.hpp) to the block names of ad=, where the model decides.
 def _block_name(kind: str, cfg) -> str:
@@ -46,9 +50,17 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
     for _ in range(warmup):
         for m in models.values():
             _step(m, x, y)
+    # The whole step: unprofiled, in ABBA order (a backend that always ran second would find
+    # the caches and the threads as the other left them).
+    steps = {ad: [] for ad in models}
+    for r in range(rounds):
+        for ad in (("manual", "clad") if r % 2 == 0 else ("clad", "manual")):
+            steps[ad].append(_step(models[ad], x, y))
+    # Per block: profiled steps of their own.
     pullback = {ad: {} for ad in models}  # ad -> block -> [seconds per round]
-    for _ in range(rounds):
-        for ad, m in models.items():
+    for r in range(rounds):
+        for ad in (("manual", "clad") if r % 2 == 0 else ("clad", "manual")):
+            m = models[ad]
             m.set_profiling(True)
             _step(m, x, y)
             for kind, (fwd, back) in m.block_profile().items():
@@ -59,10 +71,6 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
                     name = "cross_entropy (loss and adjoint)" if kind == "cross_entropy" else _block_name(kind, cfg)
                     pullback[ad].setdefault(name, []).append(t)
             m.set_profiling(False)
-    steps = {ad: [] for ad in models}
-    for _ in range(rounds):
-        for ad, m in models.items():
-            steps[ad].append(_step(m, x, y))
     blocks = {}
     for block in pullback["manual"]:
         man = statistics.median(pullback["manual"][block])
@@ -76,14 +84,21 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
 
 
 def markdown(results: list[dict], title: str) -> str:
-    lines = [f"### {title}", ""]
+    """One row per block and one for the whole step; per thread count: manual ms, clad ms, ratio."""
+    head = "| block pullback |" + "".join(
+        f" {r['threads']}T manual ms | {r['threads']}T clad ms | {r['threads']}T clad / manual |" for r in results)
+    lines = [f"### {title}", "", head, "|---|" + "---:|---:|---:|" * len(results)]
+    for block in results[0]["blocks"]:
+        row = f"| {block} |"
+        for r in results:
+            b = r["blocks"].get(block)
+            row += f" {b['manual_ms']:.2f} | {b['clad_ms']:.2f} | {b['ratio']:.2f} |" if b else " | | |"
+        lines.append(row)
+    row = "| **full training step** |"
     for r in results:
-        lines += [f"{r['threads']} thread{'s' if r['threads'] > 1 else ''}:", "",
-                  "| block pullback | manual ms | clad ms | clad / manual |", "|---|---:|---:|---:|"]
-        for block, b in r["blocks"].items():
-            lines.append(f"| {block} | {b['manual_ms']:.2f} | {b['clad_ms']:.2f} | {b['ratio']:.2f} |")
         s = r["step"]
-        lines += [f"| **full training step** | {s['manual_ms']:.0f} | {s['clad_ms']:.0f} | **{s['ratio']:.3f}** |", ""]
+        row += f" {s['manual_ms']:.0f} | {s['clad_ms']:.0f} | **{s['ratio']:.3f}** |"
+    lines += [row, ""]
     return "\n".join(lines)
 
 
@@ -96,20 +111,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=7, help="timed steps per backend (default 7)")
-    p.add_argument("--json", metavar="FILE", default=None)
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="write the results as JSON (benchmarks/ad-<preset>-b<B>-t<T>.json keeps the recorded runs)")
     a = p.parse_args(argv)
     if not zoo.build_info()["clad"]:
         print("zoo.tools.bench_ad: this zoo was built without the Clad backend (docs/clad.md)", file=sys.stderr)
         return 1
     cfg = zoo.preset(a.preset)
     results = [measure(cfg, a.batch_size, a.seq_len, t, a.rounds) for t in a.threads]
-    title = (f"{a.preset}, B={a.batch_size}, T={a.seq_len}: medians of {a.rounds} rounds, "
-             f"the two backends stepped in turn in one process ({zoo.build_info()['compiler']})")
+    info = zoo.build_info()
+    cpu = cpu_info()["model"]
+    title = (f"{a.preset}, B={a.batch_size}, T={a.seq_len}: medians of {a.rounds} rounds, the two backends "
+             f"stepped in turn in one process ({info['compiler']}, Clad {info['clad_version']}; {cpu})")
     print(markdown(results, title))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "results": results}, f,
-                      indent=2)
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"preset": a.preset, "batch_size": a.batch_size, "seq_len": a.seq_len, "rounds": a.rounds,
+               "compiler": info["compiler"], "clad_version": info["clad_version"], "cpu": cpu, "results": results}
+        Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {a.json}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,46 @@
+"""No heap allocation inside a training step (house rule: one memory arena planned up front).
+After a warm-up step has made the plan, further steps (zero_grads, forward_backward,
+adamw_step) make no C++ heap allocation on either backend: every scratch buffer, Clad's
+included, lives in the arenas. Counted natively (native/alloc_count.cpp) inside the calls."""
+
+import numpy as np
+import pytest
+
+import zoo
+
+CLAD = bool(zoo.build_info().get("clad"))
+
+# Rows longer than a Clad tape's inline buffer (64 values): a kernel that taped per element
+# or per key would allocate here.
+GPT2 = zoo.ModelConfig(vocab_size=97, max_seq_len=96, d_model=80, n_layer=2, n_head=4, d_ff=160)
+LLAMA = zoo.ModelConfig(
+    vocab_size=101, max_seq_len=96, d_model=72, n_layer=2, n_head=6, n_kv_head=2, head_dim=12, d_ff=144,
+    norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False, mlp_bias=False, tied_embeddings=False)
+BACKENDS = ["manual"] + (["clad"] if CLAD else [])
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    n = zoo.get_threads()
+    zoo.set_threads(request.param)
+    yield request.param
+    zoo.set_threads(n)
+
+
+@pytest.mark.parametrize("ad", BACKENDS)
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_a_training_step_allocates_nothing(cfg, ad, threads):
+    model = zoo.Model(cfg, seed=0, ad=ad)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
+    targets = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
+    targets[0, :5] = -100
+    assert model._exec.count_step_allocations(tokens, targets, 1) >= 0  # the warm-up step plans
+    assert model._exec.count_step_allocations(tokens, targets, 3) == 0
+
+
+def test_the_counter_counts():
+    """The instrument itself: a step that has to plan (a new batch shape) allocates."""
+    model = zoo.Model(GPT2, seed=0)
+    tokens = np.zeros((1, 8), np.int32)
+    assert model._exec.count_step_allocations(tokens, tokens, 1) > 0
