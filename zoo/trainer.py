@@ -526,10 +526,7 @@ class Trainer:
             return self._load_lora_model(resume_from)
         if resume_from is not None or cfg.from_dir is not None:
             src = resume_from if resume_from is not None else Path(cfg.from_dir)
-            if not src.is_dir():
-                gguf = src.is_file() and src.suffix.lower() == ".gguf"
-                raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
-                                                      "then --from DIR" if gguf else "no such checkpoint folder"))
+            _check_checkpoint_folder(src)
             model = load_pretrained(src, ad=cfg.ad)
             tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
             if not cfg.tokenizer and not has_tokenizer(tok_dir) and cfg.data and all_token_ids(cfg.data):
@@ -581,10 +578,7 @@ class Trainer:
                         checkpointing=cfg.checkpointing)
         if cfg.from_dir is not None:
             src = Path(cfg.from_dir)
-            if not src.is_dir():
-                gguf = src.is_file() and src.suffix.lower() == ".gguf"
-                raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
-                                                      "then --from DIR" if gguf else "no such checkpoint folder"))
+            _check_checkpoint_folder(src)
             model = load_pretrained(src, adapter_seed=cfg.seed, **settings)
         else:
             model = zoo.Model(cfg.model or zoo.preset(cfg.preset or "tiny-llama"), seed=cfg.seed, **settings)
@@ -1129,6 +1123,14 @@ class Trainer:
         except (OSError, ValueError) as e:
             self.say(f"note: no loss plot ({e})")
             return None
+
+
+def _check_checkpoint_folder(src: Path) -> None:
+    """A run starts from a checkpoint folder: refuse anything else, saying what to do with a GGUF file."""
+    if not src.is_dir():
+        gguf = src.is_file() and src.suffix.lower() == ".gguf"
+        raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
+                                              "then --from DIR" if gguf else "no such checkpoint folder"))
 
 
 def _tokenizer_source(path: Optional[Path]) -> Optional[tuple[Optional[str], dict[str, bytes]]]:
