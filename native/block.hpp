@@ -39,12 +39,15 @@ struct NormArgs {
     int N;
     const float* x;
     const float* w;
-    const float* b;      // null when the norm has no bias
-    const float* stats;  // the forward's per-row statistics
+    const float* b;  // null when the norm has no bias
+    float* stats;    // per-row statistics: the forward writes them, the hand-written pullback reads them
 };
-using NormForward = void (*)(const NormArgs& a, float* y, float* stats);
+using NormForward = void (*)(const NormArgs& a, float* y);
 // Adds into dx; writes or adds dw (and db) per mode. scratch: scratch_floats(C, threads).
-using NormPullback = void (*)(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
+// y, where not null: the pullback leaves the norm's output there too, recomputed (the layers
+// share one buffer for it, and the next linear's weight gradient reads it). The hand-written
+// pullbacks rerun the forward for it (writing the same stats); Clad's replay computes it anyway.
+using NormPullback = void (*)(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
                               float* scratch, GradMode mode);
 using ScratchFloats = size_t (*)(int C, int threads);
 
@@ -62,8 +65,8 @@ struct NormBlock {
 // An MLP activation: rows of gate_width * F in, rows of F out (gate_width 2: a gated unit whose
 // input rows are [gate | up] from one fused GEMM).
 using ActivationForward = void (*)(int F, const float* x, float* y, int N);
-// Writes dx. scratch: scratch_floats(F, threads).
-using ActivationPullback = void (*)(int F, const float* x, const float* dy, float* dx, float* scratch, int N);
+// Writes dx.
+using ActivationPullback = void (*)(int F, const float* x, const float* dy, float* dx, int N);
 // The training pullback fused with the recompute of y (the projection's weight gradient reads
 // y, which is not kept): one pass over x and dy.
 using ActivationRecomputePullback = void (*)(int F, const float* x, const float* dy, float* y, float* dx, int N);
@@ -73,9 +76,9 @@ struct ActivationBlock {
     int gate_width;
     ActivationForward forward;
     ActivationPullback pullback;  // hand-written; null when the block has none
-    ActivationRecomputePullback recompute_and_pullback;  // hand-written, optional
+    ActivationRecomputePullback recompute_and_pullback;  // hand-written; null when the block has none
     ActivationPullback pullback_clad;  // null without the Clad backend
-    ScratchFloats clad_scratch_floats;
+    ActivationRecomputePullback recompute_and_pullback_clad;  // null without the Clad backend
 };
 
 // --- blocks every model has: their pullbacks, each with the block's own signature ----------

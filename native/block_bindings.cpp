@@ -107,7 +107,7 @@ void bind_blocks(py::module_& parent) {
         zoo::GELU{C}.recompute_and_pullback(x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
         return py::make_tuple(y, dx);
     });
-    // relu2 has a forward only; its pullback is the Clad backend's (relu2_pullback_clad).
+    // relu2 has a forward only; its pullback is the Clad backend's (activation_pullback(..., "clad")).
     m.def("relu2_forward", [](F x) {
         int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "relu2 x");
         F y(shape_of(x));
@@ -268,13 +268,14 @@ void bind_blocks(py::module_& parent) {
         int C = (int)w.size(), N = rows(x, C, "norm x");
         check_norm_bias(norm, b, C);
         F y(shape_of(x)), stats({norm.stats_per_row, N});
-        norm.forward({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, nullptr}, y.mutable_data(),
-                     stats.mutable_data());
+        norm.forward({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats.mutable_data()}, y.mutable_data());
         return py::make_tuple(y, stats);
     }, py::arg("name"), py::arg("x"), py::arg("w"), py::arg("b"), py::arg("eps"),
        "Returns y and the per-row statistics (stats_per_row, N).");
+    // Returns (dx, dw, db or None), and with recompute=True the recomputed y last (the
+    // executor's path for a norm whose output the layers share).
     m.def("norm_pullback", [](const std::string& name, F x, F w, std::optional<F> b, F stats, F dy, float eps,
-                              const std::string& backend) {
+                              const std::string& backend, bool recompute) {
         const zoo::NormBlock& norm = zoo::find_norm(name);
         int C = (int)w.size(), N = rows(x, C, "norm x");
         check_norm_bias(norm, b, C);
@@ -284,14 +285,18 @@ void bind_blocks(py::module_& parent) {
                                         ", rows of x), as norm_forward returns them");
         const bool clad = backend == "clad";
         const zoo::NormPullback pullback = chosen_pullback(norm.pullback, norm.pullback_clad, backend, name);
-        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
+        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C}), y(shape_of(x));
         const zoo::ScratchFloats scratch_floats = clad ? norm.clad_scratch_floats : norm.scratch_floats;
         std::vector<float> scratch(scratch_floats ? scratch_floats(C, omp_get_max_threads()) : 0);
-        pullback({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats.data()}, dy.data(), dx.mutable_data(),
-                 dw.mutable_data(), norm.bias ? db.mutable_data() : nullptr, scratch.data(), zoo::GradMode::add);
-        return py::make_tuple(dx, dw, norm.bias ? py::object(db) : py::object(py::none()));
+        std::vector<float> stats_copy(stats.data(), stats.data() + stats.size());  // a recompute writes them
+        pullback({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats_copy.data()}, dy.data(),
+                 recompute ? y.mutable_data() : nullptr, dx.mutable_data(), dw.mutable_data(),
+                 norm.bias ? db.mutable_data() : nullptr, scratch.data(), zoo::GradMode::add);
+        py::object db_or_none = norm.bias ? py::object(db) : py::object(py::none());
+        if (recompute) return py::tuple(py::make_tuple(dx, dw, db_or_none, y));
+        return py::tuple(py::make_tuple(dx, dw, db_or_none));
     }, py::arg("name"), py::arg("x"), py::arg("w"), py::arg("b"), py::arg("stats"), py::arg("dy"), py::arg("eps"),
-       py::arg("backend") = "manual");
+       py::arg("backend") = "manual", py::arg("recompute") = false);
     // x: rows of gate_width * F; y: rows of F.
     m.def("activation_forward", [](const std::string& name, F x) {
         const zoo::ActivationBlock& act = zoo::find_activation(name);
@@ -308,11 +313,20 @@ void bind_blocks(py::module_& parent) {
         if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
         const zoo::ActivationPullback pullback = chosen_pullback(act.pullback, act.pullback_clad, backend, name);
         F dx(shape_of(x));
-        std::vector<float> scratch(backend == "clad" && act.clad_scratch_floats
-                                       ? act.clad_scratch_floats(F_, omp_get_max_threads()) : 0);
-        pullback(F_, x.data(), dy.data(), dx.mutable_data(), scratch.data(), N);
+        pullback(F_, x.data(), dy.data(), dx.mutable_data(), N);
         return dx;
     }, py::arg("name"), py::arg("x"), py::arg("dy"), py::arg("backend") = "manual", "Writes dx.");
+    // The executor's MLP path: y recomputed and dx, in one pass. Returns (y, dx).
+    m.def("activation_recompute_and_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
+        const zoo::ActivationBlock& act = zoo::find_activation(name);
+        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
+        const zoo::ActivationRecomputePullback pullback =
+            chosen_pullback(act.recompute_and_pullback, act.recompute_and_pullback_clad, backend, name);
+        F y(shape_of(dy)), dx(shape_of(x));
+        pullback(F_, x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
+        return py::make_tuple(y, dx);
+    }, py::arg("name"), py::arg("x"), py::arg("dy"), py::arg("backend") = "manual");
     // In place on p, m, v (float32 C-contiguous arrays).
     m.def("adamw_update", [](py::array_t<float, py::array::c_style> p, py::array_t<float, py::array::c_style> g,
                              py::array_t<float, py::array::c_style> mo,

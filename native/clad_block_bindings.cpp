@@ -1,5 +1,6 @@
 // The Clad backend's pullback of each block on NumPy arrays (a Clad build only), next to the
-// hand-written ones of block_bindings.cpp: zoo._native.blocks.<block>_pullback_clad. Inputs
+// hand-written ones of block_bindings.cpp: zoo._native.blocks.<block>_pullback_clad (norms and
+// activations go through the registry: norm_pullback / activation_pullback(..., backend="clad")). Inputs
 // and outputs follow the hand-written bindings; the Clad pullbacks replay the forward, so they
 // take its inputs (b, wte, a...) instead of saved statistics. Scratch is allocated per call
 // here (a test and benchmark API); the executor plans it once.
@@ -28,48 +29,6 @@ int threads() { return omp_get_max_threads(); }
 }  // namespace
 
 void bind_clad_blocks(py::module_ m) {
-    m.def("layernorm_pullback_clad", [](F x, F w, F b, F dy, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "layernorm x");
-        zoo::LayerNorm ln{C, eps};
-        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
-        std::vector<float> scratch(ln.clad_scratch_floats(threads()));
-        ln.pullback_clad(x.data(), w.data(), b.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
-                         db.mutable_data(), scratch.data(), N, zoo::GradMode::add);
-        return py::make_tuple(dx, dw, db);
-    });
-    m.def("rmsnorm_pullback_clad", [](F x, F w, F dy, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
-        zoo::RMSNorm rms{C, eps};
-        F dx = zeros(shape_of(x)), dw = zeros({C});
-        std::vector<float> scratch(rms.clad_scratch_floats(threads()));
-        rms.pullback_clad(x.data(), w.data(), dy.data(), dx.mutable_data(), dw.mutable_data(), scratch.data(), N,
-                          zoo::GradMode::add);
-        return py::make_tuple(dx, dw);
-    });
-    m.def("gelu_pullback_clad", [](F x, F dy) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
-        zoo::GELU g{C};
-        F dx(shape_of(x));
-        std::vector<float> scratch(g.clad_scratch_floats(threads()));
-        g.pullback_clad(x.data(), dy.data(), dx.mutable_data(), scratch.data(), N);
-        return dx;
-    });
-    m.def("relu2_pullback_clad", [](F x, F dy) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "relu2 x");
-        F dx(shape_of(x));
-        std::vector<float> scratch(zoo::activation_clad_scratch_floats(C, threads()));
-        zoo::activation_pullback_clad<zoo::relu2_forward_row>(C, x.data(), dy.data(), dx.mutable_data(),
-                                                              scratch.data(), N);
-        return dx;
-    });
-    m.def("swiglu_pullback_clad", [](F gate_up, F dy) {
-        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
-        zoo::SwiGLU s{F2 / 2};
-        F d(shape_of(gate_up));
-        std::vector<float> scratch(s.clad_scratch_floats(threads()));
-        s.pullback_clad(gate_up.data(), dy.data(), d.mutable_data(), scratch.data(), N);
-        return d;
-    });
     m.def("linear_pullback_clad", [](F x, F W, std::optional<F> b, F dy) {
         int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
         zoo::Linear l{in, out};
@@ -109,14 +68,17 @@ void bind_clad_blocks(py::module_ m) {
         a.pullback_clad(qkv.data(), nullptr, dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
     });
-    m.def("cross_entropy_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale) {
+    // As cross_entropy_forward_pullback: (mean loss, counted rows, dlogits).
+    m.def("cross_entropy_forward_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale) {
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         zoo::CrossEntropy ce{V};
-        F d(shape_of(logits));
+        F d(shape_of(logits)), row_loss({N});
         std::memcpy(d.mutable_data(), logits.data(), sizeof(float) * logits.size());
         std::vector<float> scratch(ce.clad_scratch_floats(threads()));
-        ce.pullback_clad(d.mutable_data(), targets.data(), N, n_valid, grad_scale, scratch.data());
-        return d;
+        int counted = 0;
+        double loss = ce.forward_pullback_clad(d.mutable_data(), targets.data(), row_loss.mutable_data(), N, n_valid,
+                                               grad_scale, &counted, scratch.data());
+        return py::make_tuple(loss, counted, d);
     });
     m.def("residual_pullback_clad", [](F a, F b, F dy) {
         F da = zeros(shape_of(dy)), db = zeros(shape_of(dy));

@@ -444,7 +444,6 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
     const Attention attn{d.n_head, d.n_kv_head, d.head_dim};
     auto need = [&](ScratchFloats f, int C) { return f ? f(C, threads) : 0; };
     size_t n = need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats, d.d_model);
-    if (ad.on(d.mlp->name)) n = std::max(n, need(d.mlp->clad_scratch_floats, d.d_ff));
     n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
     if (d.rope && ad.on("rope")) n = std::max(n, RoPE{d.head_dim}.clad_scratch_floats(threads));
     if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
@@ -636,8 +635,7 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
     pb.lora = pick(lora_block.pullback, lora_block.pullback_clad, "lora");
     pb.layer = d_.layer->pullback_clad;
-    if (pb.activation && pb.activation == d_.mlp->pullback && pb.linear == linear_block.pullback)
-        pb.activation_fused = d_.mlp->recompute_and_pullback;
+    pb.activation_fused = pick(d_.mlp->recompute_and_pullback, d_.mlp->recompute_and_pullback_clad, d_.mlp->name);
     ad_ = ad;
     pb_ = pb;
     cap_B_ = cap_T_ = 0;  // the scratch needs change: re-plan at the next step
@@ -686,16 +684,16 @@ void Executor::plan(int B, int T) {
 }
 
 void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const {
-    d_.norm->forward({d_.d_model, d_.norm_eps, N, x, w, b, stats}, y, stats);
+    d_.norm->forward({d_.d_model, d_.norm_eps, N, x, w, b, stats}, y);
 }
 
-void Executor::norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,
+void Executor::norm_pullback(const float* x, const float* w, const float* b, float* stats, const float* dy, float* y,
                              float* dx, float* dw, float* db, int N, GradMode mode) const {
     if (d_.frozen) {  // a frozen norm's dw and db go to a sink nobody reads
         float* sink = frozen_grad_sink_.data();
         dw = sink, db = b ? sink + d_.d_model : nullptr, mode = GradMode::write;
     }
-    pb_.norm({d_.d_model, d_.norm_eps, N, x, w, b, stats}, dy, dx, dw, db, a_.pullback_scratch, mode);
+    pb_.norm({d_.d_model, d_.norm_eps, N, x, w, b, stats}, dy, y, dx, dw, db, a_.pullback_scratch, mode);
 }
 
 void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
@@ -858,35 +856,56 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
         expand_bf16(a.att_bf16, a.att, (size_t)N * d_.attn_dim());
         expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
     }
-    // The norm outputs and the activation output live in buffers every layer shares: recompute
-    // this layer's before the GEMM pullbacks read them. With the hand-written pullbacks of a
-    // trainable base the MLP runs dL/d(act) first, then the activation's recompute and pullback
-    // in one pass, then the projection's weight gradient from the recomputed act.
-    if (pb_.activation_fused && !d_.frozen) {
-        TIMED(pullback, linear, proj.pullback_input(w.proj_w, a_.d_res, a_.d_act, N));
+    // The norm outputs and the activation output live in buffers every layer shares, and the
+    // weight gradient of the linear layer after each reads its own. With a trainable base that
+    // layer's pullback runs in halves: dx first, then the pullback of the block before it,
+    // which also recomputes the block's output in the same pass (the hand-written activation's
+    // fused kernel; a Clad gradient's replay), then dW from that output. A frozen base's
+    // adapters read the input for their own dx, so there each output is recomputed first.
+    const auto input_half = [&](const Linear& l, const float* W, const float* b, const float* dy, float* dx) {
+        TIMED(pullback, linear, pb_.linear(l, nullptr, W, b, dy, dx, nullptr, nullptr, N, mode, scratch));
+    };
+    const auto weight_half = [&](const Linear& l, const float* x, const float* W, const float* b, const float* dy,
+                                 float* dW, float* db) {
+        TIMED(pullback, linear, pb_.linear(l, x, W, b, dy, nullptr, dW, db, N, mode, scratch));
+    };
+    if (!d_.frozen) {
+        input_half(proj, w.proj_w, w.proj_b, a_.d_res, a_.d_act);
         TIMED(pullback, activation, pb_.activation_fused(d_.d_ff, a.fc, a_.d_act, a.act, a_.d_fc, N));
-        TIMED(pullback, linear, proj.pullback_params(a.act, a_.d_res, g.proj_w, g.proj_b, N, mode));
+        weight_half(proj, a.act, w.proj_w, w.proj_b, a_.d_res, g.proj_w, g.proj_b);
+        input_half(fc, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm);
+        TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a.ln2, a_.d_res,
+                                            g.ln2_w, g.ln2_b, N, mode));
+        weight_half(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, g.fc_w, g.fc_b);
     } else {
         TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
         linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
                         g.proj_b, N, mode, a);
-        TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, scratch, N));
+        TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, N));
+        TIMED(pullback, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+        linear_pullback(i, lora_fc, fc, a.ln2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode,
+                        a);
+        TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, nullptr, a_.d_res,
+                                            g.ln2_w, g.ln2_b, N, mode));
     }
-    TIMED(pullback, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
-    linear_pullback(i, lora_fc, fc, a.ln2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode, a);
-    TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a_.d_res, g.ln2_w,
-                                        g.ln2_b, N, mode));
     linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
                     g.attn_out_w, g.attn_out_b, N, mode, a);
     TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, scratch));
-    TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    linear_pullback(i, lora_qkv, qkv, a.ln1, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
-                    mode, a);
-    TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a_.d_res, g.ln1_w, g.ln1_b,
-                                        N, mode));
+    if (!d_.frozen) {
+        input_half(qkv, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm);
+        TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a.ln1, a_.d_res, g.ln1_w,
+                                            g.ln1_b, N, mode));
+        weight_half(qkv, a.ln1, w.qkv_w, w.qkv_b, a_.d_qkv, g.qkv_w, g.qkv_b);
+    } else {
+        TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
+        linear_pullback(i, lora_qkv, qkv, a.ln1, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b,
+                        N, mode, a);
+        TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, nullptr, a_.d_res,
+                                            g.ln1_w, g.ln1_b, N, mode));
+    }
 }
 
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
@@ -986,8 +1005,8 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     double loss = head(targets, N, true, grad_scale, mode);
     poison_dead_buffers(kPullback);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
-    TIMED(pullback, norm, norm_pullback(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf_stats, a_.d_norm, a_.d_res,
-                                        g_.lnf_w, g_.lnf_b, N, mode));
+    TIMED(pullback, norm, norm_pullback(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf_stats, a_.d_norm, nullptr,
+                                        a_.d_res, g_.lnf_w, g_.lnf_b, N, mode));
     // On a first pass each layer's squared norm is taken as soon as its pullback has written
     // the gradients, while they are still in cache: adamw_step's clipping then needs no pass
     // of its own over every gradient.

@@ -44,12 +44,18 @@ inline float row_max(const float* x, int n) {
     return m;
 }
 
+// The shift that keeps a softmax or logsumexp in range: the row's maximum. Its own function
+// because its derivative is zero where it is used: softmax(x - c) and logsumexp(x - c) + c do
+// not depend on c (JAX's logsumexp stops the gradient at its max the same way), so the Clad
+// pullbacks neither recompute the max nor scan for it, as row_max's derivative would.
+inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
 // Derivatives Clad takes instead of differentiating the bodies above: fast_exp bit-casts
 // through memcpy, which Clad cannot see through, and row_max's lanes would be taped element
-// by element. Both have a closed form.
+// by element. All have a closed form.
 namespace clad::custom_derivatives::zoo {
 inline clad::ValueAndPushforward<float, float> fast_exp_pushforward(float x, float d_x) {
     float e = ::zoo::fast_exp(x);
@@ -66,5 +72,7 @@ inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* 
     while (i < n - 1 && !(x[i] == m)) i++;
     if (n > 0) d_x[i] += d_y;
 }
+// Zero (above): the shifted function does not depend on the shift.
+inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
 }  // namespace clad::custom_derivatives::zoo
 #endif

@@ -104,8 +104,7 @@ inline float* norm_stats(const LayerCall* c, int slot) { return slot == 1 ? c->a
 inline void layer_norm_call(const float* x, const float* w, const float* b, float* y, int slot, const LayerCall* c) {
     const LayerTimer timer(c, k_norm, false);
     const Dims& d = *c->d;
-    float* stats = norm_stats(c, slot);
-    d.norm->forward({d.d_model, d.norm_eps, c->N(), x, w, b, stats}, y, stats);
+    d.norm->forward({d.d_model, d.norm_eps, c->N(), x, w, b, norm_stats(c, slot)}, y);
 }
 
 // y = x W^T + b.
@@ -178,7 +177,7 @@ inline void layer_norm_call_pullback(const float* x, const float* w, const float
     const ::zoo::LayerTimer timer(c, ::zoo::k_norm, true);
     const ::zoo::Dims& d = *c->d;
     // The norm pullback adds into dx by contract; its weight gradients follow the lifecycle.
-    c->pb->norm({d.d_model, d.norm_eps, c->N(), x, w, b, ::zoo::norm_stats(c, slot)}, d_y, d_x, d_w, d_b,
+    c->pb->norm({d.d_model, d.norm_eps, c->N(), x, w, b, ::zoo::norm_stats(c, slot)}, d_y, nullptr, d_x, d_w, d_b,
                 c->plan->pullback_scratch, c->mode);
 }
 
@@ -239,7 +238,7 @@ inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCal
 inline void layer_activation_call_pullback(float* fc, float* act, const LayerCall* c, float* d_fc,
                                            float* d_act) {
     const ::zoo::LayerTimer timer(c, ::zoo::k_activation, true);
-    c->pb->activation(c->d->d_ff, fc, d_act, d_fc, c->plan->pullback_scratch, c->N());
+    c->pb->activation(c->d->d_ff, fc, d_act, d_fc, c->N());
 }
 }  // namespace clad::custom_derivatives::zoo
 #endif

@@ -198,8 +198,8 @@ AdChoice ad_choice(const Dims& d, const std::vector<std::string>& clad_blocks);
 struct Pullbacks {
     NormPullback norm = nullptr;
     ActivationPullback activation = nullptr;
-    // Set where the activation's and the linear layers' pullbacks are the hand-written ones:
-    // the MLP pullback then recomputes the activation and pulls it back in one pass.
+    // The same with the recompute of the activation's output in one pass (the MLP pullback of a
+    // trainable base); from the same backend as activation.
     ActivationRecomputePullback activation_fused = nullptr;
     LinearPullback linear = nullptr;
     AttentionPullback attention = nullptr;
@@ -429,7 +429,8 @@ private:
     LayerCall layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode);
     double head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode);
     void norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const;
-    void norm_pullback(const float* x, const float* w, const float* b, const float* stats, const float* dy,
+    // y: null, or where the norm's output is recomputed (NormPullback).
+    void norm_pullback(const float* x, const float* w, const float* b, float* stats, const float* dy, float* y,
                        float* dx, float* dw, float* db, int N, GradMode mode) const;
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head_w; }
     const Matrix& head_matrix() const { return d_.tied_embeddings ? wm_.wte : wm_.lm_head_w; }

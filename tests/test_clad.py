@@ -141,45 +141,50 @@ def rnd(*shape, scale=1.0):
 
 
 @needs_clad
-@pytest.mark.parametrize("C", [96, 101])
-def test_layernorm(threads, C):
-    x, w, b, dy = rnd(37, C), 1 + rnd(C, scale=0.1), rnd(C, scale=0.1), rnd(37, C)
-    _, mean, rstd = B.layernorm_forward(x, w, b, 1e-5)
-    manual = B.layernorm_pullback(x, w, mean, rstd, dy, 1e-5)
-    dy0 = dy.copy()
-    for got, want in zip(B.layernorm_pullback_clad(x, w, b, dy, 1e-5), manual):
-        assert rel_err(got, want) <= 1e-5
+@pytest.mark.parametrize("name, C", [("layernorm", 96), ("layernorm", 101), ("rmsnorm", 101)])
+def test_norms(threads, name, C):
+    # through the registry, as the executor calls them: dx, dw, db alone, and with the output
+    # recomputed (y), on both backends
+    x, w, dy = rnd(37, C), 1 + rnd(C, scale=0.1), rnd(37, C)
+    b = rnd(C, scale=0.1) if name == "layernorm" else None
+    y, stats = B.norm_forward(name, x, w, b, 1e-5)
+    want = B.norm_pullback(name, x, w, b, stats, dy, 1e-5)
+    dy0, stats0 = dy.copy(), stats.copy()
+    for backend in ("clad", "manual"):
+        for recompute in (False, True):
+            got = B.norm_pullback(name, x, w, b, stats, dy, 1e-5, backend, recompute)
+            for g, ref in zip(got[:3], want):
+                assert g is None if ref is None else rel_err(g, ref) <= 1e-5
+            if recompute:
+                assert rel_err(got[3], y) <= 1e-6
     np.testing.assert_array_equal(dy, dy0)
+    np.testing.assert_array_equal(stats, stats0)
 
 
 @needs_clad
-def test_rmsnorm(threads):
-    x, w, dy = rnd(37, 101), 1 + rnd(101, scale=0.1), rnd(37, 101)
-    _, rstd = B.rmsnorm_forward(x, w, 1e-6)
-    for got, want in zip(B.rmsnorm_pullback_clad(x, w, dy, 1e-6), B.rmsnorm_pullback(x, w, rstd, dy, 1e-6)):
-        assert rel_err(got, want) <= 1e-5
-
-
-@needs_clad
-def test_gelu(threads):
-    x, dy = rnd(9, 300, scale=3.0), rnd(9, 300)
+@pytest.mark.parametrize("name, width", [("gelu", 1), ("swiglu", 2)])
+def test_activations(threads, name, width):
+    # the executor's two calls: dx alone, and y recomputed with dx (the MLP step's fused pass)
+    x, dy = rnd(9, width * 150, scale=3.0), rnd(9, 150)
     x[0, :6] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]  # saturated tails: no inf/inf
-    assert rel_err(B.gelu_pullback_clad(x, dy), B.gelu_pullback(x, dy)) <= 1e-5
-
-
-@needs_clad
-def test_swiglu(threads):
-    gu, dy = rnd(9, 2 * 150, scale=3.0), rnd(9, 150)
-    gu[0, :6] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]
-    assert rel_err(B.swiglu_pullback_clad(gu, dy), B.swiglu_pullback(gu, dy)) <= 1e-5
+    want = B.activation_pullback(name, x, dy)
+    assert rel_err(B.activation_pullback(name, x, dy, "clad"), want) <= 1e-5
+    y, dx = B.activation_recompute_and_pullback(name, x, dy, "clad")
+    assert rel_err(y, B.activation_forward(name, x)) <= 1e-6  # the forward's formula, to rounding
+    assert rel_err(dx, want) <= 1e-5
 
 
 @needs_clad
 def test_relu2_has_only_the_generated_pullback(threads):
     x, dy = rnd(9, 300), rnd(9, 300)
     x[0, :4] = 0.0  # the kink: relu2's derivative there is 0 from either side
-    assert rel_err(B.relu2_pullback_clad(x, dy), 2 * np.maximum(x, 0) * dy) <= 1e-6
-    assert not hasattr(B, "relu2_pullback")
+    want = 2 * np.maximum(x, 0) * dy
+    assert rel_err(B.activation_pullback("relu2", x, dy, "clad"), want) <= 1e-6
+    y, dx = B.activation_recompute_and_pullback("relu2", x, dy, "clad")
+    assert rel_err(y, B.activation_forward("relu2", x)) <= 1e-6
+    assert rel_err(dx, want) <= 1e-6
+    with pytest.raises(ValueError, match="relu2 has no manual pullback"):
+        B.activation_pullback("relu2", x, dy)
 
 
 @needs_clad
@@ -233,8 +238,10 @@ def test_attention(threads, n_head, n_kv_head, head_dim, T):
 def test_cross_entropy(threads):
     logits, targets = rnd(37, 301, scale=3.0), RNG.integers(0, 301, 37).astype(np.int32)
     targets[:3] = -100
-    got = B.cross_entropy_pullback_clad(logits, targets, 34, 0.5)
-    assert rel_err(got, B.cross_entropy_pullback(logits, targets, 34, 0.5)) <= 1e-5
+    loss, counted, got = B.cross_entropy_forward_pullback_clad(logits, targets, 34, 0.5)
+    want_loss, want_counted, want = B.cross_entropy_forward_pullback(logits, targets, 34, 0.5)
+    assert rel_err(got, want) <= 1e-5
+    assert abs(loss - want_loss) <= 1e-6 * abs(want_loss) and counted == want_counted == 34
     assert not got[:3].any()
 
 

@@ -14,10 +14,10 @@ namespace zoo {
 
 // loss_out = logsumexp(logits) - logits[target].
 inline void cross_entropy_forward_row(const float* logits, int target, float* loss_out, int V) {
-    float mx = row_max(logits, V);
+    const float shift = softmax_shift(logits, V);
     float sum = 0.0f;
-    for (int v = 0; v < V; v++) sum += fast_exp(logits[v] - mx);
-    loss_out[0] = std::log(sum) + mx - logits[target];
+    for (int v = 0; v < V; v++) sum += fast_exp(logits[v] - shift);
+    loss_out[0] = std::log(sum) + shift - logits[target];
 }
 
 struct CrossEntropy {
@@ -101,13 +101,14 @@ struct CrossEntropy {
         return mean_loss(targets, row_loss, N, n_counted);
     }
 
-    // The Clad backend's pullback: Clad's gradient of cross_entropy_forward_row, rows in
-    // parallel, logits -> dlogits in place like pullback (defined below, compiled only into a
-    // Clad build). It replays each row's logsumexp instead of reading row_loss. Per thread,
-    // scratch holds the row's adjoint (the replay reads the logits it overwrites).
-    size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)V + 2 + 15) / 16 * 16); }
-    void pullback_clad(float* logits, const int32_t* targets, int N, int n_valid, float grad_scale,
-                       float* scratch) const;
+    // The Clad backend's training pass: Clad's gradient of cross_entropy_forward_row, rows in
+    // parallel, logits -> dlogits in place with the per-row losses, like forward_pullback
+    // (defined below, compiled only into a Clad build). The gradient's replay of the forward
+    // writes each row's loss. Per thread, scratch holds the row's adjoint (the gradient reads
+    // the logits it replaces).
+    size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)V + 1 + 15) / 16 * 16); }
+    double forward_pullback_clad(float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
+                                 float grad_scale, int* n_counted, float* scratch) const;
 };
 
 // The registry entry (native/registry.hpp): a chunk of rows' losses and, in place, their
@@ -130,34 +131,37 @@ inline const FixedBlock<CrossEntropyPullback> cross_entropy_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-void zoo::CrossEntropy::pullback_clad(float* logits, const int32_t* targets, int N, int n_valid,
-                                      float grad_scale, float* scratch) const {
+double zoo::CrossEntropy::forward_pullback_clad(float* logits, const int32_t* targets, float* row_loss, int N,
+                                                int n_valid, float grad_scale, int* n_counted, float* scratch) const {
     const float k = n_valid ? grad_scale / n_valid : 0.0f;
 #pragma omp parallel
     {
         auto grad = clad::gradient(cross_entropy_forward_row, "logits, loss_out");
-        float* d = scratch + omp_get_thread_num() * clad_pad((size_t)V + 2);
-        float *loss = d + V, *seed = d + V + 1;
+        float* d = scratch + omp_get_thread_num() * clad_pad((size_t)V + 1);
+        float* seed = d + V;
+        for (int v = 0; v < V; v++) d[v] = 0.0f;  // the gradient adds into d; each row leaves it zero
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             float* l = logits + (size_t)n * V;
             if (targets[n] == ignore_index) {
+                row_loss[n] = 0.0f;
                 for (int v = 0; v < V; v++) l[v] = 0.0f;
                 continue;
             }
-            for (int v = 0; v < V; v++) d[v] = 0.0f;
             seed[0] = k;  // dL/d(row loss): the mean over counted rows, scaled
-            grad.execute(l, targets[n], loss, V, d, seed);
-            for (int v = 0; v < V; v++) l[v] = d[v];
+            grad.execute(l, targets[n], row_loss + n, V, d, seed);
+            for (int v = 0; v < V; v++) {
+                l[v] = d[v];
+                d[v] = 0.0f;
+            }
         }
     }
+    return mean_loss(targets, row_loss, N, n_counted);
 }
 
 double zoo::cross_entropy_pullback_clad(const CrossEntropy& ce, float* logits, const int32_t* targets,
                                         float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,
                                         float* scratch) {
-    const double mean = ce.forward(logits, targets, row_loss, N, n_counted);
-    ce.pullback_clad(logits, targets, N, n_valid, grad_scale, scratch);
-    return mean;
+    return ce.forward_pullback_clad(logits, targets, row_loss, N, n_valid, grad_scale, n_counted, scratch);
 }
 #endif

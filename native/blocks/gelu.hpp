@@ -12,9 +12,8 @@
 
 namespace zoo {
 
-// The element as a scalar function: Clad differentiates it in forward mode, value and
-// derivative together, where the same expression written inline in the loop gets its
-// intermediates taped element by element (7x slower, docs/clad.md).
+// The element as a scalar function: the Clad backend's pullback is Clad's derivative of it
+// (forward mode, value and derivative together; clad_backend.hpp).
 inline float gelu(float x) {
     const float k = 0.7978845608028654f;  // sqrt(2/pi)
     return x * sigmoid(2.0f * (k * (x + 0.044715f * x * x * x)));
@@ -66,29 +65,24 @@ struct GELU {
             dx[i] = dy[i] * (s + 2.0f * xi * s * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * xi * xi));
         }
     }
-
-    // The Clad backend's pullback: Clad's gradient of gelu_forward_row, rows in parallel
-    // (compiled only into a Clad build). Same contract as pullback.
-    size_t clad_scratch_floats(int threads) const { return activation_clad_scratch_floats(C, threads); }
-    void pullback_clad(const float* x, const float* dy, float* dx, float* scratch, int N) const {
-        activation_pullback_clad<gelu_forward_row>(C, x, dy, dx, scratch, N);
-    }
 };
 
 // The registry entry (native/registry.hpp).
 inline const ActivationBlock gelu_block{
     "gelu", /*gate_width=*/1,
     [](int F, const float* x, float* y, int N) { GELU{F}.forward(x, y, N); },
-    [](int F, const float* x, const float* dy, float* dx, float*, int N) { GELU{F}.pullback(x, dy, dx, N); },
+    [](int F, const float* x, const float* dy, float* dx, int N) { GELU{F}.pullback(x, dy, dx, N); },
     [](int F, const float* x, const float* dy, float* y, float* dx, int N) {
         GELU{F}.recompute_and_pullback(x, dy, y, dx, N);
     },
-    ZOO_CLAD_FN(&activation_pullback_clad<gelu_forward_row>),
-    activation_clad_scratch_floats,
+    ZOO_CLAD_FN(&elementwise_pullback_clad<gelu>),
+    ZOO_CLAD_FN(&elementwise_recompute_and_pullback_clad<gelu>),
 };
 
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-template void zoo::activation_pullback_clad<zoo::gelu_forward_row>(int, const float*, const float*, float*, float*, int);
+template void zoo::elementwise_pullback_clad<zoo::gelu>(int, const float*, const float*, float*, int);
+template void zoo::elementwise_recompute_and_pullback_clad<zoo::gelu>(int, const float*, const float*, float*, float*,
+                                                                      int);
 #endif

@@ -86,23 +86,24 @@ struct LayerNorm {
 
     // The Clad backend's pullback: Clad's gradient of layernorm_forward_row, rows in parallel
     // (defined below, compiled only into a Clad build). Same contract as pullback; it replays
-    // the row instead of reading mean and rstd, so it takes b. scratch: clad_scratch_floats().
+    // the row instead of reading mean and rstd, so it takes b, and the replay's output goes to
+    // y (null: to scratch). scratch: clad_scratch_floats().
     size_t clad_row_floats() const { return ((size_t)4 * C + 4 + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
-    void pullback_clad(const float* x, const float* w, const float* b, const float* dy, float* dx,
+    void pullback_clad(const float* x, const float* w, const float* b, const float* dy, float* y, float* dx,
                        float* dw, float* db, float* scratch, int N, GradMode mode) const;
 };
 
 // The registry entry (native/registry.hpp). Statistics: mean, then rstd.
-void layernorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
-                                    float* scratch, GradMode mode);
+void layernorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
+                             float* scratch, GradMode mode);
 inline const NormBlock layernorm_block{
     "layernorm", /*bias=*/true, /*stats_per_row=*/2,
-    [](const NormArgs& a, float* y, float* stats) {
-        LayerNorm{a.C, a.eps}.forward(a.x, a.w, a.b, y, stats, stats + a.N, a.N);
-    },
-    [](const NormArgs& a, const float* dy, float* dx, float* dw, float* db, float* scratch, GradMode mode) {
-        LayerNorm{a.C, a.eps}.pullback(a.x, a.w, a.stats, a.stats + a.N, dy, dx, dw, db, scratch, a.N, mode);
+    [](const NormArgs& a, float* y) { LayerNorm{a.C, a.eps}.forward(a.x, a.w, a.b, y, a.stats, a.stats + a.N, a.N); },
+    [](const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db, float* scratch, GradMode mode) {
+        const LayerNorm ln{a.C, a.eps};
+        if (y) ln.forward(a.x, a.w, a.b, y, a.stats, a.stats + a.N, a.N);
+        ln.pullback(a.x, a.w, a.stats, a.stats + a.N, dy, dx, dw, db, scratch, a.N, mode);
     },
     [](int C, int threads) { return LayerNorm{C, 0.0f}.scratch_floats(threads); },
     ZOO_CLAD_FN(layernorm_pullback_clad),
@@ -112,8 +113,8 @@ inline const NormBlock layernorm_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-// Per thread: [dw part (C) | db part (C) | y (C) | seed (C) | mean, rstd, their adjoints].
-void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* b, const float* dy,
+// Per thread: [dw part (C) | db part (C) | y row (C) | seed (C) | mean, rstd, their adjoints].
+void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* b, const float* dy, float* y,
                                    float* dx, float* dw, float* db, float* scratch, int N,
                                    GradMode mode) const {
     const size_t S = clad_row_floats();
@@ -126,23 +127,23 @@ void zoo::LayerNorm::pullback_clad(const float* x, const float* w, const float* 
 #pragma omp single
         threads = omp_get_num_threads();
         float* s = scratch + omp_get_thread_num() * S;
-        float *dw_t = s, *db_t = s + C, *y = s + 2 * C, *seed = s + 3 * C, *st = s + 4 * C;
+        float *dw_t = s, *db_t = s + C, *y_row = s + 2 * C, *seed = s + 3 * C, *st = s + 4 * C;
         for (int i = 0; i < 2 * C; i++) s[i] = 0.0f;
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const float* dyr = dy + (size_t)n * C;
             for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
             st[2] = st[3] = 0.0f;                            // mean, rstd: nothing reads them
-            grad.execute(x + (size_t)n * C, w, b, y, st, st + 1, C, eps, dx + (size_t)n * C, dw_t,
-                         db_t, seed, st + 2, st + 3);
+            grad.execute(x + (size_t)n * C, w, b, y ? y + (size_t)n * C : y_row, st, st + 1, C, eps,
+                         dx + (size_t)n * C, dw_t, db_t, seed, st + 2, st + 3);
         }
         add_thread_parts(dw, scratch, S, threads, C);
         add_thread_parts(db, scratch + C, S, threads, C);
     }
 }
 
-void zoo::layernorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
-                                         float* scratch, GradMode mode) {
-    LayerNorm{a.C, a.eps}.pullback_clad(a.x, a.w, a.b, dy, dx, dw, db, scratch, a.N, mode);
+void zoo::layernorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
+                                  float* scratch, GradMode mode) {
+    LayerNorm{a.C, a.eps}.pullback_clad(a.x, a.w, a.b, dy, y, dx, dw, db, scratch, a.N, mode);
 }
 #endif

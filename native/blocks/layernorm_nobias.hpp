@@ -49,18 +49,19 @@ inline void layernorm_nobias_pullback_row(const float* __restrict__ x, const flo
 }
 
 // stats: mean (N), then rstd (N).
-inline void layernorm_nobias_forward(const NormArgs& a, float* y, float* stats) {
+inline void layernorm_nobias_forward(const NormArgs& a, float* y) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < a.N; n++)
-        layernorm_nobias_forward_row(a.x + (size_t)n * a.C, a.w, y + (size_t)n * a.C, stats + n, stats + a.N + n,
-                                     a.C, a.eps);
+        layernorm_nobias_forward_row(a.x + (size_t)n * a.C, a.w, y + (size_t)n * a.C, a.stats + n,
+                                     a.stats + a.N + n, a.C, a.eps);
 }
 
 // Adds into dx; writes or adds dw per mode, through per-thread partial sums in scratch added in
 // thread order (reproducible).
-inline void layernorm_nobias_pullback(const NormArgs& a, const float* dy, float* dx, float* dw, float*,
+inline void layernorm_nobias_pullback(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*,
                                       float* scratch, GradMode mode) {
     const int C = a.C;
+    if (y) layernorm_nobias_forward(a, y);
 #pragma omp parallel
     {
         const int threads = omp_get_num_threads();
@@ -78,9 +79,9 @@ inline void layernorm_nobias_pullback(const NormArgs& a, const float* dy, float*
     }
 }
 
-// Per thread: [dw part | y | seed | mean, rstd, their adjoints], padded to 16 floats.
+// Per thread: [dw part | y row | seed | mean, rstd, their adjoints], padded to 16 floats.
 inline size_t layernorm_nobias_clad_row_floats(int C) { return clad_pad(3 * (size_t)C + 4); }
-void layernorm_nobias_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
+void layernorm_nobias_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
                                     float* scratch, GradMode mode);
 
 inline const NormBlock layernorm_nobias_block{
@@ -96,7 +97,8 @@ inline const NormBlock layernorm_nobias_block{
 
 #ifdef ZOO_CLAD_TU
 // Clad's gradient of the row kernel, rows in parallel; the gradient adds, so writing clears dw.
-void zoo::layernorm_nobias_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float*,
+// The replay's output goes to y (null: to scratch).
+void zoo::layernorm_nobias_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*,
                                          float* scratch, GradMode mode) {
     const int C = a.C;
     const size_t S = layernorm_nobias_clad_row_floats(C);
@@ -109,15 +111,15 @@ void zoo::layernorm_nobias_pullback_clad(const NormArgs& a, const float* dy, flo
 #pragma omp single
         threads = omp_get_num_threads();
         float* s = scratch + omp_get_thread_num() * S;
-        float *dw_t = s, *y = s + C, *seed = s + 2 * C, *st = s + 3 * C;
+        float *dw_t = s, *y_row = s + C, *seed = s + 2 * C, *st = s + 3 * C;
         for (int i = 0; i < C; i++) dw_t[i] = 0.0f;
 #pragma omp for schedule(static)
         for (int n = 0; n < a.N; n++) {
             const float* dyr = dy + (size_t)n * C;
             for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
             st[2] = st[3] = 0.0f;                            // mean, rstd: nothing reads them
-            grad.execute(a.x + (size_t)n * C, a.w, y, st, st + 1, C, a.eps, dx + (size_t)n * C, dw_t, seed, st + 2,
-                         st + 3);
+            grad.execute(a.x + (size_t)n * C, a.w, y ? y + (size_t)n * C : y_row, st, st + 1, C, a.eps,
+                         dx + (size_t)n * C, dw_t, seed, st + 2, st + 3);
         }
         add_thread_parts(dw, scratch, S, threads, C);
     }

@@ -81,13 +81,13 @@ struct Linear {
         gemm::matrix_xw(precision, N, dy, out, W, accumulate_dx ? 1.0f : 0.0f, dx, in, scratch);
     }
 
-    // dx = dy W (added into dx when accumulate_dx, else written; dx may be null),
-    // dW = or += dy^T x, db = or += column sums of dy (db may be null), per mode: writing
-    // needs no zeroed gradients, and the GEMM does not read the old dW.
+    // dx = dy W (added into dx when accumulate_dx, else written), dW = or += dy^T x,
+    // db = or += column sums of dy, per mode: writing needs no zeroed gradients, and the GEMM
+    // does not read the old dW. A null dx, dW or db is not computed (x is read only for dW).
     void pullback(const float* x, const float* W, const float* dy, float* dx, float* dW,
                   float* db, int N, bool accumulate_dx, GradMode mode) const {
         if (dx) pullback_input(W, dy, dx, N, accumulate_dx);
-        pullback_params(x, dy, dW, db, N, mode);
+        if (dW) pullback_params(x, dy, dW, db, N, mode);
     }
 
     // The two halves of pullback, for a caller that needs dx before x is ready: the MLP's
@@ -126,6 +126,7 @@ struct Linear {
 };
 
 // The registry entry (native/registry.hpp): dx written; scratch as pullback_clad's y_scratch.
+// Either half alone: dW and db null, dx only (x may be null); dx null, the parameters' only.
 using LinearPullback = void (*)(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
                                 float* dx, float* dW, float* db, int N, GradMode mode, float* scratch);
 void linear_pullback_clad(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
@@ -161,13 +162,15 @@ void zoo::Linear::pullback_clad(const float* x, const float* W, const float* b, 
                                 float* y_scratch) const {
     // The gradient adds into every adjoint: clear the ones this pullback writes.
     if (dx && !accumulate_dx) std::memset(dx, 0, sizeof(float) * N * in);
-    if (mode == GradMode::write) {
+    if (dW && mode == GradMode::write) {
         std::memset(dW, 0, sizeof(float) * out * in);
         if (db) std::memset(db, 0, sizeof(float) * out);
     }
     // y += ... passes its adjoint through unchanged, so the gradient reads dy and leaves it.
     float* d_y = const_cast<float*>(dy);
-    if (b)
+    // A null adjoint reaches the GEMM's derivative, which then skips that product; dx alone
+    // differentiates the layer without its bias (dW and db are null together).
+    if (b && db)
         clad::gradient(linear_forward_rows, "x, W, b, y")
             .execute(x, W, b, y_scratch, N, in, out, (int)precision, dx, dW, db, d_y);
     else

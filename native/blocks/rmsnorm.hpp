@@ -66,21 +66,24 @@ struct RMSNorm {
 
     // The Clad backend's pullback: Clad's gradient of rmsnorm_forward_row, rows in parallel
     // (defined below, compiled only into a Clad build). Same contract as pullback; it replays
-    // the row instead of reading rstd. scratch: clad_scratch_floats().
+    // the row instead of reading rstd; the replay's output goes to y (null: to scratch).
+    // scratch: clad_scratch_floats().
     size_t clad_row_floats() const { return ((size_t)3 * C + 2 + 15) / 16 * 16; }
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * clad_row_floats(); }
-    void pullback_clad(const float* x, const float* w, const float* dy, float* dx, float* dw,
+    void pullback_clad(const float* x, const float* w, const float* dy, float* y, float* dx, float* dw,
                        float* scratch, int N, GradMode mode) const;
 };
 
 // The registry entry (native/registry.hpp). Statistics: rstd.
-void rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float* db,
-                                  float* scratch, GradMode mode);
+void rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
+                           float* scratch, GradMode mode);
 inline const NormBlock rmsnorm_block{
     "rmsnorm", /*bias=*/false, /*stats_per_row=*/1,
-    [](const NormArgs& a, float* y, float* stats) { RMSNorm{a.C, a.eps}.forward(a.x, a.w, y, stats, a.N); },
-    [](const NormArgs& a, const float* dy, float* dx, float* dw, float*, float* scratch, GradMode mode) {
-        RMSNorm{a.C, a.eps}.pullback(a.x, a.w, a.stats, dy, dx, dw, scratch, a.N, mode);
+    [](const NormArgs& a, float* y) { RMSNorm{a.C, a.eps}.forward(a.x, a.w, y, a.stats, a.N); },
+    [](const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*, float* scratch, GradMode mode) {
+        const RMSNorm rms{a.C, a.eps};
+        if (y) rms.forward(a.x, a.w, y, a.stats, a.N);
+        rms.pullback(a.x, a.w, a.stats, dy, dx, dw, scratch, a.N, mode);
     },
     [](int C, int threads) { return RMSNorm{C, 0.0f}.scratch_floats(threads); },
     ZOO_CLAD_FN(rmsnorm_pullback_clad),
@@ -90,8 +93,8 @@ inline const NormBlock rmsnorm_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-// Per thread: [dw part (C) | y (C) | seed (C) | rstd, its adjoint].
-void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy, float* dx,
+// Per thread: [dw part (C) | y row (C) | seed (C) | rstd, its adjoint].
+void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy, float* y, float* dx,
                                  float* dw, float* scratch, int N, GradMode mode) const {
     const size_t S = clad_row_floats();
     if (mode == GradMode::write)  // the gradient adds
@@ -103,21 +106,22 @@ void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy
 #pragma omp single
         threads = omp_get_num_threads();
         float* s = scratch + omp_get_thread_num() * S;
-        float *dw_t = s, *y = s + C, *seed = s + 2 * C, *st = s + 3 * C;
+        float *dw_t = s, *y_row = s + C, *seed = s + 2 * C, *st = s + 3 * C;
         for (int i = 0; i < C; i++) dw_t[i] = 0.0f;
 #pragma omp for schedule(static)
         for (int n = 0; n < N; n++) {
             const float* dyr = dy + (size_t)n * C;
             for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
             st[1] = 0.0f;
-            grad.execute(x + (size_t)n * C, w, y, st, C, eps, dx + (size_t)n * C, dw_t, seed, st + 1);
+            grad.execute(x + (size_t)n * C, w, y ? y + (size_t)n * C : y_row, st, C, eps, dx + (size_t)n * C, dw_t,
+                         seed, st + 1);
         }
         add_thread_parts(dw, scratch, S, threads, C);
     }
 }
 
-void zoo::rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* dx, float* dw, float*,
-                                       float* scratch, GradMode mode) {
-    RMSNorm{a.C, a.eps}.pullback_clad(a.x, a.w, dy, dx, dw, scratch, a.N, mode);
+void zoo::rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*,
+                                float* scratch, GradMode mode) {
+    RMSNorm{a.C, a.eps}.pullback_clad(a.x, a.w, dy, y, dx, dw, scratch, a.N, mode);
 }
 #endif

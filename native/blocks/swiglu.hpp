@@ -9,7 +9,8 @@
 
 namespace zoo {
 
-// The element as a scalar function, so Clad needs no tape (see gelu.hpp).
+// The element as a scalar function: the Clad backend's pullback is Clad's gradient of it
+// (reverse mode, both partials from one call; clad_backend.hpp).
 inline float swiglu(float gate, float up) { return gate * sigmoid(gate) * up; }
 
 inline void swiglu_forward_row(const float* gate_up, float* y, int F) {
@@ -61,50 +62,23 @@ struct SwiGLU {
             }
         }
     }
-
-    // The Clad backend's pullback: Clad's gradient of swiglu_forward_row, rows in parallel
-    // (defined below, compiled only into a Clad build). Same contract as pullback.
-    size_t clad_scratch_floats(int threads) const { return (size_t)threads * ((2 * (size_t)F + 15) / 16 * 16); }
-    void pullback_clad(const float* gate_up, const float* dy, float* d_gate_up, float* scratch, int N) const;
 };
 
 // The registry entry (native/registry.hpp).
-void swiglu_pullback_clad(int F, const float* gate_up, const float* dy, float* d_gate_up, float* scratch, int N);
 inline const ActivationBlock swiglu_block{
     "swiglu", /*gate_width=*/2,
     [](int F, const float* x, float* y, int N) { SwiGLU{F}.forward(x, y, N); },
-    [](int F, const float* x, const float* dy, float* dx, float*, int N) { SwiGLU{F}.pullback(x, dy, dx, N); },
+    [](int F, const float* x, const float* dy, float* dx, int N) { SwiGLU{F}.pullback(x, dy, dx, N); },
     [](int F, const float* x, const float* dy, float* y, float* dx, int N) {
         SwiGLU{F}.recompute_and_pullback(x, dy, y, dx, N);
     },
-    ZOO_CLAD_FN(swiglu_pullback_clad),
-    [](int F, int threads) { return SwiGLU{F}.clad_scratch_floats(threads); },
+    ZOO_CLAD_FN(&gated_pullback_clad<swiglu>),
+    ZOO_CLAD_FN(&gated_recompute_and_pullback_clad<swiglu>),
 };
 
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-// Per thread: [y (F) | seed (F)].
-void zoo::SwiGLU::pullback_clad(const float* gate_up, const float* dy, float* d_gate_up, float* scratch,
-                                int N) const {
-#pragma omp parallel
-    {
-        auto grad = clad::gradient(swiglu_forward_row, "gate_up, y");
-        float* y = scratch + omp_get_thread_num() * clad_pad(2 * (size_t)F);
-        float* seed = y + F;
-#pragma omp for schedule(static)
-        for (int n = 0; n < N; n++) {
-            const float* dyr = dy + (size_t)n * F;
-            float* d = d_gate_up + (size_t)n * 2 * F;
-            for (int i = 0; i < F; i++) seed[i] = dyr[i];  // the gradient consumes its seed
-            for (int i = 0; i < 2 * F; i++) d[i] = 0.0f;   // and adds; this pullback writes
-            grad.execute(gate_up + (size_t)n * 2 * F, y, F, d, seed);
-        }
-    }
-}
-
-void zoo::swiglu_pullback_clad(int F, const float* gate_up, const float* dy, float* d_gate_up, float* scratch,
-                               int N) {
-    SwiGLU{F}.pullback_clad(gate_up, dy, d_gate_up, scratch, N);
-}
+template void zoo::gated_pullback_clad<zoo::swiglu>(int, const float*, const float*, float*, int);
+template void zoo::gated_recompute_and_pullback_clad<zoo::swiglu>(int, const float*, const float*, float*, float*, int);
 #endif
