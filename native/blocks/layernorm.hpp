@@ -10,9 +10,11 @@
 namespace zoo {
 
 // One row. Plain loops over pointers so Clad can differentiate it; mean and rstd are
-// written out because the hand-written pullback reuses them.
-inline void layernorm_forward_row(const float* x, const float* w, const float* b, float* y,
-                                  float* mean_out, float* rstd_out, int C, float eps) {
+// written out because the hand-written pullback reuses them. The arrays are restrict: Clad
+// copies the qualifier into the gradient, whose loops then need no alias checks (rope.hpp).
+inline void layernorm_forward_row(const float* __restrict__ x, const float* __restrict__ w,
+                                  const float* __restrict__ b, float* __restrict__ y, float* mean_out,
+                                  float* rstd_out, int C, float eps) {
     float sum = 0.0f;
     for (int i = 0; i < C; i++) sum += x[i];
     float mean = sum / C;

@@ -10,7 +10,11 @@
 
 namespace zoo {
 
-inline void rope_forward_row(float* x, const float* cos_row, const float* sin_row, int half) {
+// The tables are restrict: Clad copies the qualifier into the gradient, whose reverse loop
+// clears each adjoint before adding into it; without it clang must keep those stores ahead of
+// the table loads (1.45x the hand-written pullback instead of 1.1x, docs/clad.md).
+inline void rope_forward_row(float* x, const float* __restrict__ cos_row, const float* __restrict__ sin_row,
+                             int half) {
     for (int i = 0; i < half; i++) {
         float a = x[i], b = x[i + half];
         x[i] = a * cos_row[i] - b * sin_row[i];
