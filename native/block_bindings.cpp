@@ -224,8 +224,8 @@ void bind_blocks(py::module_& parent) {
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F row_loss({N});
         int n_valid = 0;
-        double loss = zoo::CrossEntropy{V}.forward(logits.data(), targets.data(),
-                                                   row_loss.mutable_data(), N, &n_valid);
+        std::vector<float> work(logits.data(), logits.data() + logits.size());  // the forward works in place
+        double loss = zoo::CrossEntropy{V}.forward(work.data(), targets.data(), row_loss.mutable_data(), N, &n_valid);
         return py::make_tuple(loss, n_valid);
     });
     // The executor's fused training kernel: (mean loss, counted rows, dlogits).
@@ -244,8 +244,9 @@ void bind_blocks(py::module_& parent) {
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F d(shape_of(logits)), row_loss({N});
         int counted = 0;
-        zoo::CrossEntropy{V}.forward(logits.data(), targets.data(), row_loss.mutable_data(), N, &counted);
         std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());
+        zoo::CrossEntropy{V}.forward(d.mutable_data(), targets.data(), row_loss.mutable_data(), N, &counted);
+        std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());  // the forward works in place
         zoo::CrossEntropy{V}.pullback(d.mutable_data(), targets.data(), row_loss.data(), N, n_valid,
                                       grad_scale);
         return d;

@@ -50,6 +50,11 @@ inline float row_max(const float* x, int n) {
 // pullbacks neither recompute the max nor scan for it, as row_max's derivative would.
 inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
 
+// e^z written to *out: the exponential as a primitive whose derivative is its own value. Its
+// Clad derivative (below) reads the value back from *out; fast_exp's can only recompute it
+// from z. A pullback through it exponentiates once, not twice (cross_entropy.hpp).
+inline void exp_into(float z, float* out) { *out = fast_exp(z); }
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -74,5 +79,12 @@ inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* 
 }
 // Zero (above): the shifted function does not depend on the shift.
 inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
+// d e^z / dz = e^z, which *out holds when the reverse sweep reaches the call (a caller must not
+// overwrite it after the call; Clad passes the same pointer back and does not restore it);
+// the call overwrote *out, so its adjoint is consumed.
+inline void exp_into_pullback(float, float* out, float* d_z, float* d_out) {
+    *d_z += *out * *d_out;
+    *d_out = 0.0f;
+}
 }  // namespace clad::custom_derivatives::zoo
 #endif

@@ -12,12 +12,16 @@
 
 namespace zoo {
 
-// loss_out = logsumexp(logits) - logits[target].
-inline void cross_entropy_forward_row(const float* logits, int target, float* loss_out, int V) {
-    const float shift = softmax_shift(logits, V);
+// loss_out = logsumexp(logits) - logits[target]. The row's logits become their exponentials
+// (shifted by the row's maximum), in place: Clad's gradient reads them back (exp_into).
+inline void cross_entropy_forward_row(float* logits, int target, float* loss_out, int V) {
+    const float shift = softmax_shift(logits, V), target_logit = logits[target];
     float sum = 0.0f;
-    for (int v = 0; v < V; v++) sum += fast_exp(logits[v] - shift);
-    loss_out[0] = std::log(sum) + shift - logits[target];
+    for (int v = 0; v < V; v++) {
+        exp_into(logits[v] - shift, &logits[v]);
+        sum += logits[v];
+    }
+    loss_out[0] = std::log(sum) + shift - target_logit;
 }
 
 struct CrossEntropy {
@@ -39,9 +43,8 @@ struct CrossEntropy {
     }
 
     // Per-row losses into row_loss (0 for ignored rows); returns the mean and the number of
-    // counted rows in *n_valid.
-    double forward(const float* logits, const int32_t* targets, float* row_loss, int N,
-                   int* n_valid) const {
+    // counted rows in *n_valid. The counted rows' logits become their exponentials, in place.
+    double forward(float* logits, const int32_t* targets, float* row_loss, int N, int* n_valid) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             if (targets[n] == ignore_index) {
@@ -105,7 +108,7 @@ struct CrossEntropy {
     // parallel, logits -> dlogits in place with the per-row losses, like forward_pullback
     // (defined below, compiled only into a Clad build). The gradient's replay of the forward
     // writes each row's loss. Per thread, scratch holds the row's adjoint (the gradient reads
-    // the logits it replaces).
+    // the row's exponentials, which the replay leaves where the logits were).
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)V + 1 + 15) / 16 * 16); }
     double forward_pullback_clad(float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
                                  float grad_scale, int* n_counted, float* scratch) const;
