@@ -44,6 +44,12 @@ inline float row_max(const float* x, int n) {
     return m;
 }
 
+// The shift that keeps a softmax's or log-sum-exp's exponentials from overflowing: the row's
+// maximum. Its own function so that its derivative is zero (below): softmax(x - c) and
+// logsumexp(x - c) + c do not depend on c, so the gradient through the shift cancels
+// exactly (JAX's logsumexp stops the gradient of its max for the same reason).
+inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -66,5 +72,8 @@ inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* 
     while (i < n - 1 && !(x[i] == m)) i++;
     if (n > 0) d_x[i] += d_y;
 }
+// Shift invariance: nothing flows back through the shift, and the reverse sweep neither
+// recomputes the maximum nor scans for where it is.
+inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
 }  // namespace clad::custom_derivatives::zoo
 #endif
