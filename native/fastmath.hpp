@@ -50,6 +50,12 @@ inline float row_max(const float* x, int n) {
 // exactly (JAX's logsumexp stops the gradient of its max for the same reason).
 inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
 
+// y = exp(x - shift) over a row: a vector exponential whose derivative (below) reads its
+// output y, as exp's derivative does, instead of computing every exponential again.
+inline void exp_row(const float* x, float shift, float* y, int n) {
+    for (int j = 0; j < n; j++) y[j] = fast_exp(x[j] - shift);
+}
+
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
@@ -75,5 +81,18 @@ inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* 
 // Shift invariance: nothing flows back through the shift, and the reverse sweep neither
 // recomputes the maximum nor scans for where it is.
 inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
+// d(e^u) = e^u du, with e^u the output y (flat where fast_exp clamps, as fast_exp_pushforward).
+// y's adjoint is consumed (zeroed): y was written.
+inline void exp_row_pullback(const float* x, float shift, float* y, int n, float* d_x, float* d_shift, float* d_y,
+                             int*) {
+    float ds = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const float u = x[j] - shift, g = u < -87.0f || u > 88.0f ? 0.0f : d_y[j] * y[j];
+        d_x[j] += g;
+        ds -= g;
+        d_y[j] = 0.0f;
+    }
+    *d_shift += ds;
+}
 }  // namespace clad::custom_derivatives::zoo
 #endif

@@ -223,15 +223,20 @@ inline void attention_weighted_values(const float* p, const float* v, const floa
 }
 
 // The softmax of row r of the block (rows Tp apart) over keys first..keys-1, in two helpers:
-// the shifted exponentials e, then p = e / sum e (zero elsewhere up to n16). Flat loops, each
-// element written once: Clad tapes nothing. Two helpers because Clad saves and restores
-// (restore_tracker, per element) an array that a helper both writes and reads.
-// The row is an argument, not an offset of s and p: Clad (master 4b2c0eef) drops the reverse
-// loop's r-- when r appears only in a pointer offset.
+// the exponentials e = exp(s - max), then p = e / sum e (zero elsewhere up to n16). What the
+// reverse sweep pays for (docs/clad.md): the shift has a zero derivative (softmax_shift), and
+// exp_row's derivative reads e, so Clad's gradient computes two exponentials per score (its
+// forward sweep and the replay of attention_exp_row) and scans the row twice for its max,
+// where p = exp(s - max - lse) in one helper cost six exponentials and four scans (the
+// max's derivative looked for where it is). Two helpers, each called in a loop of its
+// own: an array that one call writes and a later call's derivative reads (e) would be saved
+// and restored element by element (clad::restore_tracker). Flat loops, each element written
+// once: Clad tapes nothing. The row is an argument, not an offset of s and p: Clad (master
+// 4b2c0eef) drops the reverse loop's r-- when r appears only in a pointer offset.
 inline void attention_exp_row(const float* s, float* e, int r, int Tp, int first, int keys) {
     const size_t row = (size_t)r * Tp;
     float mx = softmax_shift(s + row + first, keys - first);
-    for (int j = first; j < keys; j++) e[row + j] = fast_exp(s[row + j] - mx);
+    exp_row(s + row + first, mx, e + row + first, keys - first);
 }
 inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int first, int keys, int n16) {
     const size_t row = (size_t)r * Tp;
@@ -351,8 +356,8 @@ struct Attention {
     // The Clad backend's pullback: Clad's gradient of attention_forward_rows, one task per
     // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
     // replays each block's softmax instead of reading lse. Per thread: keys and values
-    // transposed (hd x padded T each), the scores, probabilities and their adjoints (a block of
-    // rows each). scratch: clad_scratch_floats().
+    // transposed (hd x padded T each), the scores, exponentials, probabilities and their
+    // adjoints (a block of rows each). scratch: clad_scratch_floats().
     size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 6 * kBlockRows) * padded(T); }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_thread_floats(T); }
     void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
