@@ -222,22 +222,11 @@ inline void attention_weighted_values(const float* p, const float* v, const floa
             tile_weighted_rows<1, true>(p + (size_t)r * Tp, Tp, v, stride, n, hd, o + (size_t)r * ldo, ldo);
 }
 
-// The softmax of row r of the block (rows Tp apart) over keys first..keys-1, in two helpers:
-// the exponentials e = exp(s - max), then p = e / sum e (zero elsewhere up to n16). What the
-// reverse sweep pays for (docs/clad.md): the shift has a zero derivative (softmax_shift), and
-// exp_row's derivative reads e, so Clad's gradient computes two exponentials per score (its
-// forward sweep and the replay of attention_exp_row) and scans the row twice for its max,
-// where p = exp(s - max - lse) in one helper cost six exponentials and four scans (the
-// max's derivative looked for where it is). Two helpers, each called in a loop of its
-// own: an array that one call writes and a later call's derivative reads (e) would be saved
-// and restored element by element (clad::restore_tracker). Flat loops, each element written
-// once: Clad tapes nothing. The row is an argument, not an offset of s and p: Clad (master
-// 4b2c0eef) drops the reverse loop's r-- when r appears only in a pointer offset.
-inline void attention_exp_row(const float* s, float* e, int r, int Tp, int first, int keys) {
-    const size_t row = (size_t)r * Tp;
-    float mx = softmax_shift(s + row + first, keys - first);
-    exp_row(s + row + first, mx, e + row + first, keys - first);
-}
+// The softmax of row r of the block (rows Tp apart) over keys first..keys-1, given its
+// exponentials e: p = e / sum e, zero elsewhere up to n16. A helper for the row's loops (see
+// attention_forward_rows); flat loops, each element written once: Clad tapes nothing. The row
+// is an argument, not an offset of e and p: Clad (master 4b2c0eef) drops the reverse loop's
+// r-- when r appears only in a pointer offset.
 inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int first, int keys, int n16) {
     const size_t row = (size_t)r * Tp;
     float sum = 0.0f;
@@ -251,11 +240,24 @@ inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int
 // Query rows t0..t0+R-1 of one head against keys 0..t0+R-1: row r attends to keys
 // first[r]..t0+r (its packed example). Adds the output rows into o (the caller zeroes o): an add
 // passes the adjoint through, so the gradient reads dL/do where it lies. s, e, p: R x Tp each.
+// The softmax is arranged for what Clad's gradient computes (docs/clad.md): the exponentials
+// e = exp(s - max) are an array, computed in this function's own loop, so Clad's forward sweep
+// is the only place they are computed (a helper's pullback would replay them) and exp_row's
+// derivative reads them; the max shift has a zero derivative (softmax_shift), so nothing
+// scans the row for it again; Clad keeps each row's max on a tape (R floats, in the tape's
+// own buffer: no allocation). p then comes from e in a helper (no exponential to replay), in
+// a loop of its own: one that read e in the loop that writes it would have Clad save and
+// restore e element by element (clad::restore_tracker). One exponential per score, as in the
+// hand-written pullback; p = exp(s - max - lse) in one helper cost six and four scans of the
+// row (the max's derivative looked for where it is).
 inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
                                    const float* vt, float* s, float* e, float* p, float* o, const int* first, int t0,
                                    int R, int hd, int stride, int ldo, int Tp, float scale) {
     attention_scores(q, k, kt, s, R, t0 + R, hd, stride, Tp, scale);
-    for (int r = 0; r < R; r++) attention_exp_row(s, e, r, Tp, first[r], t0 + r + 1);
+    for (int r = 0; r < R; r++) {  // no local for the row's offset: Clad would tape it too
+        float mx = softmax_shift(s + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
+        exp_row(s + (size_t)r * Tp + first[r], mx, e + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
+    }
     for (int r = 0; r < R; r++) attention_normalize_row(e, p, r, Tp, first[r], t0 + r + 1, attention_padded(t0 + R));
     attention_weighted_values(p, v, vt, o, R, t0 + R, hd, stride, ldo, Tp);
 }
