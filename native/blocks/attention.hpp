@@ -248,8 +248,8 @@ inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int
 // own buffer: no allocation). p then comes from e in a helper (no exponential to replay), in
 // a loop of its own: one that read e in the loop that writes it would have Clad save and
 // restore e element by element (clad::restore_tracker). One exponential per score, as in the
-// hand-written pullback; p = exp(s - max - lse) in one helper cost six and four scans of the
-// row (the max's derivative looked for where it is).
+// hand-written pullback; p = exp(s - max - lse) in one helper cost six exponentials per score
+// and four scans of the row (the max's derivative looked for where it is).
 inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
                                    const float* vt, float* s, float* e, float* p, float* o, const int* first, int t0,
                                    int R, int hd, int stride, int ldo, int Tp, float scale) {
@@ -356,10 +356,10 @@ struct Attention {
                        int T, float scale) const;
 
     // The Clad backend's pullback: Clad's gradient of attention_forward_rows, one task per
-    // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
-    // replays each block's softmax instead of reading lse. Per thread: keys and values
-    // transposed (hd x padded T each), the scores, exponentials, probabilities and their
-    // adjoints (a block of rows each). scratch: clad_scratch_floats().
+    // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). Its
+    // forward sweep recomputes each block's softmax instead of reading lse. Per thread: keys
+    // and values transposed (hd x padded T each), the scores, exponentials, probabilities and
+    // their adjoints (a block of rows each). scratch: clad_scratch_floats().
     size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 6 * kBlockRows) * padded(T); }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_thread_floats(T); }
     void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
