@@ -44,15 +44,21 @@ inline float row_max(const float* x, int n) {
     return m;
 }
 
-// The shift that keeps a softmax or logsumexp in range: the row's maximum. Its own function
-// because its derivative is zero where it is used: softmax(x - c) and logsumexp(x - c) + c do
-// not depend on c (JAX's logsumexp stops the gradient at its max the same way), so the Clad
-// pullbacks neither recompute the max nor scan for it, as row_max's derivative would.
+// The shift that keeps a softmax's or log-sum-exp's exponentials from overflowing: the row's
+// maximum. Its own function so that its derivative is zero (below): softmax(x - c) and
+// logsumexp(x - c) + c do not depend on c, so the gradient through the shift cancels
+// exactly (JAX's logsumexp stops the gradient of its max for the same reason).
 inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
 
-// e^z written to *out: the exponential as a primitive whose derivative is its own value. Its
-// Clad derivative (below) reads the value back from *out; fast_exp's can only recompute it
-// from z. A pullback through it exponentiates once, not twice (cross_entropy.hpp).
+// The exponential as a primitive whose derivative is its own value: the Clad derivatives of
+// these two (below) read the output back, where fast_exp's can only recompute it from its
+// argument. A pullback through them exponentiates once, not twice.
+// y = exp(x - shift) over a row (attention.hpp).
+inline void exp_row(const float* x, float shift, float* y, int n) {
+    for (int j = 0; j < n; j++) y[j] = fast_exp(x[j] - shift);
+}
+// e^z written to *out, one element: for a row that becomes its own exponentials in place
+// (cross_entropy.hpp), which exp_row's derivative, reading x for fast_exp's clamps, cannot take.
 inline void exp_into(float z, float* out) { *out = fast_exp(z); }
 
 }  // namespace zoo
@@ -60,7 +66,8 @@ inline void exp_into(float z, float* out) { *out = fast_exp(z); }
 #ifdef ZOO_CLAD_TU
 // Derivatives Clad takes instead of differentiating the bodies above: fast_exp bit-casts
 // through memcpy, which Clad cannot see through, and row_max's lanes would be taped element
-// by element. All have a closed form.
+// by element; softmax_shift's is zero, exp_row's and exp_into's read their output (see each).
+// All have a closed form.
 namespace clad::custom_derivatives::zoo {
 inline clad::ValueAndPushforward<float, float> fast_exp_pushforward(float x, float d_x) {
     float e = ::zoo::fast_exp(x);
@@ -77,8 +84,22 @@ inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* 
     while (i < n - 1 && !(x[i] == m)) i++;
     if (n > 0) d_x[i] += d_y;
 }
-// Zero (above): the shifted function does not depend on the shift.
+// Shift invariance: nothing flows back through the shift, and the reverse sweep neither
+// recomputes the maximum nor scans for where it is.
 inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
+// d(e^u) = e^u du, with e^u the output y (flat where fast_exp clamps, as fast_exp_pushforward).
+// y's adjoint is consumed (zeroed): y was written.
+inline void exp_row_pullback(const float* x, float shift, float* y, int n, float* d_x, float* d_shift, float* d_y,
+                             int*) {
+    float ds = 0.0f;
+    for (int j = 0; j < n; j++) {
+        const float u = x[j] - shift, g = u < -87.0f || u > 88.0f ? 0.0f : d_y[j] * y[j];
+        d_x[j] += g;
+        ds -= g;
+        d_y[j] = 0.0f;
+    }
+    *d_shift += ds;
+}
 // d e^z / dz = e^z, which *out holds when the reverse sweep reaches the call (a caller must not
 // overwrite it after the call; Clad passes the same pointer back and does not restore it);
 // the call overwrote *out, so its adjoint is consumed.

@@ -222,29 +222,43 @@ inline void attention_weighted_values(const float* p, const float* v, const floa
             tile_weighted_rows<1, true>(p + (size_t)r * Tp, Tp, v, stride, n, hd, o + (size_t)r * ldo, ldo);
 }
 
-// Row r of the block (rows Tp apart): the softmax of the scores over keys first..keys-1 into
-// p, zero elsewhere up to n16. Flat loops, each element written once: Clad tapes nothing.
-// The row is an argument, not an offset of s and p: Clad (master 4b2c0eef) drops the reverse
-// loop's r-- when r appears only in a pointer offset.
-inline void attention_softmax_row(const float* s, float* p, int r, int Tp, int first, int keys, int n16) {
+// The softmax of row r of the block (rows Tp apart) over keys first..keys-1, given its
+// exponentials e: p = e / sum e, zero elsewhere up to n16. A helper for the row's loops (see
+// attention_forward_rows); flat loops, each element written once: Clad tapes nothing. The row
+// is an argument, not an offset of e and p: Clad (master 4b2c0eef) drops the reverse loop's
+// r-- when r appears only in a pointer offset.
+inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int first, int keys, int n16) {
     const size_t row = (size_t)r * Tp;
-    float mx = row_max(s + row + first, keys - first);
     float sum = 0.0f;
-    for (int j = first; j < keys; j++) sum += fast_exp(s[row + j] - mx);
-    float lse = std::log(sum);
-    for (int j = first; j < keys; j++) p[row + j] = fast_exp(s[row + j] - mx - lse);
+    for (int j = first; j < keys; j++) sum += e[row + j];
+    float inv = 1.0f / sum;
+    for (int j = first; j < keys; j++) p[row + j] = e[row + j] * inv;
     for (int j = 0; j < first; j++) p[row + j] = 0.0f;
     for (int j = keys; j < n16; j++) p[row + j] = 0.0f;
 }
 
 // Query rows t0..t0+R-1 of one head against keys 0..t0+R-1: row r attends to keys
 // first[r]..t0+r (its packed example). Adds the output rows into o (the caller zeroes o): an add
-// passes the adjoint through, so the gradient reads dL/do where it lies. s, p: R x Tp each.
+// passes the adjoint through, so the gradient reads dL/do where it lies. s, e, p: R x Tp each.
+// The softmax is arranged for what Clad's gradient computes (docs/clad.md): the exponentials
+// e = exp(s - max) are an array, computed in this function's own loop, so Clad's forward sweep
+// is the only place they are computed (a helper's pullback would replay them) and exp_row's
+// derivative reads them; the max shift has a zero derivative (softmax_shift), so nothing
+// scans the row for it again; Clad keeps each row's max on a tape (R floats, in the tape's
+// own buffer: no allocation). p then comes from e in a helper (no exponential to replay), in
+// a loop of its own: one that read e in the loop that writes it would have Clad save and
+// restore e element by element (clad::restore_tracker). One exponential per score, as in the
+// hand-written pullback; p = exp(s - max - lse) in one helper cost six exponentials per score
+// and four scans of the row (the max's derivative looked for where it is).
 inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
-                                   const float* vt, float* s, float* p, float* o, const int* first, int t0, int R,
-                                   int hd, int stride, int ldo, int Tp, float scale) {
+                                   const float* vt, float* s, float* e, float* p, float* o, const int* first, int t0,
+                                   int R, int hd, int stride, int ldo, int Tp, float scale) {
     attention_scores(q, k, kt, s, R, t0 + R, hd, stride, Tp, scale);
-    for (int r = 0; r < R; r++) attention_softmax_row(s, p, r, Tp, first[r], t0 + r + 1, attention_padded(t0 + R));
+    for (int r = 0; r < R; r++) {  // no local for the row's offset: Clad would tape it too
+        float mx = softmax_shift(s + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
+        exp_row(s + (size_t)r * Tp + first[r], mx, e + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
+    }
+    for (int r = 0; r < R; r++) attention_normalize_row(e, p, r, Tp, first[r], t0 + r + 1, attention_padded(t0 + R));
     attention_weighted_values(p, v, vt, o, R, t0 + R, hd, stride, ldo, Tp);
 }
 
@@ -342,11 +356,11 @@ struct Attention {
                        int T, float scale) const;
 
     // The Clad backend's pullback: Clad's gradient of attention_forward_rows, one task per
-    // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). It
-    // replays each block's softmax instead of reading lse. Per thread: keys and values
-    // transposed (hd x padded T each), the scores, probabilities and their adjoints (a block of
-    // rows each). scratch: clad_scratch_floats().
-    size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 4 * kBlockRows) * padded(T); }
+    // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). Its
+    // forward sweep recomputes each block's softmax instead of reading lse. Per thread: keys
+    // and values transposed (hd x padded T each), the scores, exponentials, probabilities and
+    // their adjoints (a block of rows each). scratch: clad_scratch_floats().
+    size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 6 * kBlockRows) * padded(T); }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_thread_floats(T); }
     void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
                        int B, int T) const;
@@ -419,12 +433,13 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel
     {
-        auto grad = clad::gradient(attention_forward_rows, "q, k, v, s, p, o");
+        auto grad = clad::gradient(attention_forward_rows, "q, k, v, s, e, p, o");
         float* kt = scratch + omp_get_thread_num() * clad_thread_floats(T);
-        float *vt = kt + (size_t)hd * Tp, *s = vt + (size_t)hd * Tp, *p = s + (size_t)kBlockRows * Tp;
-        float *ds = p + (size_t)kBlockRows * Tp, *dp = ds + (size_t)kBlockRows * Tp;
-        // The adjoints of s and p start at zero; each block's gradient leaves them so.
-        for (size_t i = 0; i < 2 * (size_t)kBlockRows * Tp; i++) ds[i] = 0.0f;
+        const size_t blk = (size_t)kBlockRows * Tp;
+        float *vt = kt + (size_t)hd * Tp, *s = vt + (size_t)hd * Tp, *e = s + blk, *p = e + blk;
+        float *ds = p + blk, *de = ds + blk, *dp = de + blk;
+        // The adjoints of s, e and p start at zero; each block's gradient leaves them so.
+        for (size_t i = 0; i < 3 * blk; i++) ds[i] = 0.0f;
 #pragma omp for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
             for (int g = 0; g < n_kv_head; g++) {
@@ -451,9 +466,9 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
                         for (int r = 0; r < R; r++) first[r] = pos ? t0 + r - pos[t0 + r] : 0;
                         // The output's adjoint passes through the add: read where it lies.
                         float* dout = const_cast<float*>(d_out) + ((size_t)b * T + t0) * ldo + h * hd;
-                        grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, p, nullptr, first, t0, R,
-                                     hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk, dv, ds, dp,
-                                     dout);
+                        grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, e, p, nullptr, first, t0,
+                                     R, hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk, dv, ds,
+                                     de, dp, dout);
                         t0 += R;
                     }
             }
