@@ -869,19 +869,22 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
                                  float* dW, float* db) {
         TIMED(pullback, linear, pb_.linear(l, x, W, b, dy, nullptr, dW, db, N, mode, scratch));
     };
-    if (!d_.frozen) {
+    if (!d_.frozen && pb_.activation_fused) {  // (an activation may have no fused pullback)
         input_half(proj, w.proj_w, w.proj_b, a_.d_res, a_.d_act);
         TIMED(pullback, activation, pb_.activation_fused(d_.d_ff, a.fc, a_.d_act, a.act, a_.d_fc, N));
         weight_half(proj, a.act, w.proj_w, w.proj_b, a_.d_res, g.proj_w, g.proj_b);
-        input_half(fc, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm);
-        TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a.ln2, a_.d_res,
-                                            g.ln2_w, g.ln2_b, N, mode));
-        weight_half(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, g.fc_w, g.fc_b);
     } else {
         TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
         linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
                         g.proj_b, N, mode, a);
         TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, N));
+    }
+    if (!d_.frozen) {
+        input_half(fc, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm);
+        TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a.ln2, a_.d_res,
+                                            g.ln2_w, g.ln2_b, N, mode));
+        weight_half(fc, a.ln2, w.fc_w, w.fc_b, a_.d_fc, g.fc_w, g.fc_b);
+    } else {
         TIMED(pullback, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
         linear_pullback(i, lora_fc, fc, a.ln2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode,
                         a);
