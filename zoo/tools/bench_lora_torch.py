@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
 
-from bench_torch import _peak_rss_mib, _rss_now_mib  # this file's folder, sys.path[0] when run by path
+# this file's folder, sys.path[0] when run by path
+from bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, read_tokens, timed_steps
 
 
 def build_model(hf_config: dict, dtype, lora: dict, checkpointing: bool):
@@ -56,8 +56,7 @@ def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int
 
     torch.set_num_threads(threads)
     rss_imported = _rss_now_mib()
-    with open(os.path.join(workdir, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = read_manifest(workdir)
     B, T, o = manifest["batch"], manifest["seq_len"], manifest["optimizer"]
     dtype = torch.bfloat16 if setting == "bf16" else torch.float32
     t0 = time.perf_counter()
@@ -67,8 +66,7 @@ def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["eps"],
                             weight_decay=o["weight_decay"], fused=True)
-    data = torch.from_numpy(np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32)
-                            .reshape(B, T + 1).astype(np.int64))
+    data = torch.from_numpy(read_tokens(workdir, B, T).astype(np.int64))
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "bf16" else contextlib.nullcontext()
 
@@ -82,13 +80,7 @@ def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int
         opt.step()
         return loss.item()
 
-    for _ in range(warmup):
-        step()
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, steps, warmup)
     describe = {"bf16": "bf16 weights, fp32 adapters, autocast bf16", "fp32": "fp32"}[setting]
     return {
         "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-from .bench_torch import _peak_rss_mib, _rss_now_mib
+from .bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, read_tokens, timed_steps
 from .bench_worker import cpu_info
 
 
@@ -31,8 +30,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()
-    with open(os.path.join(workdir, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = read_manifest(workdir)
     B, T, o, lora = manifest["batch"], manifest["seq_len"], manifest["optimizer"], manifest["lora"]
     t0 = time.perf_counter()
     model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, checkpointing=checkpointing, base_dtype=base_dtype,
@@ -41,7 +39,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
                                       targets=lora["targets"]))
     build_s = time.perf_counter() - t0
     rss_built = _rss_now_mib()
-    data = np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32).reshape(B, T + 1)
+    data = read_tokens(workdir, B, T)
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
 
     def step() -> float:
@@ -50,13 +48,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
         model.adamw_step(o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["max_grad_norm"])
         return loss
 
-    for _ in range(warmup):
-        step()
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, steps, warmup)
     return {
         "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,

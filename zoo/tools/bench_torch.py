@@ -43,6 +43,34 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+# What every worker of zoo bench and bench_lora shares (zoo's import these from here too).
+def read_manifest(workdir: str) -> dict:
+    with open(os.path.join(workdir, "manifest.json")) as f:
+        return json.load(f)
+
+
+def read_tokens(workdir: str, batch: int, seq_len: int):
+    """tokens.bin as int32 (batch, seq_len + 1): inputs and targets."""
+    import numpy as np
+
+    return np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32).reshape(batch, seq_len + 1)
+
+
+def timed_steps(step, steps: int, warmup: int, after_warmup=None) -> tuple[list, list]:
+    """warmup untimed calls of step(), then after_warmup() if given, then steps timed calls:
+    (seconds of each, the losses step returned)."""
+    for _ in range(warmup):
+        step()
+    if after_warmup:
+        after_warmup()
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def load_weights(model, weights_path: str) -> tuple[list, list]:
     """Reads weights.bin straight into the model's parameters (no intermediate copies) and
     returns (decayed, not decayed) parameter lists, following zoo's decay mask. A fused role
@@ -76,8 +104,7 @@ def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int, pre
 
     torch.set_num_threads(threads)
     rss_imported = _rss_now_mib()
-    with open(os.path.join(workdir, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = read_manifest(workdir)
     cfg, B, T = manifest["config"], manifest["batch"], manifest["seq_len"]
     opt_cfg = manifest["optimizer"]
 
@@ -89,8 +116,7 @@ def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int, pre
     opt = torch.optim.AdamW(groups, fused=True, **kw) if optimizer == "fused" else torch.optim.AdamW(groups, **kw)
     params = decay + no_decay
 
-    data = torch.from_numpy(np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32)
-                            .reshape(B, T + 1).astype(np.int64))
+    data = torch.from_numpy(read_tokens(workdir, B, T).astype(np.int64))
     x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
     clip = opt_cfg["max_grad_norm"]
 
@@ -108,13 +134,7 @@ def run(workdir: str, optimizer: str, steps: int, warmup: int, threads: int, pre
         opt.step()
         return loss.item()
 
-    for _ in range(warmup):
-        step()
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, steps, warmup)
     return {
         "step_s": times, "losses": losses,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,

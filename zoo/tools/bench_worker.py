@@ -27,7 +27,7 @@ import time
 
 # The PyTorch worker runs bench_torch.py by path (it never imports zoo); zoo's worker shares
 # its memory probes.
-from .bench_torch import _peak_rss_mib, _rss_now_mib
+from .bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, read_tokens, timed_steps
 
 
 # The /proc/cpuinfo flags that decide how bf16 (and fp32) products can run.
@@ -107,11 +107,10 @@ def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str,
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()
-    with open(os.path.join(workdir, "manifest.json")) as f:
-        manifest = json.load(f)
+    manifest = read_manifest(workdir)
     B, T, o = manifest["batch"], manifest["seq_len"], manifest["optimizer"]
     model = load_model(workdir, manifest, ad, checkpointing, precision)
-    data = np.fromfile(os.path.join(workdir, "tokens.bin"), dtype=np.int32).reshape(B, T + 1)
+    data = read_tokens(workdir, B, T)
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
 
     def step() -> float:
@@ -120,15 +119,8 @@ def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str,
         model.adamw_step(o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["max_grad_norm"])
         return loss
 
-    for _ in range(warmup):
-        step()
-    if mode == "profile":
-        model.set_profiling(True)
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(step, steps, warmup,
+                                after_warmup=(lambda: model.set_profiling(True)) if mode == "profile" else None)
     peak = _peak_rss_mib()
     activation_error = None
     try:  # the planned activation arena: informative only, never a reason to lose the timings
