@@ -65,9 +65,9 @@ inline void exp_into(float z, float* out) { *out = fast_exp(z); }
 
 #ifdef ZOO_CLAD_TU
 // Derivatives Clad takes instead of differentiating the bodies above: fast_exp bit-casts
-// through memcpy, which Clad cannot see through, and row_max's lanes would be taped element
-// by element; softmax_shift's is zero, exp_row's and exp_into's read their output (see each).
-// All have a closed form.
+// through memcpy, which Clad cannot see through; softmax_shift's is zero (row_max's lanes would
+// be taped element by element, and no differentiated kernel calls row_max itself); exp_row's
+// and exp_into's read their output (see each). All have a closed form.
 namespace clad::custom_derivatives::zoo {
 inline clad::ValueAndPushforward<float, float> fast_exp_pushforward(float x, float d_x) {
     float e = ::zoo::fast_exp(x);
@@ -76,13 +76,6 @@ inline clad::ValueAndPushforward<float, float> fast_exp_pushforward(float x, flo
 inline clad::ValueAndPushforward<float, float> sigmoid_pushforward(float z, float d_z) {
     float s = ::zoo::sigmoid(z);
     return {s, s * (1.0f - s) * d_z};
-}
-// d max / dx is one at the first element that attains the max.
-inline void row_max_pullback(const float* x, int n, float d_y, float* d_x, int* d_n) {
-    float m = ::zoo::row_max(x, n);
-    int i = 0;
-    while (i < n - 1 && !(x[i] == m)) i++;
-    if (n > 0) d_x[i] += d_y;
 }
 // Shift invariance: nothing flows back through the shift, and the reverse sweep neither
 // recomputes the maximum nor scans for where it is.
