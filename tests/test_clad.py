@@ -55,14 +55,6 @@ def batch(cfg, B=3, T=20, seed=3):
     return tokens, targets
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    n = zoo.get_threads()
-    zoo.set_threads(request.param)
-    yield request.param
-    zoo.set_threads(n)
-
-
 # --- both builds ------------------------------------------------------------------------
 
 

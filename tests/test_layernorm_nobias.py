@@ -21,14 +21,6 @@ LLAMA_NAMED = ModelConfig(vocab_size=67, max_seq_len=32, d_model=36, n_layer=2, 
                           mlp_bias=False, tied_embeddings=False)
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    n = zoo.get_threads()
-    zoo.set_threads(request.param)
-    yield request.param
-    zoo.set_threads(n)
-
-
 def rows(n, C, seed):
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal((n, C)) * 2 + 0.5).astype(np.float32)

@@ -19,14 +19,6 @@ LLAMA = zoo.ModelConfig(
 BACKENDS = ["manual"] + (["clad"] if CLAD else [])
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    n = zoo.get_threads()
-    zoo.set_threads(request.param)
-    yield request.param
-    zoo.set_threads(n)
-
-
 @pytest.mark.parametrize("ad", BACKENDS)
 @pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_a_training_step_allocates_nothing(cfg, ad, threads):
