@@ -51,11 +51,11 @@ void bind_clad_blocks(py::module_ m) {
     m.def("rope_pullback_clad", [](F dy, F inv_freq, int head_dim) {
         int B = (int)dy.shape(0), T = (int)dy.shape(1), H = (int)(dy.shape(2) / head_dim);
         zoo::RoPE rope{head_dim};
-        std::vector<float> c((size_t)T * head_dim / 2), s(c.size()), scratch(rope.clad_scratch_floats(threads()));
+        std::vector<float> c((size_t)T * head_dim / 2), s(c.size());
         rope.build_tables(inv_freq.data(), c.data(), s.data(), T);
         F dx(shape_of(dy));
         std::memcpy(dx.mutable_data(), dy.data(), sizeof(float) * dy.size());
-        rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr, scratch.data());
+        rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return dx;
     });
     m.def("attention_pullback_clad", [](F qkv, F dout, int n_head, int n_kv_head, int head_dim) {

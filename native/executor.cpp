@@ -445,7 +445,6 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
     auto need = [&](ScratchFloats f, int C) { return f ? f(C, threads) : 0; };
     size_t n = need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats, d.d_model);
     n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
-    if (d.rope && ad.on("rope")) n = std::max(n, RoPE{d.head_dim}.clad_scratch_floats(threads));
     if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
         int widest = 0;
         if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
@@ -896,7 +895,7 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_, scratch));
+                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_));
     if (!d_.frozen) {
         input_half(qkv, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm);
         TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a.ln1, a_.d_res, g.ln1_w,

@@ -223,7 +223,7 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
     const ::zoo::Dims& d = *c->d;
     if (d.rope)
         c->pb->rope(::zoo::RoPE{d.head_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
-                    c->B, c->T, c->positions, c->plan->pullback_scratch);
+                    c->B, c->T, c->positions);
 }
 
 // The attention pullback writes d_qkv: the arrangement's one reader of qkv (the layer pullback

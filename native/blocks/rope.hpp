@@ -10,15 +10,29 @@
 
 namespace zoo {
 
-// The tables are restrict: Clad copies the qualifier into the gradient, whose reverse loop
-// clears each adjoint before adding into it; without it clang must keep those stores ahead of
-// the table loads (1.45x the hand-written pullback instead of 1.1x, docs/clad.md).
+// One rotated pair as a scalar function, the Clad backend's unit (as the activations'
+// element functions are): its gradient is inlined into a loop of the same shape as the
+// forward's, and the replayed rotation, dead scalars, is dropped by the compiler. Clad's
+// gradient of the whole in-place row replayed the rotation into a scratch row before its
+// reverse loop (1.4-1.5x the hand-written pullback at two threads, docs/clad.md).
+inline void rope_rotate_pair(float a, float b, float c, float s, float& out_a, float& out_b) {
+    out_a = a * c - b * s;
+    out_b = b * c + a * s;
+}
+
 inline void rope_forward_row(float* x, const float* __restrict__ cos_row, const float* __restrict__ sin_row,
                              int half) {
+    for (int i = 0; i < half; i++) rope_rotate_pair(x[i], x[i + half], cos_row[i], sin_row[i], x[i], x[i + half]);
+}
+
+// One head's adjoint rotated back, in place. Restrict pointers: the tables are never the
+// adjoint, so the compiler need not check at run time whether stores to it change them.
+inline void rope_pullback_head(float* __restrict__ d, const float* __restrict__ cos_row,
+                               const float* __restrict__ sin_row, int half) {
     for (int i = 0; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        x[i] = a * cos_row[i] - b * sin_row[i];
-        x[i + half] = b * cos_row[i] + a * sin_row[i];
+        const float a = d[i], b = d[i + half];
+        d[i] = a * cos_row[i] + b * sin_row[i];
+        d[i + half] = b * cos_row[i] - a * sin_row[i];
     }
 }
 
@@ -55,37 +69,28 @@ struct RoPE {
         int half = head_dim / 2;
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
-            const float* c = cos_t + (size_t)position_of(positions, n, T) * half;
-            const float* s = sin_t + (size_t)position_of(positions, n, T) * half;
-            for (int h = 0; h < n_heads; h++) {
-                float* d = dx + (size_t)n * stride + h * head_dim;
-                for (int i = 0; i < half; i++) {
-                    float a = d[i], b = d[i + half];
-                    d[i] = a * c[i] + b * s[i];
-                    d[i + half] = b * c[i] - a * s[i];
-                }
-            }
+            const size_t p = (size_t)position_of(positions, n, T) * half;
+            for (int h = 0; h < n_heads; h++)
+                rope_pullback_head(dx + (size_t)n * stride + h * head_dim, cos_t + p, sin_t + p, half);
         }
     }
 
-    // The Clad backend's pullback: Clad's gradient of rope_forward_row, in place on the
-    // adjoint like pullback (defined below, compiled only into a Clad build). The rotation is
-    // linear, so the replayed forward's input does not matter: it rotates a zero row in
-    // scratch (clad_scratch_floats()) instead of the saved q and k.
-    size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)head_dim + 15) / 16 * 16); }
+    // The Clad backend's pullback: Clad's gradient of rope_rotate_pair, in place on the adjoint
+    // like pullback (defined below, compiled only into a Clad build). The rotation is linear,
+    // so its partials do not depend on the rotated values: the saved q and k are not read.
     void pullback_clad(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                       int B, int T, const int32_t* positions, float* scratch) const;
+                       int B, int T, const int32_t* positions) const;
 };
 
 // The registry entry (native/registry.hpp): in place on the adjoint.
 using RopePullback = void (*)(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
-                              const float* sin_t, int B, int T, const int32_t* positions, float* scratch);
+                              const float* sin_t, int B, int T, const int32_t* positions);
 void rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
-                        int B, int T, const int32_t* positions, float* scratch);
+                        int B, int T, const int32_t* positions);
 inline const FixedBlock<RopePullback> rope_block{
     "rope",
     [](const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t, int B, int T,
-       const int32_t* positions, float*) { r.pullback(dx, stride, n_heads, cos_t, sin_t, B, T, positions); },
+       const int32_t* positions) { r.pullback(dx, stride, n_heads, cos_t, sin_t, B, T, positions); },
     ZOO_CLAD_FN(rope_pullback_clad),
     /*in_step=*/true,
 };
@@ -93,25 +98,34 @@ inline const FixedBlock<RopePullback> rope_block{
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* cos_t,
-                              const float* sin_t, int B, int T, const int32_t* positions, float* scratch) const {
+namespace zoo {
+// One head's adjoint, rotated back in place: the pair gradient per element. A function of
+// its own with restrict pointers, as gated_row_clad (clad_backend.hpp).
+inline void rope_pullback_head_clad(float* __restrict__ d, const float* __restrict__ cos_row,
+                                    const float* __restrict__ sin_row, int half) {
+    auto gradient = clad::gradient(rope_rotate_pair, "a, b, out_a, out_b");
+    for (int i = 0; i < half; i++) {
+        float da = 0.0f, db = 0.0f, out_a, out_b, d_out_a = d[i], d_out_b = d[i + half];
+        gradient.execute(0.0f, 0.0f, cos_row[i], sin_row[i], out_a, out_b, &da, &db, &d_out_a, &d_out_b);
+        d[i] = da;
+        d[i + half] = db;
+    }
+}
+}  // namespace zoo
+
+void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t, int B,
+                              int T, const int32_t* positions) const {
     const int half = head_dim / 2;
-#pragma omp parallel
-    {
-        auto grad = clad::gradient(rope_forward_row, "x");
-        float* x = scratch + omp_get_thread_num() * clad_pad(head_dim);
-        for (int i = 0; i < head_dim; i++) x[i] = 0.0f;
-#pragma omp for schedule(static)
-        for (int n = 0; n < B * T; n++) {
-            const size_t p = (size_t)position_of(positions, n, T) * half;
-            for (int h = 0; h < n_heads; h++)
-                grad.execute(x, cos_t + p, sin_t + p, half, dx + (size_t)n * stride + h * head_dim);
-        }
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < B * T; n++) {
+        const size_t p = (size_t)position_of(positions, n, T) * half;
+        for (int h = 0; h < n_heads; h++)
+            rope_pullback_head_clad(dx + (size_t)n * stride + h * head_dim, cos_t + p, sin_t + p, half);
     }
 }
 
 void zoo::rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
-                             const float* sin_t, int B, int T, const int32_t* positions, float* scratch) {
-    r.pullback_clad(dx, stride, n_heads, cos_t, sin_t, B, T, positions, scratch);
+                             const float* sin_t, int B, int T, const int32_t* positions) {
+    r.pullback_clad(dx, stride, n_heads, cos_t, sin_t, B, T, positions);
 }
 #endif
