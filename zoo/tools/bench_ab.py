@@ -28,7 +28,9 @@ from typing import Optional
 
 
 def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
-    """In the worker process: zoo's step times (seconds) and losses."""
+    """In the worker process: zoo's step times (seconds) and losses. The timing loop is this
+    module's own, not bench_torch.timed_steps: the worker imports the base build's zoo, whose
+    tools may predate it."""
     import numpy as np
 
     import zoo
