@@ -63,7 +63,16 @@ struct Matmul {
     dnnl::matmul primitive;
     dnnl::memory a, b, c;
     std::string kernel;  // oneDNN's name for the implementation it picked
+    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (packed, in the layout they
+    // are stored in) before the call: where oneDNN's fpmath_mode::bf16 picks no bf16 kernel.
+    bool rounds_operands = false;
 };
+
+// Whether oneDNN's implementation runs on bf16 dot-product instructions.
+bool is_bf16_kernel(const std::string& impl) {
+    return impl.find("amx") != std::string::npos || impl.find("bf16") != std::string::npos ||
+           impl.find("vnni_2") != std::string::npos;
+}
 
 dnnl::engine& engine() {
     static dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -74,25 +83,49 @@ Matmul make_matmul(const Key& k) {
     using dt = dnnl::memory::data_type;
     using dims = dnnl::memory::dims;
     // A (M,K) and B (K,N) described by strides, so a transposed operand is read in place.
-    const dt in = k.bf16_operands ? dt::bf16 : dt::f32;
-    const dnnl::memory::desc a({k.M, k.K}, in, k.trans_a ? dims{1, k.lda} : dims{k.lda, 1});
-    const dnnl::memory::desc b({k.K, k.N}, in, k.trans_b ? dims{1, k.ldb} : dims{k.ldb, 1});
+    auto describe = [&](dt in, int lda, int ldb) {
+        return std::pair{dnnl::memory::desc({k.M, k.K}, in, k.trans_a ? dims{1, lda} : dims{lda, 1}),
+                         dnnl::memory::desc({k.K, k.N}, in, k.trans_b ? dims{1, ldb} : dims{ldb, 1})};
+    };
     const dnnl::memory::desc c({k.M, k.N}, dt::f32, dims{k.ldc, 1});
     dnnl::primitive_attr attr;
-    // bf16: oneDNN rounds both operands to bf16 (round to nearest even) and accumulates the
-    // products in fp32, on the CPU's bf16 dot-product instructions (AVX512_BF16, AMX).
-    if (k.precision == (int)Precision::bf16) attr.set_fpmath_mode(dnnl::fpmath_mode::bf16);
     if (k.accumulate) {
         dnnl::post_ops ops;
         ops.append_sum(1.0f);
         attr.set_post_ops(ops);
     }
-    const dnnl::matmul::primitive_desc pd(engine(), a, b, c, attr);
-    return {dnnl::matmul(pd), dnnl::memory(a, engine(), nullptr), dnnl::memory(b, engine(), nullptr),
-            dnnl::memory(c, engine(), nullptr), pd.impl_info_str()};
+    auto make = [&](const std::pair<dnnl::memory::desc, dnnl::memory::desc>& ab, const dnnl::primitive_attr& at) {
+        const dnnl::matmul::primitive_desc pd(engine(), ab.first, ab.second, c, at);
+        return Matmul{dnnl::matmul(pd), dnnl::memory(ab.first, engine(), nullptr),
+                      dnnl::memory(ab.second, engine(), nullptr), dnnl::memory(c, engine(), nullptr),
+                      pd.impl_info_str()};
+    };
+    if (k.bf16_operands || k.precision != (int)Precision::bf16) return make(describe(k.bf16_operands ? dt::bf16 : dt::f32, k.lda, k.ldb), attr);
+    // bf16 of fp32 operands: oneDNN rounds both to bf16 (nearest even) and sums in fp32. On AMX
+    // its fpmath_mode::bf16 takes the AMX kernels; on AVX512_BF16 without AMX (Zen 4, Zen 5),
+    // oneDNN 3.2 runs the fp32 kernel instead, so there zoo rounds the operands itself and hands
+    // oneDNN bf16 ones, which take its bf16 kernels.
+    dnnl::primitive_attr fpmath = attr;
+    fpmath.set_fpmath_mode(dnnl::fpmath_mode::bf16);
+    Matmul m = make(describe(dt::f32, k.lda, k.ldb), fpmath);
+    if (is_bf16_kernel(m.kernel)) return m;
+    const int packed_a = k.trans_a ? k.M : k.K, packed_b = k.trans_b ? k.K : k.N;
+    Matmul r = make(describe(dt::bf16, packed_a, packed_b), attr);
+    if (!is_bf16_kernel(r.kernel)) return m;  // no bf16 kernel either way: keep oneDNN's own rounding
+    r.rounds_operands = true;
+    return r;
 }
 
-std::string onednn_kernel(const Key& k) { return make_matmul(k).kernel; }
+std::string onednn_kernel(const Key& k) {
+    const Matmul m = make_matmul(k);
+    return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel;
+}
+
+// rows x cols of a (leading dimension lda) rounded to bf16, packed.
+void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 32768)
+    for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
+}
 
 void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
                  int ldb, float beta, float* C, int ldc, bool bf16_operands = false) {
@@ -109,6 +142,18 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
         it = cache.emplace(key, make_matmul(key)).first;
     }
     Matmul& m = it->second;
+    if (m.rounds_operands) {
+        // One buffer for both rounded operands, grown to the largest product seen: after a
+        // step's first product of each shape, nothing is allocated.
+        static std::vector<uint16_t> rounded;
+        const size_t na = (size_t)M * K, nb = (size_t)K * N;
+        if (rounded.size() < na + nb) rounded.resize(na + nb);
+        uint16_t *a16 = rounded.data(), *b16 = a16 + na;
+        to_bf16_rows(static_cast<const float*>(A), lda, ta ? K : M, ta ? M : K, a16);
+        to_bf16_rows(static_cast<const float*>(B), ldb, tb ? N : K, tb ? K : N, b16);
+        A = a16;
+        B = b16;
+    }
     dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
     dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
     dnnl_memory_set_data_handle(m.c.get(), C);
@@ -180,12 +225,6 @@ int k_block_rows(Precision p, const Matrix& W) {
 }
 
 size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 values in floats, 64-byte rounded
-
-void to_bf16_rows(const float* a, int lda, int M, int K, uint16_t* out) {
-#pragma omp parallel for schedule(static)
-    for (int m = 0; m < M; m++)
-        for (int k = 0; k < K; k++) out[(size_t)m * K + k] = to_bf16(a[(size_t)m * lda + k]);
-}
 
 }  // namespace
 
