@@ -3,7 +3,7 @@
 #   make test   set up with the test extras, then run the whole suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-NATIVE := $(wildcard native/*.hpp native/*.cpp native/blocks/*.hpp) CMakeLists.txt pyproject.toml
+NATIVE := $(wildcard native/*/*.hpp native/*/*.cpp) CMakeLists.txt pyproject.toml
 
 .PHONY: demo test setup setup-dev clean
 

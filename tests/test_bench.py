@@ -16,7 +16,7 @@ import pytest
 import zoo
 from zoo.tools import bench
 from zoo.cli import main
-from zoo.presets import preset
+from zoo.core.presets import preset
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
@@ -74,7 +74,7 @@ def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precisi
 
 def check_bf16(r: dict, cfg, batch: int, seq_len: int) -> None:
     """zoo_bf16 ran with bf16 products through oneDNN, and the report says so."""
-    from zoo._load_native import _native
+    from zoo.core.native import _native
 
     tokens = batch * seq_len
     check_common(r, cfg, batch, seq_len, precision="bf16")
@@ -269,7 +269,7 @@ def test_step_flops_gpt2():
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_bench_weights_are_zoos_init(tmp_path, name):
-    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.layout.initial_value)."""
+    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.core.layout.initial_value)."""
     cfg = preset(name)
     bench.write_workdir(tmp_path, cfg, 1, 8, seed=5)
     weights = np.fromfile(tmp_path / "weights.bin", dtype=np.float32)
@@ -286,7 +286,7 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path):
     this zoo), not through the editable install; both give the same losses."""
     import shutil
 
-    from zoo._load_native import _native
+    from zoo.core.native import _native
     from zoo.tools import bench_ab
 
     root = tmp_path / "base"

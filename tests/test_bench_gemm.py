@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo._load_native import _native
-from zoo.config import ModelConfig
-from zoo.presets import preset
+from zoo.core.native import _native
+from zoo.core.config import ModelConfig
+from zoo.core.presets import preset
 from zoo.tools import bench, bench_gemm
 
 GEMM = zoo.gemm_info()

@@ -59,8 +59,8 @@ def test_bf16_logits_and_cached_generation_agree():
 
 
 def test_the_trainer_runs_bf16_and_refuses_to_resume_in_another_precision(tmp_path):
-    from zoo.train_config import TrainConfig
-    from zoo.trainer import Trainer, TrainError
+    from zoo.train.config import TrainConfig
+    from zoo.train.trainer import Trainer, TrainError
 
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 200)

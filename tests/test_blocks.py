@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from zoo import ModelConfig, RopeScaling
-from zoo._load_native import _native
+from zoo.core.native import _native
 from zoo.model import rope_inv_freq
 
 try:  # the finite-difference checks need no torch; the reference checks skip without it

@@ -10,9 +10,9 @@ import pytest
 
 from zoo.tools import cards
 from zoo.cli import main
-from zoo.config import ModelConfig
-from zoo.memory import finetune_memory_bytes
-from zoo.presets import PRESETS
+from zoo.core.config import ModelConfig
+from zoo.core.memory import finetune_memory_bytes
+from zoo.core.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / cards.CARDS_DIR
@@ -169,7 +169,7 @@ def test_broken_benchmark_file(tmp_path, capsys):
 
 
 def test_a_card_names_each_block_by_what_it_is():
-    from zoo.presets import Preset
+    from zoo.core.presets import Preset
 
     base = PRESETS[0].config.model_dump()
     for norm, mlp, words in (("rmsnorm", "relu2", ("RMSNorm (`rmsnorm`)", "squared ReLU (`relu2`)")),

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from zoo.chat_template import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError
-from zoo.tokenizers import Tokenizer
+from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError
+from zoo.text.tokenizers import Tokenizer
 
 BOS, EOS = "<|bos|>", "<|eos|>"  # zoo's byte-level tokenizer's, which the reference tokenizer below has
 

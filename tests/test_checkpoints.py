@@ -15,10 +15,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import zoo  # noqa: E402
 from hf_helpers import (assert_parity, hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2,  # noqa: E402
                         tiny_llama, tokens)
-from zoo.checkpoints import format_inspection, inspect_checkpoint, load_pretrained, save_pretrained  # noqa: E402
-from zoo.errors import CheckpointError  # noqa: E402
-from zoo.safetensors_io import CheckpointReader  # noqa: E402
-from zoo.tokenizers import Tokenizer  # noqa: E402
+from zoo.io.checkpoints import format_inspection, inspect_checkpoint, load_pretrained, save_pretrained  # noqa: E402
+from zoo.core.errors import CheckpointError  # noqa: E402
+from zoo.io.safetensors import CheckpointReader  # noqa: E402
+from zoo.text.tokenizers import Tokenizer  # noqa: E402
 
 STORIES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "stories260K-hf"
 if not STORIES.is_dir():
@@ -347,7 +347,7 @@ def test_loading_streams_from_the_map(tmp_path, dtype):
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_finetune_memory_is_what_a_model_allocates(preset):
-    from zoo.memory import finetune_memory_bytes
+    from zoo.core.memory import finetune_memory_bytes
 
     cfg = zoo.preset(preset)
     mem = finetune_memory_bytes(cfg, 4, 128)

@@ -106,8 +106,8 @@ def test_asking_for_clad_says_it_was_not_built(ad):
 
 @without_clad
 def test_relu2_does_not_train_without_clad_and_names_the_block(tmp_path):
-    from zoo.train_config import TrainConfig
-    from zoo.trainer import Trainer
+    from zoo.train.config import TrainConfig
+    from zoo.train.trainer import Trainer
 
     model = zoo.Model(RELU2_TINY, seed=0)
     assert model.ad["relu2"] is None

@@ -14,7 +14,7 @@ import pytest
 
 from hf_tiny import LLAMA2_TOKENIZER, SHAKESPEARE, gpt2_checkpoint, hf_logits, llama_checkpoint
 from zoo.cli import main
-from zoo.train_config import DEMO_DATA
+from zoo.train.config import DEMO_DATA
 
 FAST = ["--threads", "1", "--no-progress", "--sample-tokens", "0"]
 
@@ -76,7 +76,7 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     print(family, "validation losses", val)
     assert val[-1] <= 0.7 * val[0], val
     tokens = np.random.default_rng(0).integers(0, 300, (2, 24))
-    from zoo.checkpoints import load_pretrained
+    from zoo.io.checkpoints import load_pretrained
 
     ours = load_pretrained(out).logits(tokens)
     np.testing.assert_allclose(hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
@@ -86,7 +86,7 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     # transformers' generation_config.json of --from comes along unchanged.
     import transformers
 
-    from zoo.tokenizers import Tokenizer
+    from zoo.text.tokenizers import Tokenizer
 
     tok, ref = Tokenizer.from_pretrained(out), transformers.AutoTokenizer.from_pretrained(str(out))
     text = "Crème brûlée — Съешь ещё 日本語 🙂\n\n  def f(): return 1  "
@@ -111,9 +111,9 @@ def test_demo_generate_and_plot(tmp_path, capsys, cache):
     rc, stdout, err = run(capsys, "generate", "--from", out, "--prompt", "The keeper", "--temperature", 0,
                           "--max-new-tokens", 24, "--threads", 1, "--no-echo")
     assert rc == 0, err
-    from zoo.checkpoints import load_pretrained
+    from zoo.io.checkpoints import load_pretrained
     from zoo.generate import generate, prompt_tokens
-    from zoo.tokenizers import Tokenizer
+    from zoo.text.tokenizers import Tokenizer
 
     tok = Tokenizer.from_pretrained(out)
     ids = generate(load_pretrained(out), prompt_tokens(tok, "The keeper"), 24, stop_ids=tok.eos_ids)
@@ -128,7 +128,7 @@ def test_generate_from_token_ids(tmp_path, capsys):
     """--prompt-ids: a checkpoint without tokenizer files generates (stopping at its config's
     EOS), printing ids; with a tokenizer, their text follows; bad ids are refused by name."""
     import zoo
-    from zoo.checkpoints import load_pretrained, save_pretrained
+    from zoo.io.checkpoints import load_pretrained, save_pretrained
     from zoo.generate import generate
 
     stories = SHAKESPEARE.parent / "stories260K-hf"  # a Llama that transformers wrote, with no tokenizer files

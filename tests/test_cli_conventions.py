@@ -14,8 +14,8 @@ import pytest
 
 import zoo
 from zoo.cli import build_parser, main
-from zoo.tokenizers import Tokenizer
-from zoo.train_config import DEMO, DEMO_DATA, TrainConfig
+from zoo.text.tokenizers import Tokenizer
+from zoo.train.config import DEMO, DEMO_DATA, TrainConfig
 
 FAST = ["--threads", "1", "--no-progress", "--sample-tokens", "0"]
 ZOO = [sys.executable, "-m", "zoo.cli"]
@@ -121,7 +121,7 @@ def test_train_help_says_the_demo_has_settings_of_its_own(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     demo = text[text.index("embedded demo"):].replace("- ", "-")
-    assert "DEMO in zoo/train_config.py" in demo
+    assert "DEMO in zoo/train/config.py" in demo
     for name in DEMO:
         if name != "data":
             assert "-" + name.replace("_", "-") in demo, name
@@ -131,7 +131,7 @@ def test_train_help_says_the_demo_has_settings_of_its_own(capsys):
 
 
 def test_generate_echoes_the_prompt_unless_told_not_to(checkpoint, capsys):
-    from zoo.checkpoints import load_pretrained
+    from zoo.io.checkpoints import load_pretrained
     from zoo.generate import generate, prompt_tokens
 
     tok = Tokenizer.from_pretrained(checkpoint)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.train_config import DEMO_DATA, TrainConfig
+from zoo.train.config import DEMO_DATA, TrainConfig
 
 
 def _batch(seed=0, B=4, T=32):
@@ -79,7 +79,7 @@ def test_reduced_gradients_replace_the_pass_norm():
 
 
 def test_batch_share_covers_the_global_batch_once():
-    from zoo.data import DataError, batch_share
+    from zoo.train.data import DataError, batch_share
 
     rows = [batch_share(8, 3, r, 4) for r in range(4)]  # 8 rows split: a slice of every micro-batch
     assert [s.rows for s in rows] == [(0, 2), (2, 4), (4, 6), (6, 8)] and all(s.micros == range(3) for s in rows)
@@ -92,7 +92,7 @@ def test_batch_share_covers_the_global_batch_once():
 
 
 def test_shard_bounds_are_aligned_and_cover_the_region():
-    from zoo.distributed import shard_bounds
+    from zoo.train.distributed import shard_bounds
 
     b = shard_bounds(0, 133_440, 3)
     assert b[0] == 0 and b[-1] == 133_440 and all(x % 16 == 0 for x in b[:-1]) and b == sorted(set(b))
@@ -107,8 +107,8 @@ def _mpi_missing() -> str | None:
         import mpi4py  # noqa: F401
     except ImportError:
         return "mpi4py is not installed (pip install 'zoo[mpi]'; make test installs it)"
-    from zoo.errors import DistributedError
-    from zoo.launch import find_mpirun
+    from zoo.core.errors import DistributedError
+    from zoo.train.launch import find_mpirun
 
     try:
         find_mpirun()
@@ -150,7 +150,7 @@ def _launch(ranks: int, out: Path, env: dict | None = None, timeout: float = TIM
 
 
 def _one_process(out: Path, **settings):
-    from zoo.trainer import Trainer
+    from zoo.train.trainer import Trainer
 
     n = zoo.get_threads()
     run = {k: v for k, v in RUN.items() if not ("from_dir" in settings and k == "preset")}
@@ -166,7 +166,7 @@ def _records(out: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _weights(folder: Path) -> dict[str, np.ndarray]:
-    from zoo.safetensors_io import SafetensorsFile
+    from zoo.io.safetensors import SafetensorsFile
 
     weights = folder / "model.safetensors"
     if not weights.exists():  # a LoRA run's: its adapters
@@ -280,11 +280,11 @@ def test_zero_1_shards_the_moments_and_saves_them_whole(tmp_path):
     plain_status, plain_console, _ = _launch(2, tmp_path / "plain")
     assert plain_status == 0, plain_console
     n = zoo.preset("tiny-llama").num_parameters()
-    from zoo.memory import human_bytes
+    from zoo.core.memory import human_bytes
 
     assert f"AdamW moments {human_bytes(8 * (n // 2 // 16 * 16))}" in console  # rank 0's shard
     assert f"AdamW moments {human_bytes(8 * n)}" in plain_console
-    from zoo.safetensors_io import SafetensorsFile
+    from zoo.io.safetensors import SafetensorsFile
 
     ckpt = "checkpoints/step-00000006/optimizer.safetensors"
     with SafetensorsFile(tmp_path / "zero" / ckpt) as a, SafetensorsFile(tmp_path / "plain" / ckpt) as b:
@@ -323,7 +323,7 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(two_ranks, tm
     assert status != 0 and "rank 1" in console, console
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert not (out / "config.json").exists()  # nothing published
-    from zoo.checkpoints import load_pretrained
+    from zoo.io.checkpoints import load_pretrained
 
     load_pretrained(out / "checkpoints" / "step-00000003")
     status, console, _ = _launch(2, out, resume=True)
@@ -403,7 +403,7 @@ def test_only_rank_0_touches_the_run_folder(tmp_path):
     """Every file operation of Python on a path under --out, recorded per rank by an audit
     hook (sitecustomize.py): rank 0's are many (the hook works), rank 1's none. Started by
     mpirun directly, as users of other launchers do."""
-    from zoo.launch import OPEN_MPI_ROOT_ENV, find_mpirun
+    from zoo.train.launch import OPEN_MPI_ROOT_ENV, find_mpirun
 
     hook, audit, out = tmp_path / "hook", tmp_path / "audit", tmp_path / "run"
     hook.mkdir()
@@ -473,7 +473,7 @@ def test_launch_refuses_what_it_cannot_start(argv, message, capsys):
 
 
 def test_launch_command_binds_cores_or_oversubscribes():
-    from zoo.launch import launch_command
+    from zoo.train.launch import launch_command
 
     cmd, env = launch_command("/x/mpirun", 2, ["train"], open_mpi=True, cores=8)
     assert cmd[:7] == ["/x/mpirun", "-n", "2", "--map-by", "slot:PE=4", "--bind-to", "core"]
@@ -505,7 +505,7 @@ def test_bench_dist_reports_every_system(tmp_path):
 
 GATHER = '''
 import sys, numpy as np
-from zoo import distributed
+from zoo.train import distributed
 group = distributed.world()
 if sys.argv[1] == "bcast":
     distributed.MAX_COUNT = 100  # as if the block were beyond MPI's int counts
@@ -524,7 +524,7 @@ print("ok" if np.array_equal(block, expected) else f"rank {group.rank} wrong", f
 def test_all_gather_of_shards(tmp_path, way):
     """The weights' all-gather, in one Allgatherv and in the bucketed broadcasts used where a
     block's offsets are beyond MPI's int counts (a model of 2^31 parameters and more)."""
-    from zoo.launch import OPEN_MPI_ROOT_ENV, find_mpirun
+    from zoo.train.launch import OPEN_MPI_ROOT_ENV, find_mpirun
 
     script = tmp_path / "gather.py"
     script.write_text(GATHER)

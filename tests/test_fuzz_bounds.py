@@ -16,8 +16,8 @@ import fuzz
 import pytest
 
 import zoo
-from zoo.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
-from zoo.errors import EXIT_INPUT, EXIT_RESOURCES
+from zoo.core.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
+from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_inspect_batch_times_seq_len_past_int_range(folders, batch, seq_len):
 def test_bindings_refuse_a_batch_past_the_bound_without_python_checks():
     # A library user calling the native core directly is refused there too.
     r = fuzz.python(
-        "import zoo\nfrom zoo._load_native import _native\n"
+        "import zoo\nfrom zoo.core.native import _native\n"
         "cfg = zoo.preset('tiny-gpt2').model_dump()\n"
         "try:\n    _native.activation_floats(cfg, 2**20, 2**12)\nexcept ValueError as e:\n    print(e)\n"
         "cfg['n_layer'] = 10**8\n"
@@ -150,7 +150,7 @@ def test_model_refuses_non_finite_hyperparameters_before_touching_weights(call, 
 
 BIG_MODEL_SNIPPET = """
 import resource, zoo
-from zoo.errors import ResourceError
+from zoo.core.errors import ResourceError
 try:
     zoo.Model(zoo.preset("gpt2"))
     print("built")
@@ -191,7 +191,7 @@ def test_a_model_that_fits_to_generate_is_refused_training_at_its_first_step():
     n_params = zoo.preset("tiny-gpt2").num_parameters()
     r = fuzz.python("""
 import numpy as np, zoo
-from zoo.errors import ResourceError
+from zoo.core.errors import ResourceError
 m = zoo.Model(zoo.preset("tiny-gpt2"))
 x = np.zeros((2, 8), dtype=np.int64)
 m.logits(x)
@@ -218,7 +218,7 @@ def test_train_batch_too_big_for_memory_names_checkpointing(folders, tmp_path):
 def test_forward_backward_checks_the_activation_arena_before_planning_it():
     r = fuzz.python("""
 import resource, numpy as np, zoo
-from zoo.errors import ResourceError
+from zoo.core.errors import ResourceError
 m = zoo.Model(zoo.preset("tiny-gpt2"))
 x = np.zeros((2, 8), dtype=np.int64)
 m.forward_backward(x, x)  # small enough
@@ -265,7 +265,7 @@ def test_a_kv_cache_too_big_for_memory_is_refused_before_it_is_allocated():
     n_params = zoo.preset("tiny-llama").num_parameters()
     r = fuzz.python("""
 import zoo
-from zoo.errors import ResourceError
+from zoo.core.errors import ResourceError
 m = zoo.Model(zoo.preset("tiny-llama"))
 m.reset_cache(1, 16)  # small enough
 try:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.errors import EXIT_INPUT
-from zoo.safetensors_io import INDEX_FILE, SINGLE_FILE, SafetensorsFile, write_file
-from zoo.tokenizers import Tokenizer, bytes_to_unicode
+from zoo.core.errors import EXIT_INPUT
+from zoo.io.safetensors import INDEX_FILE, SINGLE_FILE, SafetensorsFile, write_file
+from zoo.text.tokenizers import Tokenizer, bytes_to_unicode
 
 # --- valid inputs, made once per module; each case corrupts a copy -----------------------
 
@@ -465,7 +465,7 @@ def test_nonfinite_bf16_weights_and_inspect_scan_agrees_with_loading(tmp_path):
     _poison(folder, POISON, dtype="bf16")
     loading = fuzz.assert_error(generate(folder), "4 non-finite values", status=EXIT_INPUT)
     r = api(f"""
-        from zoo.checkpoints import format_inspection, inspect_checkpoint
+        from zoo.io.checkpoints import format_inspection, inspect_checkpoint
         print(format_inspection(inspect_checkpoint({str(folder)!r}, scan=True)))
         print(format_inspection(inspect_checkpoint({str(folder)!r})))
     """)
@@ -477,7 +477,7 @@ def test_nonfinite_bf16_weights_and_inspect_scan_agrees_with_loading(tmp_path):
 
 def test_inspect_scan_of_finite_weights_says_so(saved):
     r = api(f"""
-        from zoo.checkpoints import format_inspection, inspect_checkpoint
+        from zoo.io.checkpoints import format_inspection, inspect_checkpoint
         print(format_inspection(inspect_checkpoint({str(saved)!r}, scan=True)))
     """)
     assert r.returncode == 0 and "zoo can load   yes (weights scanned: all finite)" in r.stdout, r
@@ -547,8 +547,8 @@ def test_token_cache_meta_a_fifo_is_rebuilt(tmp_path):
     r = api(f"""
         import os
         from pathlib import Path
-        from zoo.data import tokenize_files
-        from zoo.tokenizers import Tokenizer
+        from zoo.train.data import tokenize_files
+        from zoo.text.tokenizers import Tokenizer
         files, tok, cache = [{str(tmp_path / "data.txt")!r}], Tokenizer.byte_level(), Path({str(tmp_path / "cache")!r})
         first = tokenize_files(files, tok, cache)
         meta = first.path.with_suffix(".json")

@@ -19,9 +19,9 @@ import fuzz
 import pytest
 
 import zoo
-from zoo.errors import EXIT_INPUT, EXIT_RESOURCES
-from zoo.plot import read_metrics
-from zoo.train_config import DEMO_DATA
+from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
+from zoo.train.plot import read_metrics
+from zoo.train.config import DEMO_DATA
 
 STEPS = 3
 STATE = "checkpoints/step-00000003/trainer_state.json"

@@ -1,4 +1,4 @@
-"""The GEMM libraries (native/gemm.hpp): which are built in and chosen, each one's products in
+"""The GEMM libraries (native/kernels/gemm.hpp): which are built in and chosen, each one's products in
 every shape class a linear layer makes, bf16 products against an fp64 reference within the
 bound bf16 rounding predicts, and the refusal where a CPU has no bf16 dot products."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo._load_native import _native
-from zoo.gemm import PrecisionError
+from zoo.core.native import _native
+from zoo.core.gemm import PrecisionError
 
 GEMM = zoo.gemm_info()
 BF16 = GEMM["bf16_native"]
@@ -139,7 +139,7 @@ def test_bf16_without_bf16_dot_products_is_refused_with_the_reason():
     # DNNL_MAX_CPU_ISA hides the CPU's bf16 instructions from oneDNN: the path of a CPU without them.
     code = ("import zoo\n"
             "try:\n    zoo.Model(zoo.preset('tiny-gpt2'), precision='bf16')\n"
-            "except zoo.gemm.PrecisionError as e:\n    print(e)\n")
+            "except zoo.core.gemm.PrecisionError as e:\n    print(e)\n")
     r = _run(code, DNNL_MAX_CPU_ISA="AVX2")
     assert r.returncode == 0, r.stderr
     if GEMM["bf16"] is None:

@@ -103,7 +103,7 @@ def _hf_models():
 def test_greedy_matches_transformers(tmp_path, family):
     torch = pytest.importorskip("torch")
     classes, configs = _hf_models()
-    from zoo.checkpoints import load_pretrained
+    from zoo.io.checkpoints import load_pretrained
 
     torch.manual_seed(0)
     hf = classes[family](configs[family]).eval()

@@ -19,8 +19,8 @@ import pytest
 import fuzz
 import zoo
 from zoo.cli import main
-from zoo.errors import CheckpointError
-from zoo.tokenizers import Tokenizer
+from zoo.core.errors import CheckpointError
+from zoo.text.tokenizers import Tokenizer
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -221,7 +221,7 @@ def test_round_trip_float32_is_exact_and_q8_0_within_its_error(tmp_path, cfg):
     model = zoo.Model(cfg, seed=3)
     ref = model.logits(TOKENS)
     path = tmp_path / "f32.gguf"
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     save_gguf(model, path, dtype="float32")
     back = zoo.Model.from_pretrained(path)
@@ -253,7 +253,7 @@ def test_round_trip_of_llama_variants(tmp_path):
                                                        original_max_position_embeddings=8192),
                           attention_bias=True, mlp_bias=True, tied_embeddings=True)
     model = zoo.Model(cfg, seed=5)
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
     from zoo.model import rope_inv_freq
 
     save_gguf(model, tmp_path / "m.gguf")
@@ -268,7 +268,7 @@ def test_round_trip_of_llama_variants(tmp_path):
 
 
 def test_export_types_and_metadata_as_gguf_reads_them(tmp_path):
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     model = zoo.Model(GPT2.model_copy(update={"vocab_size": 320}), seed=0)  # room for the byte-level ids
     save_gguf(model, tmp_path / "m.gguf", dtype="bfloat16", tokenizer=Tokenizer.byte_level())
@@ -450,7 +450,7 @@ def tiny_llama_with_vocab(path: Path, vocab: int, tokenizer_keys: dict) -> Path:
     cfg = LLAMA.model_copy(update={"vocab_size": vocab, "d_model": 32, "d_ff": 64, "n_head": 2, "n_kv_head": 1,
                                    "head_dim": 16})
     model = zoo.Model(cfg, seed=0)
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     save_gguf(model, path, dtype="float16")  # a zoo export without a tokenizer, then the test's own keys added
     r = gguf.GGUFReader(path)
@@ -556,7 +556,7 @@ def test_bpe_vocabulary_encodes_as_the_original(tmp_path, pre):
 
 
 def test_zoo_byte_level_tokenizer_round_trips(tmp_path):
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     model = zoo.Model(zoo.preset("tiny-llama"), seed=0)
     save_gguf(model, tmp_path / "m.gguf", tokenizer=Tokenizer.byte_level())
@@ -598,7 +598,7 @@ def test_convert_cli_and_finetune_a_q4_k_import(tmp_path, capsys):
 
 
 def test_generate_reads_a_gguf_as_its_converted_folder(tmp_path, capsys):
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     save_gguf(zoo.Model(zoo.preset("tiny-llama"), seed=1), tmp_path / "m.gguf", tokenizer=Tokenizer.byte_level())
     assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "hf")]) == 0
@@ -633,7 +633,7 @@ def small_llama(path: Path, **changes) -> Path:
     tensors={name: (data, type)}, arch=..."""
     cfg = LLAMA.model_copy(update={"d_model": 32, "d_ff": 64, "n_head": 2, "n_kv_head": 1, "head_dim": 16})
     model = zoo.Model(cfg, seed=0)
-    from zoo.gguf_model import save_gguf
+    from zoo.io.gguf import save_gguf
 
     save_gguf(model, path)
     r = gguf.GGUFReader(path)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.chat_template import FALLBACK_TEMPLATE, ChatTemplate
-from zoo.data import IGNORE, DataError, PackedWindows, Windows, batches_for, tokenize_files
-from zoo.tokenizers import Tokenizer
+from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+from zoo.train.data import IGNORE, DataError, PackedWindows, Windows, batches_for, tokenize_files
+from zoo.text.tokenizers import Tokenizer
 
 ZOO = [sys.executable, "-m", "zoo.cli"]
 

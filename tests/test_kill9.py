@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.safetensors_io import SafetensorsFile
-from zoo.train_config import DEMO_DATA
-from zoo.trainer import checkpoint_dirs, read_state
+from zoo.io.safetensors import SafetensorsFile
+from zoo.train.config import DEMO_DATA
+from zoo.train.trainer import checkpoint_dirs, read_state
 
 SEEDS = list(range(20))
 STEPS = 10

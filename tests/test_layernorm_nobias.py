@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo import ModelConfig, blocks
-from zoo._load_native import _native
-from zoo.layout import parameter_layout
+from zoo import ModelConfig
+from zoo.core import blocks
+from zoo.core.native import _native
+from zoo.core.layout import parameter_layout
 
 B = _native.blocks
 CLAD = bool(zoo.build_info()["clad"])

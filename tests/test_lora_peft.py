@@ -16,10 +16,10 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 import zoo  # noqa: E402
 from hf_helpers import hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llama, tokens  # noqa: E402
 from zoo.cli import main  # noqa: E402
-from zoo.errors import CheckpointError  # noqa: E402
-from zoo.hf_config import read_config  # noqa: E402
-from zoo.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
-from zoo.peft_io import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter, load_with_adapter,  # noqa: E402
+from zoo.core.errors import CheckpointError  # noqa: E402
+from zoo.io.hf_config import read_config  # noqa: E402
+from zoo.core.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
+from zoo.io.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter, load_with_adapter,  # noqa: E402
                          read_adapter, save_adapter)
 
 FAMILIES = {
@@ -120,11 +120,11 @@ def test_merge_equals_merge_and_unload(base, tmp_path, dtype):
 def test_bf16_merge_of_a_bf16_base_is_exact(base, tmp_path, monkeypatch):
     """A base stored in BF16, merged to bfloat16 (held in bf16, 2 bytes per parameter): every
     weight is PEFT's float32 merge of the same base rounded once to bf16, bit for bit."""
-    import zoo.checkpoints
+    import zoo.io.checkpoints
 
     held = []
-    load = zoo.checkpoints.load_pretrained
-    monkeypatch.setattr(zoo.checkpoints, "load_pretrained",
+    load = zoo.io.checkpoints.load_pretrained
+    monkeypatch.setattr(zoo.io.checkpoints, "load_pretrained",
                         lambda path, **kw: held.append(kw.get("base_dtype")) or load(path, **kw))
     family, _, hf = base
     folder = tmp_path / "base-bf16"

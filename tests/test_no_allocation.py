@@ -1,7 +1,7 @@
 """No heap allocation inside a training step (house rule: one memory arena planned up front).
 After a warm-up step has made the plan, further steps (zero_grads, forward_backward,
 adamw_step) make no C++ heap allocation on either backend: every scratch buffer, Clad's
-included, lives in the arenas. Counted natively (native/alloc_count.cpp) inside the calls."""
+included, lives in the arenas. Counted natively (native/executor/alloc_count.cpp) inside the calls."""
 
 import numpy as np
 import pytest

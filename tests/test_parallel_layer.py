@@ -19,10 +19,10 @@ import torch.nn.functional as F
 
 import zoo
 from zoo import ModelConfig
-from zoo.errors import CheckpointError
+from zoo.core.errors import CheckpointError
 from zoo.generate import generate
-from zoo.gguf_model import save_gguf
-from zoo.hf_config import config_to_hf, hf_incompatibility
+from zoo.io.gguf import save_gguf
+from zoo.io.hf_config import config_to_hf, hf_incompatibility
 from zoo.model import ADError
 
 CLAD = bool(zoo.build_info().get("clad"))
@@ -222,7 +222,7 @@ def test_training_is_refused_without_clad_naming_the_layer():
         model.forward_backward(tokens, targets)
     with pytest.raises(RuntimeError, match="layer='parallel'"):  # the native core refuses too
         model._exec.forward_backward(np.asarray(tokens, np.int32), np.asarray(targets, np.int32), 1.0, None)
-    assert zoo.blocks.layers()["parallel"] == {"second_norm": False, "trainable": False}
+    assert zoo.core.blocks.layers()["parallel"] == {"second_norm": False, "trainable": False}
 
 
 # --- the Clad build ----------------------------------------------------------------------------
@@ -341,7 +341,7 @@ def test_trains(cfg):
         model.adamw_step(lr=3e-3)
         first = loss if first is None else first
     assert loss < 0.8 * first
-    assert zoo.blocks.layers()["parallel"] == {"second_norm": False, "trainable": True}
+    assert zoo.core.blocks.layers()["parallel"] == {"second_norm": False, "trainable": True}
 
 
 def test_bench_layer_prints_a_table_and_writes_json(tmp_path, capsys):

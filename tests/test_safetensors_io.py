@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from zoo.errors import CheckpointError
-from zoo.safetensors_io import (CheckpointReader, SafetensorsFile, plan_shards, write_checkpoint, write_file)
+from zoo.core.errors import CheckpointError
+from zoo.io.safetensors import (CheckpointReader, SafetensorsFile, plan_shards, write_checkpoint, write_file)
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 
@@ -148,7 +148,7 @@ def test_sharding_plan_and_stale_files(tmp_path):
 
 
 def test_interrupted_write_keeps_previous_file(tmp_path, monkeypatch):
-    import zoo.safetensors_io as sio
+    import zoo.io.safetensors as sio
 
     path = tmp_path / "model.safetensors"
     write_file(path, [("a", np.ones(3, np.float32))])

@@ -10,10 +10,10 @@ import pytest
 
 import zoo
 from hf_tiny import LLAMA2_TOKENIZER, llama_checkpoint
-from zoo.checkpoints import save_pretrained
+from zoo.io.checkpoints import save_pretrained
 from zoo.cli import main
-from zoo.tokenizers import Tokenizer
-from zoo.train_config import DEMO_DATA
+from zoo.text.tokenizers import Tokenizer
+from zoo.train.config import DEMO_DATA
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")

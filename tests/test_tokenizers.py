@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo.errors import CheckpointError
-from zoo.tokenizers import Tokenizer
+from zoo.core.errors import CheckpointError
+from zoo.text.tokenizers import Tokenizer
 
 LLAMA2_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "llama2-tokenizer.model"
 if not LLAMA2_MODEL.is_file():

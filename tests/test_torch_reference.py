@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo import ModelConfig, blocks
+from zoo import ModelConfig
+from zoo.core import blocks
 from zoo.tools import bench
 
 torch = pytest.importorskip("torch")
@@ -31,7 +32,7 @@ def tokens_and_targets(cfg, B=2, T=12, seed=0):
 
 def allowed_values(field: str) -> set:
     """What a config may name: the native block registry lists the norms, MLP activations and
-    layer arrangements (zoo.blocks), the config's Literal the positions."""
+    layer arrangements (zoo.core.blocks), the config's Literal the positions."""
     if field == "norm":
         return set(blocks.norms())
     if field == "layer":

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.checkpoints import load_pretrained
-from zoo.train_config import DEMO_DATA, TrainConfig
-from zoo.trainer import Trainer, TrainError, TrainInterrupted, checkpoint_dirs, lr_at, read_state
+from zoo.io.checkpoints import load_pretrained
+from zoo.train.config import DEMO_DATA, TrainConfig
+from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, checkpoint_dirs, lr_at, read_state
 
 
 @pytest.fixture(autouse=True)

@@ -1,12 +1,12 @@
 """zoo: GPT-2 and Llama from declarative configs, native C++ blocks, fast CPU finetuning."""
 
-from ._load_native import _native
-from .config import ModelConfig, RopeScaling
-from .gemm import gemm_info, set_gemm_library
-from .lora import LoraConfig
+from .core.native import _native
+from .core.config import ModelConfig, RopeScaling
+from .core.gemm import gemm_info, set_gemm_library
+from .core.lora import LoraConfig
 from .model import Model
-from .presets import PRESETS, preset
-from .tokenizers import Tokenizer
+from .core.presets import PRESETS, preset
+from .text.tokenizers import Tokenizer
 
 __version__ = "0.1.0"
 

@@ -9,13 +9,13 @@ from typing import Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from . import blocks
-from ._load_native import _native
-from .config import ModelConfig
-from .gemm import apply_gemm_environment, check_precision
-from .layout import ParamSpec, frozen_table, initial_value, layout_table, parameter_layout, parameter_offsets
-from .lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
-from .memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
+from .core import blocks
+from .core.native import _native
+from .core.config import ModelConfig
+from .core.gemm import apply_gemm_environment, check_precision
+from .core.layout import ParamSpec, frozen_table, initial_value, layout_table, parameter_layout, parameter_offsets
+from .core.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
+from .core.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -545,12 +545,12 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Model":
-        from .checkpoints import load_pretrained
+        from .io.checkpoints import load_pretrained
 
         return load_pretrained(path, **kwargs)
 
     def save_pretrained(self, path, **kwargs) -> None:
-        from .checkpoints import save_pretrained
+        from .io.checkpoints import save_pretrained
 
         save_pretrained(self, path, **kwargs)
 

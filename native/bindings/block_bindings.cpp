@@ -12,9 +12,9 @@
 #include <utility>
 #include <vector>
 
-#include "numpy_arrays.hpp"
+#include "bindings/numpy_arrays.hpp"
 #include "blocks/adamw.hpp"
-#include "registry.hpp"
+#include "blocks/registry.hpp"
 
 namespace py = pybind11;
 

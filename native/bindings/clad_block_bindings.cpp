@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "numpy_arrays.hpp"
-#include "registry.hpp"
+#include "bindings/numpy_arrays.hpp"
+#include "blocks/registry.hpp"
 
 namespace py = pybind11;
 

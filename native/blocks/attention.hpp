@@ -7,9 +7,9 @@
 
 #include <omp.h>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../fastmath.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zoo {
 
@@ -366,7 +366,7 @@ struct Attention {
                        int B, int T) const;
 };
 
-// The registry entry (native/registry.hpp): d_qkv written; lse is the forward's (the Clad
+// The registry entry (native/blocks/registry.hpp): d_qkv written; lse is the forward's (the Clad
 // pullback replays it instead).
 using AttentionPullback = void (*)(const Attention& a, const float* qkv, const int32_t* positions, const float* lse,
                                    const float* d_out, float* d_qkv, float* scratch, int B, int T);

@@ -1,4 +1,4 @@
-// What a block registers (native/registry.hpp lists them): its name, its forward, its
+// What a block registers (native/blocks/registry.hpp lists them): its name, its forward, its
 // hand-written pullback, its Clad pullback where built, and the scratch and per-row statistics
 // each needs. The executor picks each layer's functions from these entries when a model is built
 // (and when its AD backend changes), so no call site branches on a block's kind.

@@ -6,9 +6,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../fastmath.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zoo {
 
@@ -114,7 +114,7 @@ struct CrossEntropy {
                                  float grad_scale, int* n_counted, float* scratch) const;
 };
 
-// The registry entry (native/registry.hpp): a chunk of rows' losses and, in place, their
+// The registry entry (native/blocks/registry.hpp): a chunk of rows' losses and, in place, their
 // logits' adjoint; returns the chunk's mean loss over its *n_counted counted rows.
 using CrossEntropyPullback = double (*)(const CrossEntropy& ce, float* logits, const int32_t* targets,
                                         float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,

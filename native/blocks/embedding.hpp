@@ -6,9 +6,9 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../quant.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/quant.hpp"
 
 namespace zoo {
 
@@ -99,7 +99,7 @@ struct Embedding {
     }
 };
 
-// The registry entry (native/registry.hpp).
+// The registry entry (native/blocks/registry.hpp).
 using EmbeddingPullback = void (*)(const Embedding& e, const int32_t* tokens, const int32_t* positions,
                                    const float* wte, const float* wpe, const float* dx, float* dwte, float* dwpe,
                                    int B, int T, GradMode wte_mode, GradMode wpe_mode);

@@ -6,9 +6,9 @@
 
 #include <omp.h>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../fastmath.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zoo {
 
@@ -67,7 +67,7 @@ struct GELU {
     }
 };
 
-// The registry entry (native/registry.hpp).
+// The registry entry (native/blocks/registry.hpp).
 inline const ActivationBlock gelu_block{
     "gelu", /*gate_width=*/1,
     [](int F, const float* x, float* y, int N) { GELU{F}.forward(x, y, N); },

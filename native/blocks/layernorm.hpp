@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../columns.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/columns.hpp"
 
 namespace zoo {
 
@@ -96,7 +96,7 @@ struct LayerNorm {
                        float* dw, float* db, float* scratch, int N, GradMode mode) const;
 };
 
-// The registry entry (native/registry.hpp). Statistics: mean, then rstd.
+// The registry entry (native/blocks/registry.hpp). Statistics: mean, then rstd.
 void layernorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
                              float* scratch, GradMode mode);
 inline const NormBlock layernorm_block{

@@ -1,6 +1,6 @@
 // LayerNorm without a bias: y = (x - mean) / sqrt(var + eps) * w (OLMo's and PaLM's choice;
 // torch.nn.LayerNorm(bias=False)). ModelConfig(norm="layernorm_nobias"). The worked example of
-// docs/adding_a_block.md: this header and one line in native/registry.hpp are all of its
+// docs/adding_a_block.md: this header and one line in native/blocks/registry.hpp are all of its
 // native side.
 #pragma once
 #include <cmath>
@@ -8,9 +8,9 @@
 
 #include <omp.h>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../columns.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/columns.hpp"
 
 namespace zoo {
 

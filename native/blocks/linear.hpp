@@ -4,10 +4,10 @@
 #include <cstddef>
 #include <cstring>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../columns.hpp"
-#include "../gemm.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/columns.hpp"
+#include "kernels/gemm.hpp"
 
 namespace zoo {
 
@@ -125,7 +125,7 @@ struct Linear {
                        float* y_scratch) const;
 };
 
-// The registry entry (native/registry.hpp): dx written; scratch as pullback_clad's y_scratch.
+// The registry entry (native/blocks/registry.hpp): dx written; scratch as pullback_clad's y_scratch.
 // Either half alone: dW and db null, dx only (x may be null); dx null, the parameters' only.
 using LinearPullback = void (*)(const Linear& l, const float* x, const float* W, const float* b, const float* dy,
                                 float* dx, float* dW, float* db, int N, GradMode mode, float* scratch);

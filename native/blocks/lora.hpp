@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../block.hpp"
-#include "../gemm.hpp"
+#include "blocks/block.hpp"
+#include "kernels/gemm.hpp"
 
 namespace zoo {
 
@@ -107,7 +107,7 @@ inline void lora_dropout_pullback(uint64_t seed, float p, const float* dxd, floa
         if (lora_keep(seed, i, p)) dx[i] += dxd[i] * keep_scale;
 }
 
-// The registry entry (native/registry.hpp).
+// The registry entry (native/blocks/registry.hpp).
 using LoraPullback = void (*)(const Lora& l, const float* x, const float* A, const float* B, const float* dy,
                               float* dx, float* dA, float* dB, int N, bool accumulate_dx, GradMode mode,
                               float* scratch);

@@ -6,8 +6,8 @@
 #pragma once
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
 
 namespace zoo {
 
@@ -28,7 +28,7 @@ struct ReLU2 {
     }
 };
 
-// The registry entry (native/registry.hpp): no hand-written pullback; Clad's where it is built.
+// The registry entry (native/blocks/registry.hpp): no hand-written pullback; Clad's where it is built.
 inline const ActivationBlock relu2_block{
     "relu2", /*gate_width=*/1,
     [](int F, const float* x, float* y, int N) { ReLU2{F}.forward(x, y, N); },

@@ -3,8 +3,8 @@
 #pragma once
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
 
 namespace zoo {
 
@@ -38,7 +38,7 @@ struct Residual {
                        size_t n) const;
 };
 
-// The registry entry (native/registry.hpp): pullbacks at the block level only.
+// The registry entry (native/blocks/registry.hpp): pullbacks at the block level only.
 using ResidualPullback = void (*)(const float* a, const float* b, const float* dy, float* da, float* db, size_t n);
 void residual_pullback_clad(const float* a, const float* b, const float* dy, float* da, float* db, size_t n);
 inline const FixedBlock<ResidualPullback> residual_block{

@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../columns.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/columns.hpp"
 
 namespace zoo {
 
@@ -74,7 +74,7 @@ struct RMSNorm {
                        float* scratch, int N, GradMode mode) const;
 };
 
-// The registry entry (native/registry.hpp). Statistics: rstd.
+// The registry entry (native/blocks/registry.hpp). Statistics: rstd.
 void rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
                            float* scratch, GradMode mode);
 inline const NormBlock rmsnorm_block{

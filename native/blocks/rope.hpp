@@ -5,8 +5,8 @@
 #include <cmath>
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
 
 namespace zoo {
 
@@ -82,7 +82,7 @@ struct RoPE {
                        int B, int T, const int32_t* positions) const;
 };
 
-// The registry entry (native/registry.hpp): in place on the adjoint.
+// The registry entry (native/blocks/registry.hpp): in place on the adjoint.
 using RopePullback = void (*)(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t,
                               const float* sin_t, int B, int T, const int32_t* positions);
 void rope_pullback_clad(const RoPE& r, float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,

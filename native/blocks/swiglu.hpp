@@ -3,9 +3,9 @@
 #include <cmath>
 #include <cstddef>
 
-#include "../block.hpp"
-#include "../clad_backend.hpp"
-#include "../fastmath.hpp"
+#include "blocks/block.hpp"
+#include "clad/clad_backend.hpp"
+#include "kernels/fastmath.hpp"
 
 namespace zoo {
 
@@ -64,7 +64,7 @@ struct SwiGLU {
     }
 };
 
-// The registry entry (native/registry.hpp).
+// The registry entry (native/blocks/registry.hpp).
 inline const ActivationBlock swiglu_block{
     "swiglu", /*gate_width=*/2,
     [](int F, const float* x, float* y, int N) { SwiGLU{F}.forward(x, y, N); },

@@ -1,5 +1,5 @@
 // The Clad backend's shared pieces. The pullbacks themselves sit in the block headers next to
-// the hand-written ones, each under #ifdef ZOO_CLAD_TU: only native/clad_pullbacks.cpp, which
+// the hand-written ones, each under #ifdef ZOO_CLAD_TU: only native/clad/clad_pullbacks.cpp, which
 // a Clad build compiles with the plugin, defines them. Declarations here are visible to every
 // translation unit; definitions only to that one.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "columns.hpp"
+#include "kernels/columns.hpp"
 
 namespace zoo {
 

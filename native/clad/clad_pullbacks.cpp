@@ -9,6 +9,6 @@
 // Every block comes in through the registry; clad_backend.hpp and fastmath.hpp (custom
 // derivatives) through the blocks. Each header defines its Clad pullbacks, and instantiates
 // the generic activation pullback for its row kernel, under ZOO_CLAD_TU.
-#include "registry.hpp"
+#include "blocks/registry.hpp"
 // Layer arrangements: Clad chains their block calls (layers.hpp).
-#include "layers.hpp"
+#include "layers/layers.hpp"

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <new>
 
-#include "alloc_count.hpp"
+#include "executor/alloc_count.hpp"
 
 namespace zoo {
 static std::atomic<bool> counting{false};

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "bf16.hpp"
-#include "layers.hpp"
+#include "kernels/bf16.hpp"
+#include "layers/layers.hpp"
 
 namespace zoo {
 

@@ -1,8 +1,8 @@
-#include "gemm.hpp"
+#include "kernels/gemm.hpp"
 
 #include <algorithm>
 
-#include "bf16.hpp"
+#include "kernels/bf16.hpp"
 
 #include <cpuid.h>
 #include <omp.h>

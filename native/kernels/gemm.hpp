@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "quant.hpp"
+#include "kernels/quant.hpp"
 
 namespace zoo {
 

@@ -18,7 +18,7 @@
 #include <cstring>
 #include <string>
 
-#include "bf16.hpp"
+#include "kernels/bf16.hpp"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

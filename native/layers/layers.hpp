@@ -12,8 +12,8 @@
 #include <cstring>
 #include <string>
 
-#include "bf16.hpp"
-#include "model.hpp"
+#include "kernels/bf16.hpp"
+#include "executor/model.hpp"
 
 // Clad treats a type marked so as opaque: a LayerCall argument gets no adjoint, and Clad never
 // looks inside it. Only clang knows the attribute; every translation unit of a Clad build is

@@ -15,9 +15,9 @@ import traceback
 import typing
 from pathlib import Path
 
-from .errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
+from ..core.errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
                      CheckpointError, DistributedError, ResourceError)
-from .train_config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
+from ..train.config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
 _OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM}
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 def _end_ranks(status: int) -> None:
     """A rank of a distributed run that fails on its own ends the whole job (the others would
     wait for it until --rank-timeout); ranks that stop together, or succeed, end normally."""
-    distributed = sys.modules.get("zoo.distributed")  # loaded by every distributed run
+    distributed = sys.modules.get("zoo.train.distributed")  # loaded by every distributed run
     group = distributed.current() if distributed is not None else None
     if group is not None and status != 0 and not group.agreed_stop:
         group.abort(status)
@@ -49,7 +49,7 @@ def _end_ranks(status: int) -> None:
 def _error_prefix() -> str | None:
     """How this process's error line starts: "" for one process and rank 0, "rank N: " for
     the others; None when rank 0 reports the error for every rank (they all stopped on it)."""
-    distributed = sys.modules.get("zoo.distributed")
+    distributed = sys.modules.get("zoo.train.distributed")
     group = distributed.current() if distributed is not None else None
     if group is None or group.is_root:
         return ""
@@ -80,8 +80,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 def _run_verb(argv: list[str] | None) -> int:
     """The verb, inside zoo's one error boundary: every failure ends as one `zoo: error: ...`
-    line and an exit status of its class (zoo/errors.py; docs/troubleshooting.md lists them)."""
-    from .trainer import TrainInterrupted
+    line and an exit status of its class (zoo/core/errors.py; docs/troubleshooting.md lists them)."""
+    from ..train.trainer import TrainInterrupted
 
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = None
@@ -170,8 +170,8 @@ def _error_line(e: Exception, args: argparse.Namespace | None, argv: list[str]) 
     """The exit status and the one-line message of an exception that reached the boundary."""
     from pydantic import ValidationError
 
-    from .files import field_errors
-    from .trainer import TrainError
+    from ..core.files import field_errors
+    from ..train.trainer import TrainError
 
     if isinstance(e, (ResourceError, MemoryError)) or (isinstance(e, OSError) and e.errno in _OUT_OF_ROOM):
         return EXIT_RESOURCES, _resource_message(e, args)
@@ -351,7 +351,7 @@ def _shown(value) -> str:
 
 def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
     """Settings by precedence: flags, then --config file, then the resumed run's, then defaults."""
-    from .trainer import lock_run_folder, saved_config
+    from ..train.trainer import lock_run_folder, saved_config
 
     flags = {k: getattr(args, k) for k in TrainConfig.model_fields if hasattr(args, k)}
     # Absolute paths, so a resumed run finds its files from any working directory.
@@ -390,7 +390,7 @@ def _shared_config(args: argparse.Namespace, make: typing.Callable[[], TrainConf
     """The run's settings, from make(). In a distributed run (a launcher started this process
     as one of several ranks) rank 0 alone works them out, since a --resume reads them from the
     run folder, which only rank 0 touches, and sends them to the others."""
-    from . import distributed
+    from ..train import distributed
 
     group = distributed.world(getattr(args, "rank_timeout", distributed.DEFAULT_RANK_TIMEOUT))
     if group is None:
@@ -402,15 +402,15 @@ def _shared_config(args: argparse.Namespace, make: typing.Callable[[], TrainConf
 
 def _is_root() -> bool:
     """False in the ranks of a distributed run other than rank 0 (which alone prints notes)."""
-    from . import distributed
+    from ..train import distributed
 
     group = distributed.current()
     return group is None or group.is_root
 
 
 def _run_training(cfg: TrainConfig) -> int:
-    from . import distributed
-    from .trainer import Trainer, sample_text
+    from ..train import distributed
+    from ..train.trainer import Trainer, sample_text
 
     group = distributed.current()
     real_stderr = sys.stderr
@@ -469,7 +469,7 @@ def _add_train(sub) -> None:
                        epilog="With none of --preset, --from, --data, --config and --resume, zoo train runs the "
                               "embedded demo (as zoo demo does): a tiny Llama learns the stories in zoo/assets/demo, "
                               f"with settings of its own over the defaults above: {demo} "
-                              "(DEMO in zoo/train_config.py; zoo demo --help lists them in place). Any flag given "
+                              "(DEMO in zoo/train/config.py; zoo demo --help lists them in place). Any flag given "
                               "overrides them.")
     _add_train_flags(p, {})
     p.set_defaults(run=_cmd_train)
@@ -525,7 +525,7 @@ def _add_launch(sub) -> None:
 
 
 def _cmd_launch(args) -> int:
-    from . import launch
+    from ..train import launch
 
     if args.command and args.command[0] in launch.TRAINING_VERBS:
         build_parser().parse_args(args.command)  # a usage error shows here, once, not once per rank
@@ -582,7 +582,7 @@ def _threads_and_precision(args) -> None:
     weights are read."""
     import zoo
 
-    from .gemm import check_precision
+    from ..core.gemm import check_precision
 
     if args.threads is not None:
         _check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
@@ -592,13 +592,13 @@ def _threads_and_precision(args) -> None:
 
 
 def _cmd_generate(args) -> int:
-    from .generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
-    from .tokenizers import Tokenizer, has_tokenizer
+    from ..generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
+    from ..text.tokenizers import Tokenizer, has_tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
     _threads_and_precision(args)  # before the weights are read
-    from .gguf_model import is_gguf
+    from ..io.gguf import is_gguf
 
     src = Path(args.from_dir)
     gguf_file = is_gguf(src)
@@ -669,17 +669,17 @@ def _add_eval(sub) -> None:
 
 def _run_settings(src: Path) -> dict:
     """The training settings of the run whose folder src is ({} for a plain checkpoint folder)."""
-    from .trainer import latest_checkpoint, load_state
+    from ..train.trainer import latest_checkpoint, load_state
 
     ckpt = latest_checkpoint(src)
     return json.loads(load_state(ckpt).config.model_dump_json()) if ckpt is not None else {}
 
 
 def _cmd_eval(args) -> int:
-    from .chat_template import ChatTemplate
-    from .data import all_token_ids, batches_for, tokenize_files
-    from .evaluate import evaluate
-    from .tokenizers import Tokenizer, has_tokenizer
+    from ..text.chat_template import ChatTemplate
+    from ..train.data import all_token_ids, batches_for, tokenize_files
+    from ..train.evaluate import evaluate
+    from ..text.tokenizers import Tokenizer, has_tokenizer
 
     _threads_and_precision(args)
     src = Path(args.from_dir)
@@ -712,7 +712,7 @@ def _cmd_eval(args) -> int:
     print(f"{src}: loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens "
           f"({args.split}; {windows.describe()}), {result['tokens_per_s']:,.0f} tokens/s")
     if args.json:
-        from .atomic import write_json
+        from ..core.atomic import write_json
 
         write_json(Path(args.json), {"schema": "zoo-eval/1", "from": str(src), "data": [str(d) for d in data],
                                      "split": args.split, "precision": model.precision, **s, **result})
@@ -731,10 +731,10 @@ def _add_chat(sub) -> None:
 
 
 def _cmd_chat(args) -> int:
-    from .chat import ChatSession
-    from .chat_template import ChatTemplate
-    from .generate import check_settings
-    from .tokenizers import Tokenizer
+    from ..chat import ChatSession
+    from ..text.chat_template import ChatTemplate
+    from ..generate import check_settings
+    from ..text.tokenizers import Tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     _threads_and_precision(args)
@@ -774,8 +774,8 @@ def _token_ids(flag: str, values: list[str]) -> list[int]:
 def _generate_ids(args, model, src: Path, prompt_ids: list[int], tokenizer) -> int:
     """zoo generate --prompt-ids: the ids (the prompt's unless --no-echo, then the new ones) on
     one line as they come, then their text on the next where there is a tokenizer."""
-    from .checkpoints import stop_ids
-    from .generate import NonFiniteLogits, generate
+    from ..io.checkpoints import stop_ids
+    from ..generate import NonFiniteLogits, generate
 
     vocab, context = model.config.vocab_size, model.config.max_seq_len
     outside = next((i for i in prompt_ids if i >= vocab), None)
@@ -824,7 +824,7 @@ def _add_plot(sub) -> None:
 
 
 def _cmd_plot(args) -> int:
-    from .plot import plot_run
+    from ..train.plot import plot_run
 
     print(plot_run(args.run_dir))
     return 0
@@ -847,7 +847,7 @@ def _add_inspect(sub) -> None:
 
 
 def _cmd_inspect(args) -> int:
-    from .checkpoints import format_inspection, inspect_checkpoint
+    from ..io.checkpoints import format_inspection, inspect_checkpoint
 
     _check_flag("--batch", args.batch, args.batch >= 1, ">= 1")
     if args.seq_len is not None:
@@ -865,12 +865,12 @@ def _load_allowing_nonfinite(src, allow: bool, args=None):
     run's adapters then go on the base it trained them on, and compute as it did)."""
     import warnings
 
-    from .checkpoints import load_pretrained
-    from .gemm import check_precision
+    from ..io.checkpoints import load_pretrained
+    from ..core.gemm import check_precision
 
     settings = {}
     if args is not None:
-        from .lora import default_precision
+        from ..core.lora import default_precision
 
         run = _run_settings(Path(src)) if Path(src).is_dir() else {}
         base_dtype = args.base_dtype or run.get("base_dtype")
@@ -906,7 +906,7 @@ def _add_convert(sub) -> None:
 
 
 def _cmd_convert(args) -> int:
-    from .checkpoints import save_pretrained
+    from ..io.checkpoints import save_pretrained
 
     _check_flag("--max-shard-gb", args.max_shard_gb, math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0,
                 "a finite number > 0")
@@ -918,7 +918,7 @@ def _cmd_convert(args) -> int:
         raise ValueError(f"DST {args.dst}: a folder; --to gguf writes one file (e.g. {Path(args.dst) / 'model.gguf'})")
     model = _load_allowing_nonfinite(args.src, args.allow_nonfinite)
     if to == "gguf":
-        from .gguf_model import save_gguf
+        from ..io.gguf import save_gguf
 
         out = _printing_warnings(lambda: save_gguf(model, args.dst, dtype=args.dtype))
         print(f"wrote {out} (GGUF, {args.dtype})")
@@ -943,7 +943,7 @@ def _add_merge(sub) -> None:
 
 
 def _cmd_merge(args) -> int:
-    from .peft_io import merge_adapter
+    from ..io.peft import merge_adapter
 
     out = _printing_warnings(lambda: merge_adapter(args.base, args.adapter, args.dst, dtype=args.dtype))
     print(f"wrote {out} ({args.dtype})")
@@ -966,7 +966,7 @@ def _printing_warnings(work):
 
 
 def _add_bench(sub) -> None:
-    from .tools.bench import add_arguments
+    from ..tools.bench import add_arguments
 
     p = sub.add_parser("bench", help="time a training step of zoo and of PyTorch eager, side by side "
                                      "(see docs/benchmarks.md)")
@@ -975,7 +975,7 @@ def _add_bench(sub) -> None:
 
 
 def _cmd_bench(args) -> int:
-    from .tools.bench import run_from_args
+    from ..tools.bench import run_from_args
 
     return run_from_args(args)
 
@@ -989,7 +989,7 @@ def _add_presets(sub) -> None:
 
 
 def _cmd_presets(args) -> int:
-    from .presets import PRESETS
+    from ..core.presets import PRESETS
 
     print(f"{'preset':16} {'parameters':>15}  {'layers':>6} {'d_model':>7} {'heads':>9}  blocks")
     for p in PRESETS:
@@ -1013,7 +1013,7 @@ def _add_card(sub) -> None:
 
 
 def _cmd_card(args) -> int:
-    from .tools import cards
+    from ..tools import cards
 
     bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
     data = cards.card_data(cards.find_preset(args.name), cards.read_benchmarks(bench_dir))
@@ -1032,7 +1032,7 @@ def _add_cards(sub) -> None:
 
 
 def _cmd_cards(args) -> int:
-    from .tools import cards
+    from ..tools import cards
 
     root = cards.default_root()
     out = Path(args.out) if args.out else root / cards.CARDS_DIR
@@ -1055,6 +1055,3 @@ def _cmd_cards(args) -> int:
 
 VERBS = [_add_presets, _add_train, _add_finetune, _add_demo, _add_launch, _add_generate, _add_chat, _add_eval,
          _add_plot, _add_inspect, _add_convert, _add_merge, _add_bench, _add_card, _add_cards]
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,11 +13,11 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from . import blocks
-from ._load_native import _native
+from .native import _native
 
 # Upper bounds on every size, checked here before anything is built from a config (a config.json
 # with 10^8 layers or a vocabulary of 2e9 is refused in microseconds, naming the field). They are
-# the native core's (native/limits.hpp says why each is chosen: far above every real model, low
+# the native core's (native/executor/limits.hpp says why each is chosen: far above every real model, low
 # enough that every index the kernels use fits its type), so Python and the bindings agree.
 LIMITS: dict[str, int] = dict(_native.limits)
 MAX_LAYERS = LIMITS["max_layers"]  # 1024
@@ -63,7 +63,7 @@ class ModelConfig(BaseModel):
     n_kv_head: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: = n_head (multi-head attention)
     head_dim: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: = d_model // n_head
     d_ff: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # None: 4 * d_model
-    norm: str = "layernorm"  # a norm of the block registry (zoo/blocks.py): layernorm, rmsnorm, ...
+    norm: str = "layernorm"  # a norm of the block registry (zoo/core/blocks.py): layernorm, rmsnorm, ...
     norm_eps: float = Field(default=1e-5, gt=0)
     mlp: str = "gelu"  # an activation of the registry: gelu, swiglu, relu2 (forward only without Clad), ...
     # How a layer arranges its blocks: "sequential" (x + attn(norm1(x)), then + mlp(norm2(.))) or

@@ -94,3 +94,9 @@ def read_json_model(path: str | os.PathLike, model: type[M], what: str = "JSON f
     """A JSON file parsed into a typed model: regular file, size bound, syntax and every field
     checked, each error naming the file (and the line or the field)."""
     return parse_model(path, model, read_json(path, what), what)
+
+
+def show_value(value) -> str:
+    """A value from a file, for a message: its repr, cut short (a field may hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

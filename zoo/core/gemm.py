@@ -1,11 +1,11 @@
-"""The matrix products as Python sees them (native/gemm.hpp does them): which GEMM library fp32
+"""The matrix products as Python sees them (native/kernels/gemm.hpp does them): which GEMM library fp32
 products run on, whether bf16 products can run here, and the precisions a model may take."""
 
 from __future__ import annotations
 
 import os
 
-from ._load_native import _native
+from .native import _native
 
 PRECISIONS = ("fp32", "bf16")
 

@@ -15,7 +15,7 @@ Fused GEMMs need adjacent tensors: q, k, v projections (and their biases) are la
 next to each other and bound as one "qkv" weight; gate_proj and up_proj likewise as "fc".
 
 Which tensors a norm or an activation needs (a bias, a gated input) comes from the native
-block registry (zoo/blocks.py). The executor receives the layout as a table of
+block registry (zoo/core/blocks.py). The executor receives the layout as a table of
 (role, layer, offset, count) rows (layout_table) and binds it in one loop.
 """
 

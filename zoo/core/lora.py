@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from .config import ModelConfig
     from .layout import ParamSpec
 
-# The formats a frozen base's matrices may take (native/quant.hpp), and what each costs per value.
+# The formats a frozen base's matrices may take (native/kernels/quant.hpp), and what each costs per value.
 BASE_DTYPES = ("fp32", "bf16", "int8", "nf4")
 
 # Every module an adapter can sit on, per naming family, in layer order.

@@ -3,7 +3,7 @@ works for models far larger than the machine).
 
 Full finetuning keeps everything in float32: parameters, gradients, AdamW's two moments (16
 bytes per parameter; under ZeRO-1 each of N processes keeps 1/N of the moments). A LoRA run
-keeps its frozen base in its format (bf16, int8, nf4: native/quant.hpp) and 16 bytes per
+keeps its frozen base in its format (bf16, int8, nf4: native/kernels/quant.hpp) and 16 bytes per
 adapter parameter. Both add the activation arena the native planner lays out for one
 micro-batch of batch x seq_len tokens (activation_bytes, the same figure a built model uses).
 """
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ._load_native import _native
+from .native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 from .errors import ResourceError
 from .lora import LoraConfig, adapter_layout, run_setup

@@ -36,7 +36,7 @@ def _load_from_wheel(missing: str) -> bool:
 
 for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
     try:
-        from . import _native
+        from .. import _native
 
         break
     except ImportError as e:

@@ -19,17 +19,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from .atomic import copy_file, write_bytes, write_json
-from .config import ModelConfig
-from .errors import CheckpointError
-from .files import parse_model, read_json, regular_file
+from ..core.atomic import copy_file, write_bytes, write_json
+from ..core.config import ModelConfig
+from ..core.errors import CheckpointError
+from ..core.files import parse_model, read_json, regular_file
 from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
                         read_config_json)
-from .layout import ParamSpec, parameter_layout
-from .memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
-from .safetensors_io import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
+from ..core.layout import ParamSpec, parameter_layout
+from ..core.memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
+from .safetensors import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
                              write_checkpoint)
-from .tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokenizer
+from ..text.tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokenizer
 
 # transformers' generation settings (bos/eos ids, sampling defaults): the model's, carried from
 # the folder it was loaded from unchanged, or written from the tokenizer's ids.
@@ -143,13 +143,13 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     stored in the base's format as they are read, a block of rows at a time; the adapters start
     as PEFT starts them, drawn from adapter_seed.
     """
-    from .gguf_model import is_gguf, load_gguf
-    from .model import Model
+    from .gguf import is_gguf, load_gguf
+    from ..model import Model
 
     if _is_adapter_folder(path):
         if lora is not None:
             raise ValueError(f"{path}: an adapter folder brings its own LoRA settings; pass no lora=")
-        from .peft_io import adapter_base, load_with_adapter
+        from .peft import adapter_base, load_with_adapter
 
         return load_with_adapter(adapter_base(path), path, max_seq_len=max_seq_len, ad=ad, base_dtype=base_dtype,
                                  precision=precision, checkpointing=checkpointing, allow_nonfinite=allow_nonfinite)
@@ -192,7 +192,7 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
 
 def _is_adapter_folder(path) -> bool:
     """A PEFT adapter folder (a LoRA run's output): adapter_config.json, and no model of its own."""
-    from .peft_io import ADAPTER_CONFIG
+    from .peft import ADAPTER_CONFIG
 
     folder = Path(path)
     return folder.is_dir() and (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_FILE).exists()
@@ -277,7 +277,7 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
         hf = config_to_zoo(cfg, dtype=dtype, bos_token_id=bos, eos_token_id=eos)
     if getattr(model, "lora", None) is not None:
         raise ValueError("this model has LoRA adapters over a frozen base: save the adapters "
-                         "(zoo.peft_io.save_adapter, PEFT's format) or merge them into the base (zoo merge)")
+                         "(zoo.io.peft.save_adapter, PEFT's format) or merge them into the base (zoo merge)")
     tensors = [(spec.name, model.base_tensor(spec.name).T if spec.hf_transposed else model.base_tensor(spec.name))
                for spec in parameter_layout(cfg)]
     write_checkpoint(folder, tensors, DTYPE_NAMES[dtype], max_shard_bytes)
@@ -357,12 +357,12 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
     dtypes give "no: <loading's error>"). The weights' values are read only with scan=True, for
     NaN/Inf, chunk by chunk. The memory table: full finetuning, LoRA (rank lora_r) over each
     base format, and generation, at (batch, seq_len), against what this machine has."""
-    from .presets import PRESETS
+    from ..core.presets import PRESETS
 
     names = [p.name for p in PRESETS]
     given = Path(path)
     if not given.exists() and str(path) in names:
-        from .presets import preset
+        from ..core.presets import preset
 
         cfg = preset(str(path))
         report = {"path": f"preset {path}", "architecture": f"zoo preset ({cfg.family} names)", "model_type": "-",
@@ -389,7 +389,7 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
 
 
 def _is_gguf_file(path: Path) -> bool:
-    from .gguf_model import is_gguf
+    from .gguf import is_gguf
 
     return is_gguf(path)
 
@@ -430,7 +430,7 @@ def _inspect_weights(path: Path, scan: bool) -> dict:
 def memory_options(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16) -> list[tuple[str, int, int]]:
     """(setting, bytes, bytes with activation checkpointing) for full finetuning, LoRA of rank
     lora_r on every linear layer over each base format, and (one number, twice) generation."""
-    from .lora import LoraConfig, default_precision
+    from ..core.lora import LoraConfig, default_precision
 
     out = [("full finetune (fp32, AdamW)", finetune_memory_bytes(cfg, batch, seq_len).total,
             finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True).total)]

@@ -35,13 +35,13 @@ from typing import Callable, Optional
 import numpy as np
 from pydantic import ValidationError
 
-from .atomic import atomic_path
-from .config import ModelConfig, RopeScaling
-from .errors import CheckpointError
-from .files import first_field_error
+from ..core.atomic import atomic_path
+from ..core.config import ModelConfig, RopeScaling
+from ..core.errors import CheckpointError
+from ..core.files import first_field_error
 from .hf_config import hf_incompatibility
-from .layout import ParamSpec, parameter_layout
-from .safetensors_io import count_nonfinite
+from ..core.layout import ParamSpec, parameter_layout
+from .safetensors import count_nonfinite
 
 ARCHITECTURES = ("llama", "gpt2")
 ROPE_FREQS = "rope_freqs.weight"
@@ -226,7 +226,7 @@ def _llama3_scaling(f, theta: float, head_dim: int) -> Optional[RopeScaling]:
                               original_max_position_embeddings=original)
     except ValidationError:
         raise unsupported from None
-    from .model import rope_inv_freq
+    from ..model import rope_inv_freq
 
     cfg = ModelConfig(vocab_size=1, max_seq_len=1, d_model=head_dim, n_layer=1, n_head=1, positions="rope",
                       norm="rmsnorm", mlp="swiglu", rope_theta=theta, rope_scaling=scaling)
@@ -262,8 +262,8 @@ def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad=
     the tokenizer the metadata carries as model.pretrained_tokenizer (save_pretrained writes it)."""
     from .checkpoints import nonfinite_message
     from .gguf_file import GGUFFile
-    from .gguf_tokenizer import tokenizer_from_gguf
-    from .model import Model
+    from ..text.gguf_tokenizer import tokenizer_from_gguf
+    from ..model import Model
 
     with GGUFFile(path) as f:
         cfg = config_from_gguf(f, max_seq_len)
@@ -304,8 +304,8 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
     file's stem)."""
     import gguf
 
-    from .gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
-    from .tokenizers import TOKENIZER_FILES, Tokenizer
+    from ..text.gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
+    from ..text.tokenizers import TOKENIZER_FILES, Tokenizer
 
     if dtype not in EXPORT_TYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_TYPES)}")
@@ -405,7 +405,7 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
     if cfg.family == "gpt2" and cfg.tied_embeddings:  # llama.cpp's GPT-2 converter writes the tied head out
         out.append(("output.weight",) + out[0][1:])
     if cfg.rope_scaling is not None:
-        from .model import rope_inv_freq
+        from ..model import rope_inv_freq
 
         divisors = (_inv_freq(cfg.rope_theta, cfg.head_dim) / rope_inv_freq(cfg).astype(np.float64)).astype(np.float32)
         out.append((ROPE_FREQS, divisors.shape, Q.F32, lambda: divisors))

@@ -28,15 +28,15 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from .errors import CheckpointError
-from .files import regular_file
+from ..core.errors import CheckpointError
+from ..core.files import regular_file
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_NESTING = 4  # arrays of arrays of ... (llama.cpp writes none nested; a bound keeps recursion finite)
-# A tensor of more elements than this is no model tensor zoo could hold (2^36 floats, native/limits.hpp).
+# A tensor of more elements than this is no model tensor zoo could hold (2^36 floats, native/executor/limits.hpp).
 MAX_TENSOR_ELEMENTS = 1 << 36
 
 # Tensor types zoo dequantizes (gguf.quants has a reference dequantizer for each, llama.cpp's own

@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from .config import ModelConfig, RopeScaling
-from .errors import CheckpointError
-from .files import first_field_error, read_json
+from ..core.config import ModelConfig, RopeScaling
+from ..core.errors import CheckpointError
+from ..core.files import first_field_error, read_json, show_value
 
 CONFIG_FILE = "config.json"
 ZOO_MODEL_TYPE = "zoo"  # zoo's own config.json, for configs transformers has no class for
@@ -62,12 +62,6 @@ def _read_config_file(file: Path) -> dict[str, Any]:
     if not isinstance(hf, dict):
         raise CheckpointError(file, f"not a JSON object (a {_json_type(hf)}): a config.json is {{\"model_type\": ...}}")
     return hf
-
-
-def show_value(value) -> str:
-    """A value from a file, for a message: its repr, cut short (a field may hold megabytes)."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _json_type(value) -> str:

@@ -8,7 +8,7 @@ module path (model.layers.0.self_attn.q_proj, transformer.h.0.attn.c_attn). A mo
 becomes W + (lora_alpha / r) * B @ A, W in (out, in) orientation; GPT-2's Conv1D modules store
 W transposed (fan_in_fan_out), their A and B are the same as a Linear's.
 
-Which modules an adapter sits on, and their shapes, come from zoo/lora.py (zoo.lora.adapters),
+Which modules an adapter sits on, and their shapes, come from zoo/core/lora.py (zoo.core.lora.adapters),
 as for zoo's own LoRA runs. zoo adapts the modules its targets name (q_proj, c_attn, attn.c_proj
 ...) in every layer, with one rank and one alpha, and nothing else. An adapter that needs more
 (DoRA, rsLoRA's scaling, per-module ranks, biases, modules_to_save, some layers only, the LM
@@ -28,12 +28,12 @@ from typing import Any, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .atomic import write_json
-from .config import ModelConfig
-from .errors import CheckpointError
-from .files import read_json, parse_model
-from .lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
-from .safetensors_io import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
+from ..core.atomic import write_json
+from ..core.config import ModelConfig
+from ..core.errors import CheckpointError
+from ..core.files import read_json, parse_model
+from ..core.lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
+from .safetensors import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -44,7 +44,7 @@ PEFT_VERSION = "0.21.0"  # the PEFT release whose files these are (written as pe
 
 def factor_names(a: Adapter) -> tuple[str, str]:
     """An adapter's A and B by zoo's names (PEFT's, less its base_model.model. prefix), as
-    zoo.lora.adapter_layout names them."""
+    zoo.core.lora.adapter_layout names them."""
     return f"{a.module}.lora_A.weight", f"{a.module}.lora_B.weight"
 
 
@@ -88,7 +88,7 @@ class PeftAdapter:
 
     folder: Path
     lora: LoraConfig  # the zoo LoRA that computes what the adapter computes
-    adapters: list[Adapter]  # the modules it sits on (zoo.lora.adapters of cfg and lora)
+    adapters: list[Adapter]  # the modules it sits on (zoo.core.lora.adapters of cfg and lora)
     factors: dict[str, np.ndarray]  # zoo name (`<module>.lora_A.weight`) -> float32
     base_model_name_or_path: Optional[str]
 
@@ -300,11 +300,11 @@ def adapter_base(folder: Union[str, os.PathLike]) -> Path:
     base = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
     if not base:
         raise CheckpointError(config_path, "names no base model; give the base folder and the adapter folder "
-                                           "(zoo.peft_io.load_with_adapter(base, adapter))", key="base_model_name_or_path")
+                                           "(zoo.io.peft.load_with_adapter(base, adapter))", key="base_model_name_or_path")
     path = Path(base) if os.path.isabs(base) else Path(folder) / base
     if not path.is_dir():
         raise CheckpointError(config_path, f"{base!r} is not a checkpoint folder on this machine (a Hub name? "
-                                           "download it, then zoo.peft_io.load_with_adapter(base, adapter))",
+                                           "download it, then zoo.io.peft.load_with_adapter(base, adapter))",
                               key="base_model_name_or_path")
     return path
 
@@ -313,7 +313,7 @@ def load_with_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, 
     """A zoo.Model of a Hugging Face checkpoint with a PEFT adapter on its frozen base; kwargs
     (base_dtype=, max_seq_len=, ...) go to zoo.Model.from_pretrained."""
     from .hf_config import read_config
-    from .model import Model
+    from ..model import Model
 
     adapter = read_adapter(adapter_folder, read_config(base))
     model = Model.from_pretrained(base, lora=adapter.lora, **kwargs)
@@ -351,9 +351,9 @@ def merge_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, os.P
 def _stored_in_bf16(base: Union[str, os.PathLike]) -> bool:
     """Whether every weight of a checkpoint folder is stored in BF16 (a GGUF file: no)."""
     from .checkpoints import check_tensors
-    from .gguf_model import is_gguf
+    from .gguf import is_gguf
     from .hf_config import read_config
-    from .safetensors_io import CheckpointReader
+    from .safetensors import CheckpointReader
 
     if is_gguf(base):
         return False

@@ -25,9 +25,9 @@ from typing import Any, Iterable, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .atomic import atomic_open, fsync_dir, write_json
-from .errors import CheckpointError
-from .files import read_json_model, regular_file
+from ..core.atomic import atomic_open, fsync_dir, write_json
+from ..core.errors import CheckpointError
+from ..core.files import read_json_model, regular_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

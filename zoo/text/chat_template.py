@@ -32,8 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ChatTemplateError, CheckpointError
-from .files import parse_model, read_json, read_text
+from ..core.errors import ChatTemplateError, CheckpointError
+from ..core.files import parse_model, read_json, read_text
 from .tokenizers import Tokenizer, TokenizerConfig, has_tokenizer
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "FALLBACK_TEMPLATE", "ROLES"]

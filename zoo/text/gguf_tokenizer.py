@@ -33,8 +33,8 @@ from typing import Iterator, Optional
 from gguf.constants import GGUFValueType as T
 from gguf.constants import Keys
 
-from .errors import CheckpointError
-from .files import read_text
+from ..core.errors import CheckpointError
+from ..core.files import read_text
 from .tokenizers import GPT2_DIGITS_PATTERN, GPT2_PATTERN, Tokenizer, _byte_level_pattern, bytes_to_unicode
 
 # Token types (gguf.constants.TokenType; SentencePiece's piece types use the same numbers).

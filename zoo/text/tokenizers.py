@@ -36,10 +36,9 @@ from typing import Annotated, Any, Callable, Iterable, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .atomic import write_bytes
-from .errors import CheckpointError
-from .files import parse_model, read_json, read_text, regular_file
-from .hf_config import show_value
+from ..core.atomic import write_bytes
+from ..core.errors import CheckpointError
+from ..core.files import parse_model, read_json, read_text, regular_file, show_value
 
 ZOO_FILE = "zoo_tokenizer.json"
 # Files that make up a tokenizer: copied along when a checkpoint is saved. chat_template.jinja

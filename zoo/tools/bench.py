@@ -16,7 +16,7 @@ memory is its own (getrusage's ru_maxrss, read in the child) and no two compete 
 
 The *_bf16 systems run with --precision bf16 only, next to the fp32 ones, in every round.
 
-This process writes the weights (zoo's init, zoo.layout.initial_value), the token batch and
+This process writes the weights (zoo's init, zoo.core.layout.initial_value), the token batch and
 zoo's parameter layout into a temporary work folder that every worker reads. The FLOP count of
 a step is analytic (see step_flops); docs/benchmarks.md explains every number.
 """
@@ -133,12 +133,12 @@ def run_from_args(args: argparse.Namespace) -> int:
 def model_config(preset: Optional[str], config_file: Optional[str]):
     """The ModelConfig to measure: a preset (default gpt2), or a YAML/JSON file holding a
     ModelConfig's fields, or a training config whose `model:` (or `preset:`) names one."""
-    from ..config import ModelConfig
-    from ..presets import preset as lookup
+    from ..core.config import ModelConfig
+    from ..core.presets import preset as lookup
 
     if config_file is None:
         return lookup(preset or "gpt2")
-    from ..train_config import read_config_file
+    from ..train.config import read_config_file
 
     raw = read_config_file(config_file)
     if isinstance(raw.get("model"), dict):
@@ -158,7 +158,7 @@ def matmul_params(cfg) -> int:
     """Parameters that take part in a matrix multiply: every layer's q/k/v, attention output,
     MLP in (gate and up for SwiGLU) and out weights, and the LM head (the embedding matrix
     again when tied). Embedding lookups, norms and biases are not matmuls."""
-    from .. import blocks
+    from ..core import blocks
 
     fc_out = blocks.activations()[cfg.mlp]["gate_width"] * cfg.d_ff
     per_layer = cfg.d_model * cfg.qkv_dim + cfg.n_head * cfg.head_dim * cfg.d_model \
@@ -191,11 +191,11 @@ def torch_available() -> bool:
 
 def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> None:
     """manifest.json, weights.bin (float32, zoo's arena order) and tokens.bin (int32, B x (T+1)).
-    The weights are zoo's init (zoo.layout.initial_value, the draws in the order zoo.Model(cfg,
+    The weights are zoo's init (zoo.core.layout.initial_value, the draws in the order zoo.Model(cfg,
     seed) makes them, so they are the weights of that model); written one tensor at a time."""
     import numpy as np
 
-    from ..layout import initial_value, parameter_layout
+    from ..core.layout import initial_value, parameter_layout
 
     rng = np.random.default_rng(seed)
     entries, offset = [], 0
@@ -294,7 +294,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
     if precision not in SYSTEMS:
         raise ValueError(f"--precision {precision!r}: choose fp32 or bf16")
     if precision == "bf16":
-        from ..gemm import check_precision
+        from ..core.gemm import check_precision
 
         check_precision("bf16")  # a PrecisionError (a ValueError) names what is missing, before any work
 

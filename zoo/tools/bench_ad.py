@@ -26,7 +26,7 @@ import numpy as np
 
 from zoo.tools.bench_worker import cpu_info
 
-# Profile kinds (native/model.hpp) to the block names of ad=, where the model decides.
+# Profile kinds (native/executor/model.hpp) to the block names of ad=, where the model decides.
 def _block_name(kind: str, cfg) -> str:
     return {"norm": cfg.norm, "activation": cfg.mlp}.get(kind, kind)
 

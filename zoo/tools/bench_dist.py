@@ -53,7 +53,7 @@ def _worker(args) -> None:
     import numpy as np
 
     import zoo
-    from zoo import distributed
+    from zoo.train import distributed
 
     group = distributed.world() if args.mode != "single" else None
     zoo.set_threads(args.threads)
@@ -143,7 +143,7 @@ def _overlap_probe(model, group, x, y, ranks: int, steps: int) -> dict:
 
 
 def _run(mode: str, args) -> dict:
-    from zoo import launch
+    from zoo.train import launch
 
     worker = ["--worker", mode, "--preset", args.preset, "--batch-size", str(args.batch_size),
               "--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -280,7 +280,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --ranks {args.ranks}")
 
     import zoo
-    from zoo.presets import PRESETS
+    from zoo.core.presets import PRESETS
 
     runs: dict[str, list[dict]] = {m: [] for m in SYSTEMS}
     for i in range(args.rounds):

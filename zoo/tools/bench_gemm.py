@@ -1,7 +1,7 @@
 """`python -m zoo.tools.bench_gemm`: the GEMM libraries built into zoo, compared on the matrix
 products of one model's training step, on this CPU.
 
-Every matrix product of zoo goes through native/gemm.cpp. Its fp32 products run on one of the
+Every matrix product of zoo goes through native/kernels/gemm.cpp. Its fp32 products run on one of the
 libraries built in (OpenBLAS always; oneMKL and oneDNN where their wheels were installed at build
 time), chosen once per process: zoo.set_gemm_library, or ZOO_GEMM. Its default rule
 (default_fp32_library) was set by measurement: this tool is that measurement, so that the rule
@@ -92,7 +92,7 @@ def cpu_description() -> dict:
 def linear_shapes(cfg) -> list[dict]:
     """Every distinct linear layer shape (in, out) of a step, with how many times a step runs
     it; layers of the same shape are merged (their names joined by '+')."""
-    from .. import blocks
+    from ..core import blocks
 
     gate_width = blocks.activations()[cfg.mlp]["gate_width"]
     layers = [
@@ -141,8 +141,8 @@ def time_product(call, min_seconds: float) -> dict:
 def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emulated: bool,
             min_seconds: float) -> dict:
     import zoo
-    from zoo._load_native import _native
-    from zoo.presets import preset
+    from zoo.core.native import _native
+    from zoo.core.presets import preset
 
     cfg = preset(preset_name)
     rows = batch * seq_len
@@ -281,7 +281,7 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from zoo.presets import PRESETS
+    from zoo.core.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2", choices=[x.name for x in PRESETS])

@@ -25,7 +25,7 @@ def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: in
 
     import zoo
     from zoo.generate import generate
-    from zoo.lora import default_precision
+    from zoo.core.lora import default_precision
 
     zoo.set_threads(threads)
     cfg = zoo.preset(preset)
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
         print(f"| {r['base']} | {r['precision']} | {r['prompt_s']:.2f} | {r['per_token_s']:.3f} | "
               f"{r['tokens_per_s']:.2f} | {r['peak_rss_mib'] / 1024:.2f} | {r['build_s']:.1f} |")
     if a.json:
-        from zoo.atomic import write_json
+        from zoo.core.atomic import write_json
 
         write_json(Path(a.json), {"schema": "zoo-bench-generate/1", "preset": a.preset, "prompt_len": a.prompt_len,
                                   "new_tokens": a.new_tokens, "threads": threads, "cpu": cpu_info(), "results": rows})

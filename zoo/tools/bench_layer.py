@@ -105,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="timed steps per model (default 7)")
     p.add_argument("--json", metavar="FILE", default=None)
     a = p.parse_args(argv)
-    if not zoo.blocks.layers()["parallel"]["trainable"]:
+    if not zoo.core.blocks.layers()["parallel"]["trainable"]:
         print("zoo.tools.bench_layer: this zoo was built without the Clad backend, which the parallel layer "
               "trains on (docs/clad.md)", file=sys.stderr)
         return 1

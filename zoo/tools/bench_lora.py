@@ -16,7 +16,7 @@ memory (getrusage's ru_maxrss, read in the child) is its own and none competes f
                 (--torch-checkpointing: transformers' gradient checkpointing)
 
 The PyTorch worker is run by path and never imports zoo; it builds the transformers model of the
-preset's config (zoo.hf_config.config_to_hf) in its weights' dtype, without downloading anything.
+preset's config (zoo.io.hf_config.config_to_hf) in its weights' dtype, without downloading anything.
 PyTorch, transformers and PEFT are optional: benchmark (and test) dependencies only.
 
 FLOPs: a LoRA step over a frozen base needs the forward and the input gradients through every
@@ -115,8 +115,8 @@ def lora_flops(cfg, tokens: int, rank: int, adapted: list) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from ..hf_config import config_to_hf
-    from ..lora import LoraConfig, adapters, module_names
+    from ..io.hf_config import config_to_hf
+    from ..core.lora import LoraConfig, adapters, module_names
 
     cfg = model_config(args.preset or (None if args.config else "llama-3.2-1b"), args.config)
     preset_name = args.preset or (None if args.config else "llama-3.2-1b")

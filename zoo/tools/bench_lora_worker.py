@@ -25,8 +25,8 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     import numpy as np
 
     import zoo
-    from zoo.config import ModelConfig
-    from zoo.lora import LoraConfig, default_precision
+    from zoo.core.config import ModelConfig
+    from zoo.core.lora import LoraConfig, default_precision
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()

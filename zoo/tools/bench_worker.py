@@ -53,7 +53,7 @@ def cpu_info() -> dict:
 
 def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool, precision: str):
     import zoo
-    from zoo.config import ModelConfig
+    from zoo.core.config import ModelConfig
 
     cfg = ModelConfig(**manifest["config"])
     model = zoo.Model(cfg, seed=None, ad=ad, checkpointing=checkpointing, precision=precision)
@@ -74,7 +74,7 @@ def measure_sgemm(m: int, k: int, n: int, precision: str = "fp32", min_seconds: 
     bias), bf16 through _native.gemm (operands rounded to bf16, fp32 accumulation)."""
     import numpy as np
 
-    from zoo._load_native import _native
+    from zoo.core.native import _native
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -103,7 +103,7 @@ def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str,
     import numpy as np
 
     import zoo
-    from zoo._load_native import _native
+    from zoo.core.native import _native
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()

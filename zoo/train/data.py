@@ -33,9 +33,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from .atomic import atomic_open, write_json
-from .errors import CheckpointError
-from .files import read_json_model, regular_file
+from ..core.atomic import atomic_open, write_json
+from ..core.errors import CheckpointError
+from ..core.files import read_json_model, regular_file
 
 CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
 _HASH_CHUNK = 1 << 20
@@ -210,7 +210,7 @@ class _Encoder:
         return ids, trained + [pieces[-1][1]] * (len(ids) - len(trained))
 
     def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
-        from .chat_template import ChatTemplateError
+        from ..text.chat_template import ChatTemplateError
 
         if self.chat_template is None:
             raise DataError(f"{where}: a chat needs a chat template, and none was given")
@@ -318,7 +318,7 @@ class TokenFile:
 def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | os.PathLike | None = None,
                    chat_template=None, vocab_size: Optional[int] = None) -> TokenFile:
     """Tokenize the data into a cached token file (or reuse the cache) and memory-map it.
-    chat_template renders chat and Alpaca records (zoo.chat_template.ChatTemplate); tokenizer
+    chat_template renders chat and Alpaca records (zoo.text.chat_template.ChatTemplate); tokenizer
     may be None where every file holds token ids; vocab_size (the model's; default the
     tokenizer's) bounds the ids of such files and sizes the cache's ids."""
     files = list_text_files(paths)

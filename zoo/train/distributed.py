@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from .errors import EXIT_RANK_LOST, DistributedError
+from ..core.errors import EXIT_RANK_LOST, DistributedError
 
 # Variables by which launchers tell a process how many processes they started: Open MPI's
 # mpirun (and `zoo launch`), MPICH's and Intel MPI's Hydra, Slurm's srun.

@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
-from .errors import DistributedError
+from ..core.errors import DistributedError
 
 TRAINING_VERBS = ("train", "finetune", "demo")
 # What Open MPI needs to start as root (it refuses otherwise).

@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
-from .errors import CheckpointError
-from .files import parse_model, read_text
+from ..core.errors import CheckpointError
+from ..core.files import parse_model, read_text
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -77,7 +77,7 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
     matplotlib.use("Agg")  # files only; works without a display
     import matplotlib.pyplot as plt
 
-    from .atomic import atomic_open
+    from ..core.atomic import atomic_open
 
     train, val = read_metrics(run_dir)
     if not train and not val:

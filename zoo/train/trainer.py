@@ -50,20 +50,20 @@ from typing import Annotated, Callable, Optional
 import numpy as np
 from pydantic import BaseModel, Field
 
-from .atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
+from ..core.atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
 from .data import DataError, all_token_ids, batch_share, batches_for, tokenize_files
 from .distributed import Group, shard_bounds
-from .errors import CheckpointError, DistributedError, ResourceError
+from ..core.errors import CheckpointError, DistributedError, ResourceError
 from .evaluate import validation_loss
-from .files import read_json_model
-from .hf_config import CONFIG_FILE
-from .memory import available_memory_bytes, describe, human_bytes
-from .peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from .gemm import check_precision, gemm_info
+from ..core.files import read_json_model
+from ..io.hf_config import CONFIG_FILE
+from ..core.memory import available_memory_bytes, describe, human_bytes
+from ..io.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..core.gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
-from .safetensors_io import INDEX_FILE, Pieces, SafetensorsFile, write_file
-from .tokenizers import TOKENIZER_FILES, has_tokenizer
-from .train_config import BUDGET_FIELDS, TrainConfig
+from ..io.safetensors import INDEX_FILE, Pieces, SafetensorsFile, write_file
+from ..text.tokenizers import TOKENIZER_FILES, has_tokenizer
+from .config import BUDGET_FIELDS, TrainConfig
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
@@ -361,9 +361,9 @@ class Trainer:
         import tempfile
 
         import zoo
-        from .chat_template import ChatTemplate
-        from .config import ModelConfig
-        from .tokenizers import Tokenizer
+        from ..text.chat_template import ChatTemplate
+        from ..core.config import ModelConfig
+        from ..text.tokenizers import Tokenizer
 
         group = self.group
         sent = None
@@ -518,8 +518,8 @@ class Trainer:
     def _load_model(self, resume_from: Optional[Path]):
         """(model, tokenizer, tokenizer folder or None) for a resumed, finetuned or new run."""
         import zoo
-        from .checkpoints import load_pretrained
-        from .tokenizers import Tokenizer
+        from ..io.checkpoints import load_pretrained
+        from ..text.tokenizers import Tokenizer
 
         cfg = self.cfg
         if cfg.lora:
@@ -545,8 +545,8 @@ class Trainer:
         """The run's memory estimate against what the machine has, from the model's config alone,
         before any weight is read or arena mapped (memory.check_finetune_fits)."""
         import zoo
-        from .hf_config import read_config
-        from .memory import check_finetune_fits
+        from ..io.hf_config import read_config
+        from ..core.memory import check_finetune_fits
 
         cfg = self.cfg
         if cfg.from_dir is not None:
@@ -569,9 +569,9 @@ class Trainer:
         """A LoRA run: the frozen base from --from (or a new model from the preset or config, seeded),
         its adapters new or, on --resume, the checkpoint's (which also holds the tokenizer)."""
         import zoo
-        from .checkpoints import load_pretrained
-        from .peft_io import load_adapter
-        from .tokenizers import Tokenizer
+        from ..io.checkpoints import load_pretrained
+        from ..io.peft import load_adapter
+        from ..text.tokenizers import Tokenizer
 
         cfg = self.cfg
         settings = dict(ad=cfg.ad, lora=cfg.lora_config(), base_dtype=cfg.base_dtype, precision=cfg.precision,
@@ -596,7 +596,7 @@ class Trainer:
     def _chat_template(self):
         """What chats in the data are rendered with: the tokenizer folder's template, else zoo's
         fallback (docs/chat_templates.md); none where there is no tokenizer (token ids)."""
-        from .chat_template import FALLBACK_TEMPLATE, ChatTemplate
+        from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
 
         if self.tokenizer_dir is not None:  # a folder, or a tokenizer file (tokenizer.model) in one
             folder = Path(self.tokenizer_dir)
@@ -1006,9 +1006,9 @@ class Trainer:
     def _save_model(self, folder: Path) -> None:
         """The model into a checkpoint folder: a Hugging Face checkpoint, or a LoRA run's adapters in
         PEFT's format (naming the base they go on) with the tokenizer files."""
-        from .checkpoints import save_pretrained
-        from .peft_io import save_adapter
-        from .tokenizers import Tokenizer
+        from ..io.checkpoints import save_pretrained
+        from ..io.peft import save_adapter
+        from ..text.tokenizers import Tokenizer
 
         if not self.cfg.lora:
             save_pretrained(self.model, folder, tokenizer=self.tokenizer)
@@ -1103,7 +1103,7 @@ class Trainer:
     def _truncate_metrics(self, step: int) -> None:
         """Drop metric records past the checkpoint we resume from (an interrupted run wrote them),
         and lines that are no records (a line cut by a kill), each named in a note."""
-        from .atomic import write_bytes
+        from ..core.atomic import write_bytes
 
         path = self.out / METRICS_FILE
         if not path.exists():
@@ -1137,7 +1137,7 @@ def _tokenizer_source(path: Optional[Path]) -> Optional[tuple[Optional[str], dic
     """What another rank needs to load the tokenizer rank 0 loaded from `path` (None: the
     byte-level one): (the file's name, or None for a folder; the contents of the files
     Tokenizer.from_pretrained reads there)."""
-    from .tokenizers import ID_FILES, TOKENIZER_FILES
+    from ..text.tokenizers import ID_FILES, TOKENIZER_FILES
 
     if path is None:
         return None
@@ -1149,7 +1149,7 @@ def _tokenizer_source(path: Optional[Path]) -> Optional[tuple[Optional[str], dic
 
 def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, file=None) -> None:
     """Stream a short sample (temperature 0.8, top-k 40) to `file` (stdout)."""
-    from .generate import TextStream, generate, prompt_tokens
+    from ..generate import TextStream, generate, prompt_tokens
 
     ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids, file=file)
