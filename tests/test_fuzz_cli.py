@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import helpers
+from helpers import REPO
 import numpy as np
 import pytest
 
@@ -41,6 +42,15 @@ def raising(target: str, exception: str) -> str:
 
 
 # --- one class, one status ----------------------------------------------------------------
+
+
+def test_the_exit_statuses_are_the_documented_ones():
+    """Scripts rely on docs/troubleshooting.md's table, and the tests below on zoo's constants:
+    the two agree."""
+    table = dict((word, int(n)) for n, word in re.findall(r"^\| (\d+) \| (\w+)", (REPO / "docs" / "troubleshooting.md")
+                                                                    .read_text(), re.M))
+    assert (EXIT_INPUT, EXIT_USAGE, EXIT_RESOURCES, EXIT_FILESYSTEM, EXIT_INTERNAL) == (1, 2, 3, 4, 70) == (
+        table["input"], table["usage"], table["resources"], table["filesystem"], table["internal"])
 
 
 def test_input_error_names_the_folder(tmp_path):

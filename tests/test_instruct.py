@@ -89,6 +89,11 @@ def test_short_examples_are_packed_with_positions_restarting(tmp_path, tok):
         assert len(starts) >= 2 and starts[0] == 0
         for a in starts[1:]:  # no target crosses into the next example
             assert y[r, a - 1] in (tok.eos_id, IGNORE)
+        # Every example (it begins with BOS) starts at position 0, and counts up from there.
+        bos = np.flatnonzero(x[r] == tok.bos_id)
+        assert len(bos) >= 2 and (positions[r, bos] == 0).all(), (bos, positions[r])
+        following = positions[r, 1:]
+        assert ((following == 0) | (following == positions[r, :-1] + 1)).all(), positions[r]
     # --train-on-everything: one stream again, every token a target
     assert isinstance(batches_for(tf, 4, 32, 0.0, 1, 0, "data", train_on_everything=True), Windows)
 
