@@ -43,14 +43,15 @@ def fp32_copy(model) -> zoo.Model:
 
 
 def merged(model) -> zoo.Model:
-    """fp32_copy with every adapter merged into its module's weight: W + scaling B A."""
+    """fp32_copy with every adapter merged into its module's weight: W + (alpha / r) B A (LoRA's
+    scaling, written here from its definition)."""
     from zoo.core.lora import adapters
 
     full = fp32_copy(model)
     p = model.parameters()
     for a in adapters(model.config, model.lora):
         w = a.module + ".weight"
-        full.set_base_tensor(w, full.base_tensor(w) + model.lora.scaling * p[a.module + ".lora_B.weight"]
+        full.set_base_tensor(w, full.base_tensor(w) + model.lora.alpha / model.lora.r * p[a.module + ".lora_B.weight"]
                              @ p[a.module + ".lora_A.weight"])
     return full
 
@@ -83,7 +84,7 @@ def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
     _, full_grads = full.loss_and_grads(tok, tgt)
     from zoo.core.lora import adapters
 
-    s, p = model.lora.scaling, model.parameters()
+    s, p = model.lora.alpha / model.lora.r, model.parameters()
     for a in adapters(cfg, model.lora):
         G = full_grads[a.module + ".weight"]
         A, B = p[a.module + ".lora_A.weight"], p[a.module + ".lora_B.weight"]
