@@ -17,6 +17,7 @@ import zoo
 from zoo.tools import bench
 from zoo.cli import main
 from zoo.core.presets import preset
+from zoo.core.layout import num_parameters, parameter_shapes
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
@@ -59,7 +60,7 @@ def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precisi
         assert b["total_ms"] == pytest.approx(b["forward_ms"] + b["pullback_ms"])
     assert r["blocks"]["linear"]["forward_ms"] > 0 and r["blocks"]["linear"]["pullback_ms"] > 0
     assert r["blocks_profile"]["in_blocks_ms"] > 0 and r["blocks_profile"]["precision"] == precision
-    assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == cfg.num_parameters()
+    assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == num_parameters(cfg)
     assert r["command"].startswith("zoo bench ")
     # The GEMM libraries and the CPU, as the zoo workers reported them.
     g = r["gemm"]
@@ -275,7 +276,7 @@ def test_bench_weights_are_zoos_init(tmp_path, name):
     weights = np.fromfile(tmp_path / "weights.bin", dtype=np.float32)
     params = json.loads((tmp_path / "manifest.json").read_text())["params"]
     expected = zoo.Model(cfg, seed=5).parameters()
-    assert [p["name"] for p in params] == list(cfg.parameter_shapes())
+    assert [p["name"] for p in params] == list(parameter_shapes(cfg))
     for p in params:
         got = weights[p["offset"]:p["offset"] + math.prod(p["shape"])].reshape(p["shape"])
         np.testing.assert_array_equal(got, expected[p["name"]], err_msg=p["name"])

@@ -19,6 +19,7 @@ from zoo.io.checkpoints import format_inspection, inspect_checkpoint, load_pretr
 from zoo.core.errors import CheckpointError  # noqa: E402
 from zoo.io.safetensors import CheckpointReader  # noqa: E402
 from zoo.text.tokenizers import Tokenizer  # noqa: E402
+from zoo.core.layout import num_parameters, parameter_shapes
 
 STORIES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "stories260K-hf"
 if not STORIES.is_dir():
@@ -193,7 +194,7 @@ def test_inspect_reports_without_loading(tmp_path, capsys):
     cfg = report["config"]
     assert report["architecture"] == "LlamaForCausalLM"
     assert report["parameters"] == sum(p.numel() for p in load_hf_fp32(src).parameters())
-    assert report["dtypes"] == {"F32": len(cfg.parameter_shapes())}
+    assert report["dtypes"] == {"F32": len(parameter_shapes(cfg))}
     assert report["loadable"] == "yes"
     mem = report["finetune_memory"]
     assert mem.parameters == mem.gradients == mem.optimizer // 2 == 4 * report["parameters"]
@@ -352,5 +353,5 @@ def test_finetune_memory_is_what_a_model_allocates(preset):
     cfg = zoo.preset(preset)
     mem = finetune_memory_bytes(cfg, 4, 128)
     assert mem.activations == zoo.Model(cfg, seed=None).activation_bytes(4, 128)
-    assert mem.total == 16 * cfg.num_parameters() + mem.activations
+    assert mem.total == 16 * num_parameters(cfg) + mem.activations
     assert finetune_memory_bytes(cfg, 4, 128, checkpointing=True).activations < mem.activations

@@ -21,6 +21,7 @@ import zoo
 from zoo.cli import main
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
+from zoo.core.layout import parameter_shapes
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -149,7 +150,7 @@ def random_gguf(path: Path, arch: str, cfg: zoo.ModelConfig, qtype, seed: int = 
     """A GGUF model with random weights, its matrices in qtype (1-D tensors in F32, as llama.cpp
     keeps them); returns the dequantized weights under their Hugging Face names and order."""
     rng = np.random.default_rng(seed)
-    shapes = cfg.parameter_shapes()
+    shapes = parameter_shapes(cfg)
     tensors, weights = [], {}
     gguf_names = list(LLAMA_NAMES if arch == "llama" else GPT2_NAMES)
     gguf_names += [f"blk.{i}.{n}" for i in range(cfg.n_layer) for n in (LLAMA_LAYER if arch == "llama" else GPT2_LAYER)]
@@ -254,7 +255,7 @@ def test_round_trip_of_llama_variants(tmp_path):
                           attention_bias=True, mlp_bias=True, tied_embeddings=True)
     model = zoo.Model(cfg, seed=5)
     from zoo.io.gguf import save_gguf
-    from zoo.model import rope_inv_freq
+    from zoo.core.rope import rope_inv_freq
 
     save_gguf(model, tmp_path / "m.gguf")
     names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
@@ -374,7 +375,7 @@ def test_qk_permutation_and_rope_match_transformers(tmp_path, case):
     np.testing.assert_allclose(loaded.logits(tok), expected, rtol=0, atol=1e-4)
     params = model.config.rope_parameters
     if params.get("rope_type") == "llama3":  # the scaling recovered from the factors computes the same frequencies
-        from zoo.model import rope_inv_freq
+        from zoo.core.rope import rope_inv_freq
 
         hf_inv = model.model.rotary_emb.inv_freq.numpy()
         np.testing.assert_allclose(rope_inv_freq(loaded.config), hf_inv, rtol=1e-6)

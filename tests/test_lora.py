@@ -15,6 +15,7 @@ import zoo
 from zoo import LoraConfig, ModelConfig
 from zoo.train.trainer import Trainer, TrainInterrupted
 from zoo.train.config import TrainConfig
+from zoo.core.layout import num_parameters
 
 CLAD = bool(zoo.build_info().get("clad"))
 BF16 = zoo.gemm_info()["bf16_native"]
@@ -221,7 +222,7 @@ def test_a_lora_step_allocates_training_state_for_the_adapters_alone():
     assert sizes["weights"] == sizes["gradients"] == 4 * m.n_params
     assert sizes["moments"] == 8 * m.n_params
     assert m.n_params == sum(v.size for v in m.parameters().values())
-    assert sizes["frozen_base"] < 0.3 * 4 * LLAMA_TINY.num_parameters()
+    assert sizes["frozen_base"] < 0.3 * 4 * num_parameters(LLAMA_TINY)
 
 
 # --- runs ------------------------------------------------------------------------------------
@@ -331,7 +332,7 @@ def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, mo
     report = inspect_checkpoint("llama-3.1-8b", seq_len=256)
     full, bf16, int8, nf4 = (plain for _, plain, _ in report["memory_options"][:4])
     assert nf4 < int8 < bf16 < full
-    assert report["parameters"] == zoo.preset("llama-3.1-8b").num_parameters()
+    assert report["parameters"] == num_parameters(zoo.preset("llama-3.1-8b"))
     text = format_inspection(report)
     assert "none read" in text and "LoRA r=16, nf4 base" in text and "does not fit" in text and "  fits" in text
     # config.json alone, and a folder holding only it: the same figures, no weights read

@@ -1,7 +1,8 @@
 """zoo: GPT-2 and Llama from declarative configs, native C++ blocks, fast CPU finetuning."""
 
 from .core.native import _native
-from .core.config import ModelConfig, RopeScaling
+from .core.config import ModelConfig
+from .core.rope import RopeScaling
 from .core.gemm import gemm_info, set_gemm_library
 from .core.lora import LoraConfig
 from .model import Model

@@ -18,6 +18,7 @@ from pathlib import Path
 from ..core.errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
                      CheckpointError, DistributedError, ResourceError)
 from ..train.config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
+from ..core.layout import num_parameters
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
 _OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM}
@@ -996,7 +997,7 @@ def _cmd_presets(args) -> int:
         c = p.config
         heads = f"{c.n_head}/{c.n_kv_head}"
         blocks = f"{c.norm}, {c.mlp}, {c.positions}{', tied' if c.tied_embeddings else ''}"
-        print(f"{p.name:16} {c.num_parameters():>15,}  {c.n_layer:>6} {c.d_model:>7} {heads:>9}  {blocks}")
+        print(f"{p.name:16} {num_parameters(c):>15,}  {c.n_layer:>6} {c.d_model:>7} {heads:>9}  {blocks}")
     return 0
 
 

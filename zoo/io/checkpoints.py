@@ -1,11 +1,11 @@
 """Hugging Face checkpoint folders in and out: config.json + safetensors weights (+ tokenizer).
 
-Names: zoo's parameter names are the Hugging Face ones (layout.py). A GPT-2 checkpoint may
-also drop the `transformer.` prefix (GPT2Model, OpenAI's upload), a Llama one the `model.`
-prefix (LlamaModel). GPT-2's Conv1D weights are stored transposed relative to zoo. The causal
-mask buffers GPT-2 checkpoints carry (attn.bias, attn.masked_bias) and Llama's rotary
-inv_freq are not parameters and are skipped; any other tensor zoo has no place for is an
-error, since ignoring it would silently change the model.
+Names: zoo's parameter names are the Hugging Face ones (layout.py, from the config's family).
+A checkpoint of the bare model may drop the family's base prefix (`transformer.` of GPT2Model
+and OpenAI's upload, `model.` of LlamaModel). Weights a family stores (in, out), as GPT-2's
+Conv1D, are transposed. The buffers a family's checkpoints may carry (GPT-2's causal mask,
+Llama's rotary inv_freq) are not parameters and are skipped; any other tensor zoo has no
+place for is an error, since ignoring it would silently change the model.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from .. import families
 from ..core.atomic import copy_file, write_bytes, write_json
 from ..core.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..core.files import parse_model, read_json, regular_file
 from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
                         read_config_json)
-from ..core.layout import ParamSpec, parameter_layout
+from ..core.layout import ParamSpec, num_parameters, parameter_layout
 from ..core.memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
 from .safetensors import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
                              write_checkpoint)
@@ -34,12 +35,11 @@ from ..text.tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokeniz
 # transformers' generation settings (bos/eos ids, sampling defaults): the model's, carried from
 # the folder it was loaded from unchanged, or written from the tokenizer's ids.
 GENERATION_FILE = "generation_config.json"
-_PREFIXES = {"gpt2": "transformer.", "llama": "model."}
 
 
-def _is_buffer(name: str) -> bool:
+def _is_buffer(cfg: ModelConfig, name: str) -> bool:
     """Tensors some checkpoints store that are not parameters (recomputed by every runtime)."""
-    return name.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"))
+    return name.endswith(families.get(cfg.family).names.buffers)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class TensorMatch:
 def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatch]:
     """Pair every zoo parameter with a checkpoint tensor of the right shape; errors name the file
     and tensor for a missing tensor, a wrong shape or a tensor zoo has no place for."""
-    prefix = _PREFIXES[cfg.family]
+    prefix = families.get(cfg.family).names.base_prefix
     matches = []
     for spec in parameter_layout(cfg):
         stored = spec.name
@@ -66,8 +66,9 @@ def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatc
                                   f"shape {list(info.shape)}, expected {list(expected)} from {CONFIG_FILE}", key=stored)
         matches.append(TensorMatch(spec, stored))
     used = {m.stored for m in matches}
+    head = families.get(cfg.family).names.head + ".weight"
     for name in reader.names:
-        if name in used or _is_buffer(name) or (name == "lm_head.weight" and cfg.tied_embeddings):
+        if name in used or _is_buffer(cfg, name) or (name == head and cfg.tied_embeddings):
             continue  # a tied head stored anyway is the embedding again
         raise CheckpointError(reader.file_of(name).path,
                               f"tensor has no place in the model {CONFIG_FILE} describes", key=name)
@@ -380,7 +381,7 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
         report = _inspect_weights(given, scan)
         cfg = report["config"]
     seq_len = seq_len or min(cfg.max_seq_len, 1024)
-    report.update(config=cfg, parameters=cfg.num_parameters(), batch=batch, seq_len=seq_len,
+    report.update(config=cfg, parameters=num_parameters(cfg), batch=batch, seq_len=seq_len,
                   finetune_memory=finetune_memory_bytes(cfg, batch, seq_len),
                   finetune_memory_checkpointing=finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True),
                   memory_options=memory_options(cfg, batch, seq_len, lora_r), available=available_memory_bytes(),
@@ -416,7 +417,7 @@ def _inspect_weights(path: Path, scan: bool) -> dict:
         files = sorted({reader.file_of(n).path for n in reader.names})
     dtypes = Counter()
     for info in infos:
-        if not _is_buffer(info.name):
+        if not _is_buffer(cfg, info.name):
             dtypes[info.dtype] += 1
     tokenizer_files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     return {

@@ -28,6 +28,7 @@ from typing import Any, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import families
 from ..core.atomic import write_json
 from ..core.config import ModelConfig
 from ..core.errors import CheckpointError
@@ -168,7 +169,7 @@ def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> PeftAdapt
         raise CheckpointError(config_path, f"{conf.target_modules!r} adapts {_in_layer(missed[0])} in some layers "
                                            f"but not {missed[0]}; zoo adapts a module in every layer",
                               key="target_modules")
-    fan_in_fan_out = cfg.family == "gpt2"
+    fan_in_fan_out = families.get(cfg.family).names.transposed
     if conf.fan_in_fan_out != fan_in_fan_out:
         raise CheckpointError(config_path, f"{conf.fan_in_fan_out} for a {cfg.family} model, whose modules are "
                                            f"{'Conv1D' if fan_in_fan_out else 'Linear'} (expected {fan_in_fan_out})",
@@ -250,7 +251,7 @@ def peft_config_dict(cfg: ModelConfig, lora: LoraConfig, base_model_name_or_path
         "lora_dropout": lora.dropout,
         "target_modules": list(lora.targets) if lora.targets is not None else module_names(cfg),
         "exclude_modules": None,
-        "fan_in_fan_out": cfg.family == "gpt2",  # GPT-2's Conv1D stores weights (in, out)
+        "fan_in_fan_out": families.get(cfg.family).names.transposed,  # GPT-2's Conv1D stores weights (in, out)
         "bias": "none",
         "use_rslora": False,
         "use_dora": False,

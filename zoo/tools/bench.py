@@ -278,6 +278,8 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
               vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
               seed: int = 0, precision: str = "fp32") -> dict:
     """Runs every worker and returns the results (the --json document)."""
+    from ..core.layout import num_parameters
+
     for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
                          ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
         if v < low:
@@ -307,7 +309,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
     raw: dict[str, list[dict]] = {}  # system -> one result per round
     with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
         work = Path(tmp)
-        print(f"zoo bench: writing weights and data ({cfg.num_parameters():,} parameters)", file=sys.stderr)
+        print(f"zoo bench: writing weights and data ({num_parameters(cfg):,} parameters)", file=sys.stderr)
         write_workdir(work, cfg, batch, seq_len, seed)
         zoo_cmd = [sys.executable, "-m", "zoo.tools.bench_worker", "--workdir", tmp] + common + zoo_flags
         # By path, not -m: the PyTorch process must not import zoo (bench_torch.py says why).
@@ -390,7 +392,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
             + (["--checkpointing"] if checkpointing else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
-                  "n_params": cfg.num_parameters(), "matmul_params": flops["matmul_params"]},
+                  "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
         "rounds": rounds,
         "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,

@@ -108,9 +108,10 @@ BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "
 
 # Every ModelConfig field the forward below reads or that is a plain shape. A field zoo gains
 # later is refused until this file implements it.
+# family names the tensors only: the reference reads them by role, so every family computes alike.
 CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
                  "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
-                 "mlp_bias", "tied_embeddings", "layer"}
+                 "mlp_bias", "tied_embeddings", "layer", "family"}
 ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # zoo's parameter roles (zoo/core/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")

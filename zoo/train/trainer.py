@@ -64,6 +64,7 @@ from .plot import METRICS_FILE, PLOT_FILE, read_records
 from ..io.safetensors import INDEX_FILE, Pieces, SafetensorsFile, write_file
 from ..text.tokenizers import TOKENIZER_FILES, has_tokenizer
 from .config import BUDGET_FIELDS, TrainConfig
+from ..core.layout import num_parameters
 
 CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
@@ -925,7 +926,7 @@ class Trainer:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         group = self.group
         trainable = f" ({m.n_params:,} trainable, in the adapters)" if m.lora is not None else ""
-        self.say(f"model: {m.config.family}-style, {m.config.num_parameters():,} parameters{trainable}; {threads}"
+        self.say(f"model: {m.config.family}-style, {num_parameters(m.config):,} parameters{trainable}; {threads}"
                  f"{' per rank' if group is not None else ''}; {products}")
         if group is not None:
             part = (f"{rows} of the {cfg.batch_size} sequences of every micro-batch" if rows != cfg.batch_size else
