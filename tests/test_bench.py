@@ -16,8 +16,8 @@ import pytest
 import zoo
 from zoo.tools import bench
 from zoo.cli import main
-from zoo.core.presets import preset
-from zoo.core.layout import num_parameters, parameter_shapes
+from zoo.arch.presets import preset
+from zoo.arch.layout import num_parameters, parameter_shapes
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
@@ -270,7 +270,7 @@ def test_step_flops_gpt2():
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_bench_weights_are_zoos_init(tmp_path, name):
-    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.core.layout.initial_value)."""
+    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.arch.layout.initial_value)."""
     cfg = preset(name)
     bench.write_workdir(tmp_path, cfg, 1, 8, seed=5)
     weights = np.fromfile(tmp_path / "weights.bin", dtype=np.float32)

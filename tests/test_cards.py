@@ -10,10 +10,10 @@ import pytest
 
 from zoo.tools import cards
 from zoo.cli import main
-from zoo.core.config import ModelConfig
-from zoo.core.memory import finetune_memory_bytes
-from zoo.core.presets import PRESETS
-from zoo.core.layout import num_parameters
+from zoo.arch.config import ModelConfig
+from zoo.arch.memory import finetune_memory_bytes
+from zoo.arch.presets import PRESETS
+from zoo.arch.layout import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / cards.CARDS_DIR
@@ -170,7 +170,7 @@ def test_broken_benchmark_file(tmp_path, capsys):
 
 
 def test_a_card_names_each_block_by_what_it_is():
-    from zoo.core.presets import Preset
+    from zoo.arch.presets import Preset
 
     base = PRESETS[0].config.model_dump()
     for norm, mlp, words in (("rmsnorm", "relu2", ("RMSNorm (`rmsnorm`)", "squared ReLU (`relu2`)")),

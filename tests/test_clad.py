@@ -13,7 +13,7 @@ import pytest
 
 import zoo
 from zoo import ModelConfig, RopeScaling
-from zoo._native import blocks as B
+from zoo.core._native import blocks as B
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
 CLAD = bool(zoo.build_info().get("clad"))

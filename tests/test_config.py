@@ -6,7 +6,7 @@ from pydantic import ValidationError
 import zoo
 from zoo import ModelConfig, RopeScaling
 from zoo.cli import main as cli_main
-from zoo.core.layout import num_parameters
+from zoo.arch.layout import num_parameters
 
 BASE = dict(vocab_size=100, max_seq_len=32, d_model=64, n_layer=2, n_head=4)
 

@@ -20,7 +20,7 @@ import pytest
 
 import zoo
 from zoo.train.config import DEMO_DATA, TrainConfig
-from zoo.core.layout import num_parameters
+from zoo.arch.layout import num_parameters
 
 
 def _batch(seed=0, B=4, T=32):
@@ -281,7 +281,7 @@ def test_zero_1_shards_the_moments_and_saves_them_whole(tmp_path):
     plain_status, plain_console, _ = _launch(2, tmp_path / "plain")
     assert plain_status == 0, plain_console
     n = num_parameters(zoo.preset("tiny-llama"))
-    from zoo.core.memory import human_bytes
+    from zoo.arch.memory import human_bytes
 
     assert f"AdamW moments {human_bytes(8 * (n // 2 // 16 * 16))}" in console  # rank 0's shard
     assert f"AdamW moments {human_bytes(8 * n)}" in plain_console
@@ -324,9 +324,9 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(two_ranks, tm
     assert status != 0 and "rank 1" in console, console
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert not (out / "config.json").exists()  # nothing published
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
 
-    load_pretrained(out / "checkpoints" / "step-00000003")
+    Model.from_pretrained(out / "checkpoints" / "step-00000003")
     status, console, _ = _launch(2, out, resume=True)
     assert status == 0, console
     _metrics_equal(out, reference)

@@ -16,9 +16,9 @@ import fuzz
 import pytest
 
 import zoo
-from zoo.core.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
+from zoo.arch.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
 from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
-from zoo.core.layout import num_parameters
+from zoo.arch.layout import num_parameters
 
 
 @pytest.fixture(scope="module")

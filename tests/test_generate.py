@@ -103,12 +103,12 @@ def _hf_models():
 def test_greedy_matches_transformers(tmp_path, family):
     torch = pytest.importorskip("torch")
     classes, configs = _hf_models()
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
 
     torch.manual_seed(0)
     hf = classes[family](configs[family]).eval()
     hf.save_pretrained(tmp_path)
-    model = load_pretrained(tmp_path)
+    model = Model.from_pretrained(tmp_path)
     prompt = [0, 17, 42, 99, 7, 250, 3]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,

@@ -21,7 +21,7 @@ import zoo
 from zoo.cli import main
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
-from zoo.core.layout import parameter_shapes
+from zoo.arch.layout import parameter_shapes
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -610,8 +610,12 @@ def test_generate_reads_a_gguf_as_its_converted_folder(tmp_path, capsys):
                      "--temperature", "0"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("Once") and len(texts[0]) > len("Once")
-    # finetune and inspect read folders: they say how to make one
-    assert main(["inspect", str(tmp_path / "m.gguf")]) == 1
+    # inspect reads it as it is; finetune starts from a folder, and says how to make one
+    assert main(["inspect", str(tmp_path / "m.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "a GGUF file" in out and "GGUF llama" in out and "zoo can load   yes" in out
+    assert main(["finetune", "--from", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "hf" / "config.json"),
+                 "--out", str(tmp_path / "run"), "--steps", "1"]) == 1
     assert f"zoo convert {tmp_path / 'm.gguf'} DIR" in capsys.readouterr().err
 
 

@@ -26,7 +26,8 @@ import pytest
 import zoo
 from zoo.io.safetensors import SafetensorsFile
 from zoo.train.config import DEMO_DATA
-from zoo.train.trainer import checkpoint_dirs, read_state
+from zoo.io.run_folder import checkpoint_dirs
+from zoo.train.trainer import read_state
 
 SEEDS = list(range(20))
 STEPS = 10

@@ -9,7 +9,7 @@ import zoo
 from zoo import ModelConfig
 from zoo.core import blocks
 from zoo.core.native import _native
-from zoo.core.layout import parameter_layout
+from zoo.arch.layout import parameter_layout
 
 B = _native.blocks
 CLAD = bool(zoo.build_info()["clad"])

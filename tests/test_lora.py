@@ -15,7 +15,7 @@ import zoo
 from zoo import LoraConfig, ModelConfig
 from zoo.train.trainer import Trainer, TrainInterrupted
 from zoo.train.config import TrainConfig
-from zoo.core.layout import num_parameters
+from zoo.arch.layout import num_parameters
 
 CLAD = bool(zoo.build_info().get("clad"))
 BF16 = zoo.gemm_info()["bf16_native"]
@@ -58,7 +58,7 @@ def fp32_copy(model) -> zoo.Model:
 
 def merged(model) -> zoo.Model:
     """fp32_copy with every adapter merged into its module's weight: W + scaling B A."""
-    from zoo.core.lora import adapters
+    from zoo.arch.lora import adapters
 
     full = fp32_copy(model)
     p = model.parameters()
@@ -95,7 +95,7 @@ def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
     assert rel_err(model.logits(tok), full.logits(tok)) < 1e-5
     _, grads = model.loss_and_grads(tok, tgt)
     _, full_grads = full.loss_and_grads(tok, tgt)
-    from zoo.core.lora import adapters
+    from zoo.arch.lora import adapters
 
     s, p = model.lora.scaling, model.parameters()
     for a in adapters(cfg, model.lora):
@@ -325,7 +325,8 @@ def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
 
 
 def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, monkeypatch):
-    from zoo.io.checkpoints import format_inspection, inspect_checkpoint, save_pretrained
+    from zoo.io.checkpoints import save_pretrained
+    from zoo.io.inspect import format_inspection, inspect_checkpoint
     from zoo.cli import main
 
     monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
@@ -363,7 +364,7 @@ def test_a_frozen_base_is_initialized_as_the_full_model_a_block_of_rows_at_a_tim
 def test_stored_matrix_products_over_many_tiles_equal_numpy(fmt):
     """Both products (x W^T, dy W) with W widened a tile and a block of rows at a time (here
     five forward tiles and two pullback blocks) equal numpy's on the stored values."""
-    from zoo._native import stored_matrix_product
+    from zoo.core._native import stored_matrix_product
 
     rng = np.random.default_rng(0)
     W = rng.standard_normal((50000, 96)).astype(np.float32)

@@ -24,7 +24,7 @@ from zoo.generate import generate
 from zoo.io.gguf import save_gguf
 from zoo.io.hf_config import config_to_hf, hf_incompatibility
 from zoo.model import ADError
-from zoo.core.layout import num_parameters
+from zoo.arch.layout import num_parameters
 
 CLAD = bool(zoo.build_info().get("clad"))
 needs_clad = pytest.mark.skipif(

@@ -11,12 +11,14 @@ import numpy as np
 
 from .core import blocks
 from .core.native import _native
-from .core.config import ModelConfig
+from .arch.config import ModelConfig
 from .core.gemm import apply_gemm_environment, check_precision
-from .core.layout import ParamSpec, frozen_table, initial_value, layout_table, num_parameters, parameter_layout, parameter_offsets
-from .core.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
-from .core.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
+from .arch.layout import ParamSpec, frozen_table, initial_value, layout_table, num_parameters, parameter_layout, parameter_offsets
+from .arch.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
+from .arch.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
 from .core.rope import rope_inv_freq
+from .io import load
+from .io.checkpoints import save_pretrained
 
 
 # --- differentiation backends (docs/clad.md) -------------------------------------------
@@ -527,13 +529,13 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Model":
-        from .io.checkpoints import load_pretrained
-
-        return load_pretrained(path, **kwargs)
+        """A model in any form zoo reads (io/load.py): a Hugging Face checkpoint folder, a run
+        folder or checkpoint, a PEFT adapter folder (over its base), a GGUF file. kwargs:
+        max_seq_len, ad, allow_nonfinite, lora, base_dtype, precision, checkpointing,
+        adapter_seed (io/checkpoints.load_pretrained documents them)."""
+        return load.load_model(load.resolve(path, "path"), cls, **kwargs)
 
     def save_pretrained(self, path, **kwargs) -> None:
-        from .io.checkpoints import save_pretrained
-
         save_pretrained(self, path, **kwargs)
 
     def __repr__(self) -> str:

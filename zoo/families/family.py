@@ -8,13 +8,10 @@ them. docs/adding_a_family.md walks through writing one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from ..core.errors import CheckpointError
 from ..core.files import show_value
-
-if TYPE_CHECKING:
-    from ..core.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -101,12 +98,12 @@ class Family:
     activations: dict[str, str]
     hf_keys: dict[str, str]
     read_config: Callable[[dict, Getter], dict[str, Any]]
-    write_config: Callable[["ModelConfig"], dict[str, Any]]
-    cannot_express: Callable[["ModelConfig"], Optional[tuple[str, str]]]
+    write_config: Callable[[Any], dict[str, Any]]
+    cannot_express: Callable[[Any], Optional[tuple[str, str]]]
     gguf_arch: Optional[str] = None
     read_gguf: Optional[Callable[[Callable, Any], dict[str, Any]]] = None
-    write_gguf: Optional[Callable[["ModelConfig"], dict[str, tuple[Any, str]]]] = None
-    gguf_rope_heads: Callable[["ModelConfig", str], Optional[int]] = lambda cfg, part: None
+    write_gguf: Optional[Callable[[Any], dict[str, tuple[Any, str]]]] = None
+    gguf_rope_heads: Callable[[Any, str], Optional[int]] = lambda cfg, part: None
     gguf_writes_tied_head: bool = False  # llama.cpp's converter writes a tied head out as output.weight
     notes: tuple[str, ...] = field(default=())  # what zoo refuses of this family, and why (docs, errors)
 

@@ -3,12 +3,9 @@ on every linear layer, Conv1D weights stored (in, out), a tied head by default."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from .family import Family, Getter, TensorNames
-
-if TYPE_CHECKING:
-    from ..core.config import ModelConfig
 
 NAMES = TensorNames(
     embedding="transformer.wte", positions="transformer.wpe", layer="transformer.h.{i}.",
@@ -43,7 +40,7 @@ def read_config(hf: dict, get: Getter) -> dict:
     )
 
 
-def cannot_express(cfg: "ModelConfig") -> Optional[tuple[str, str]]:
+def cannot_express(cfg) -> Optional[tuple[str, str]]:
     arch = "GPT2LMHeadModel"
     if cfg.head_dim * cfg.n_head != cfg.d_model:
         return "head_dim", f"{arch} needs head_dim * n_head == d_model, got {cfg.head_dim} * {cfg.n_head}"
@@ -54,7 +51,7 @@ def cannot_express(cfg: "ModelConfig") -> Optional[tuple[str, str]]:
     return None
 
 
-def write_config(cfg: "ModelConfig") -> dict:
+def write_config(cfg) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
         "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
@@ -67,7 +64,7 @@ def read_gguf(key, f) -> dict:
                 positions="learned", attention_bias=True, mlp_bias=True)
 
 
-def write_gguf(cfg: "ModelConfig") -> dict:
+def write_gguf(cfg) -> dict:
     return {"attention.layer_norm_epsilon": (cfg.norm_eps, "FLOAT32")}
 
 

@@ -4,7 +4,7 @@ optional biases on the attention and MLP projections, an untied head by default.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from pydantic import ValidationError
 
@@ -12,9 +12,6 @@ from ..core.rope import RopeScaling
 from ..core.errors import CheckpointError
 from ..core.files import show_value
 from .family import Family, Getter, TensorNames
-
-if TYPE_CHECKING:
-    from ..core.config import ModelConfig
 
 NAMES = TensorNames(
     embedding="model.embed_tokens", positions="model.embed_positions", layer="model.layers.{i}.",
@@ -90,7 +87,7 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
     return float(theta), scaling
 
 
-def cannot_express(cfg: "ModelConfig") -> Optional[tuple[str, str]]:
+def cannot_express(cfg) -> Optional[tuple[str, str]]:
     arch = "LlamaForCausalLM"
     if cfg.d_model % cfg.n_head != 0:  # transformers' LlamaConfig rejects this even with an explicit head_dim
         return "n_head", f"{arch} needs d_model divisible by n_head, got {cfg.d_model} and {cfg.n_head}"
@@ -102,12 +99,12 @@ def cannot_express(cfg: "ModelConfig") -> Optional[tuple[str, str]]:
     return None
 
 
-def write_config(cfg: "ModelConfig") -> dict:
+def write_config(cfg) -> dict:
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **write_common(cfg),
             "hidden_act": FAMILY.activation_name(cfg.mlp)}
 
 
-def write_common(cfg: "ModelConfig") -> dict[str, Any]:
+def write_common(cfg) -> dict[str, Any]:
     """The keys LlamaConfig and the configs derived from it share."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
@@ -146,7 +143,7 @@ def read_gguf(key, f) -> dict:
                 attention_bias="blk.0.attn_q.bias" in f.tensors, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
 
 
-def write_gguf(cfg: "ModelConfig") -> dict:
+def write_gguf(cfg) -> dict:
     keys = {"attention.head_count_kv": (cfg.n_kv_head, "UINT32"),
             "attention.layer_norm_rms_epsilon": (cfg.norm_eps, "FLOAT32"),
             "rope.freq_base": (cfg.rope_theta, "FLOAT32"), "rope.dimension_count": (cfg.head_dim, "UINT32"),
@@ -157,7 +154,7 @@ def write_gguf(cfg: "ModelConfig") -> dict:
     return keys
 
 
-def gguf_rope_heads(cfg: "ModelConfig", tensor: str) -> Optional[int]:
+def gguf_rope_heads(cfg, tensor: str) -> Optional[int]:
     """llama.cpp rotates adjacent pairs of a head, Hugging Face pairs values half a head apart: its
     converter reorders the rows of q and k (weights and biases) within each head."""
     if ".self_attn.q_proj." in tensor:

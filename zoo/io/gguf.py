@@ -27,6 +27,7 @@ scaling's parameters from it and checks that they give back every divisor.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -39,12 +40,13 @@ from pydantic import ValidationError
 
 from .. import families
 from ..core.atomic import atomic_path
-from ..core.config import ModelConfig
+from ..arch.config import ModelConfig
 from ..core.rope import RopeScaling
 from ..core.errors import CheckpointError
 from ..core.files import first_field_error
 from .hf_config import hf_incompatibility
-from ..core.layout import ParamSpec, parameter_layout
+from ..arch.layout import ParamSpec, parameter_layout
+from .checkpoints import nonfinite_message
 from .safetensors import count_nonfinite
 
 ROPE_FREQS = "rope_freqs.weight"
@@ -240,27 +242,34 @@ def check_tensors(cfg: ModelConfig, f) -> list[tuple[ParamSpec, str]]:
     return pairs
 
 
-def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
-              allow_nonfinite: bool = False):
-    """A zoo.Model from a GGUF file: weights dequantized to float32, the q/k permutation undone,
-    the tokenizer the metadata carries as model.pretrained_tokenizer (save_pretrained writes it)."""
-    from .checkpoints import nonfinite_message
-    from .gguf_file import GGUFFile
+def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int] = None, ad="manual",
+              allow_nonfinite: bool = False, lora=None, base_dtype: Optional[str] = None, precision: str = "fp32",
+              checkpointing: bool = False, adapter_seed: int = 0):
+    """A model_class (zoo.Model) from a GGUF file: weights dequantized to float32 (or stored in
+    a frozen base's format, one tensor at a time), the q/k permutation undone, the tokenizer the
+    metadata carries as model.pretrained_tokenizer (save_pretrained writes it). The other
+    arguments are checkpoints.load_pretrained's."""
     from ..text.gguf_tokenizer import tokenizer_from_gguf
-    from ..model import Model
+    from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
         cfg = config_from_gguf(f, max_seq_len)
         pairs = check_tensors(cfg, f)
         tokenizer = tokenizer_from_gguf(f, cfg.vocab_size)  # all checks before the arena is allocated
-        model = Model(cfg, seed=None, ad=ad)
-        params = model.parameters()
+        model = model_class(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
+                            checkpointing=checkpointing)
+        params = None if model.frozen else model.parameters()
         nonfinite: dict[str, int] = {}
         for spec, name in pairs:
             w = f.read(name)
             heads = _rope_heads(cfg, spec)
-            params[spec.name][...] = w if heads is None else from_gguf_rows(w, heads)
-            n = count_nonfinite(params[spec.name])
+            w = w if heads is None else from_gguf_rows(w, heads)
+            if params is None:
+                model.set_base_tensor(spec.name, w)
+                n = count_nonfinite(w)
+            else:
+                params[spec.name][...] = w
+                n = count_nonfinite(params[spec.name])
             if n:
                 nonfinite[name] = n
         if nonfinite:
@@ -270,8 +279,26 @@ def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad=
                                               "--allow-nonfinite (zoo convert) or allow_nonfinite=True "
                                               "(zoo.Model.from_pretrained)")
             warnings.warn(f"{f.path}: loaded with {message} (allow_nonfinite=True)", RuntimeWarning, stacklevel=3)
+    if lora is not None:
+        model.init_adapters(adapter_seed)
     model.pretrained_tokenizer = tokenizer
     return model
+
+
+def chat_template_from_gguf(path: str | os.PathLike):
+    """The chat template a GGUF file carries (tokenizer.chat_template), with its bos/eos texts;
+    zoo's fallback where it has none."""
+    from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+    from ..text.gguf_tokenizer import tokenizer_files
+    from .gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        files = tokenizer_files(f, f.tensor("token_embd.weight").shape[0])
+    config = json.loads(files["tokenizer_config.json"]) if files else {}
+    bos, eos = config.get("bos_token"), config.get("eos_token")
+    if config.get("chat_template") is None:
+        return ChatTemplate(FALLBACK_TEMPLATE, f"zoo's fallback chat template ({path} has none)", bos, eos)
+    return ChatTemplate(config["chat_template"], f"{path} tokenizer.chat_template", bos, eos)
 
 
 # --- zoo -> GGUF ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from .. import families
-from ..core.config import ModelConfig
+from ..arch.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..core.files import first_field_error, read_json, show_value
 

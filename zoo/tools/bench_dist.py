@@ -255,7 +255,7 @@ def render(r: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ..core.layout import num_parameters
+    from ..arch.layout import num_parameters
 
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_dist", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2")
@@ -282,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --ranks {args.ranks}")
 
     import zoo
-    from zoo.core.presets import PRESETS
+    from zoo.arch.presets import PRESETS
 
     runs: dict[str, list[dict]] = {m: [] for m in SYSTEMS}
     for i in range(args.rounds):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .bench_torch import _peak_rss_mib
 from .bench_worker import cpu_info
-from ..core.layout import num_parameters
+from ..arch.layout import num_parameters
 
 
 def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: int) -> dict:
@@ -26,7 +26,7 @@ def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: in
 
     import zoo
     from zoo.generate import generate
-    from zoo.core.lora import default_precision
+    from zoo.arch.lora import default_precision
 
     zoo.set_threads(threads)
     cfg = zoo.preset(preset)

@@ -115,8 +115,8 @@ def lora_flops(cfg, tokens: int, rank: int, adapted: list) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
-    from ..core.layout import num_parameters
-    from ..core.lora import LoraConfig, adapters, module_names
+    from ..arch.layout import num_parameters
+    from ..arch.lora import LoraConfig, adapters, module_names
     from ..io.hf_config import config_to_hf
 
     cfg = model_config(args.preset or (None if args.config else "llama-3.2-1b"), args.config)

@@ -12,9 +12,9 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .. import families
-from . import blocks
-from .native import _native
-from .rope import RopeScaling
+from ..core import blocks
+from ..core.native import _native
+from ..core.rope import RopeScaling
 
 # Upper bounds on every size, checked here before anything is built from a config (a config.json
 # with 10^8 layers or a vocabulary of 2e9 is refused in microseconds, naming the field). They are

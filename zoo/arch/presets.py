@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ModelConfig
-from .rope import RopeScaling
+from ..core.rope import RopeScaling
 
 
 @dataclass(frozen=True)

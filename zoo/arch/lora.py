@@ -15,11 +15,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import families
-from . import blocks
+from ..core import blocks
+from ..core.gemm import gemm_info
+from .layout import ParamSpec
 
 if TYPE_CHECKING:
     from .config import ModelConfig
-    from .layout import ParamSpec
 
 # The formats a frozen base's matrices may take (native/kernels/quant.hpp), and what each costs per value.
 BASE_DTYPES = ("fp32", "bf16", "int8", "nf4")
@@ -131,8 +132,6 @@ def adapter_layout(cfg: "ModelConfig", lora: LoraConfig) -> tuple[list["ParamSpe
     """The adapters' tensors in the trainable arena's order (per layer and slot, its A's then its
     B's), named as PEFT names them without its base_model.model. prefix, and the table the
     executor binds: rows of (slot, layer, o0, o1, rank, A offset, B offset)."""
-    from .layout import ParamSpec
-
     specs, table = [], []
     at, r = 0, lora.r
     by_slot: dict[tuple[int, str], list[Adapter]] = {}
@@ -172,8 +171,6 @@ def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
 def default_precision(base_dtype: str) -> str:
     """The products of a LoRA run by default: bf16 over a base narrower than fp32 where the CPU has
     bf16 dot products (the base is bf16 at best already), else fp32."""
-    from .gemm import gemm_info
-
     return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] else "fp32"
 
 

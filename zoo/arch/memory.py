@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .native import _native
+from ..core.native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
-from .errors import ResourceError
+from ..core.errors import ResourceError
 from .lora import LoraConfig, adapter_layout, run_setup
-from .layout import num_parameters
+from .layout import frozen_table, num_parameters, parameter_layout
 
 FLOAT_BYTES = 4
 
@@ -62,8 +62,6 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpoint
 def base_bytes(cfg: ModelConfig, base_dtype: str) -> int:
     """Bytes of the model's tensors as a frozen base stores them (matrices in base_dtype, the
     rest in fp32, scales included)."""
-    from .layout import frozen_table, parameter_layout
-
     rows, _ = frozen_table(parameter_layout(cfg), base_dtype)
     return sum(int(_native.storage_bytes(fmt, r, c)) for _, _, r, c, fmt in rows)
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from .. import families
-from . import blocks
+from ..core import blocks
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -63,17 +63,17 @@ def initial_value(spec: ParamSpec, rng: np.random.Generator, n_layer: int, rows:
     return value
 
 
-def parameter_layout(cfg: "ModelConfig") -> list[ParamSpec]:
+def parameter_layout(cfg: ModelConfig) -> list[ParamSpec]:
     """Every parameter of cfg in arena order, named as cfg's family names it."""
     return _layout(cfg)
 
 
-def parameter_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, ...]]:
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter in zoo's layout, in arena order (2-D weights are (out, in))."""
     return {p.name: p.shape for p in parameter_layout(cfg)}
 
 
-def num_parameters(cfg: "ModelConfig") -> int:
+def num_parameters(cfg: ModelConfig) -> int:
     return sum(math.prod(p.shape) for p in parameter_layout(cfg))
 
 
@@ -115,7 +115,7 @@ def _init(role: str, shape) -> str:
     return "residual" if role in _RESIDUAL else "normal"
 
 
-def _layout(cfg: "ModelConfig") -> list[ParamSpec]:
+def _layout(cfg: ModelConfig) -> list[ParamSpec]:
     names = families.get(cfg.family).names
     d, hd = cfg.d_model, cfg.head_dim
     q_out, kv_out = cfg.n_head * hd, cfg.n_kv_head * hd
