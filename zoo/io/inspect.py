@@ -48,7 +48,8 @@ def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optiona
         report = {"path": str(config_file), "architecture": (hf.get("architectures") or [f"zoo model, {cfg.family} names"])[0],
                   "model_type": hf["model_type"], "weights": None}
     elif not given.exists():
-        raise CheckpointError(given, f"no such folder, file or preset (presets: {', '.join(names)})")
+        raise CheckpointError(given, f"no such file or folder (PATH takes a preset name ({', '.join(names)}), a "
+                                     f"config.json, or {load.EXPECTED})")
     else:
         source = load.resolve(given, "PATH")
         if source.form == "gguf":

@@ -79,6 +79,8 @@ def resolve(path: str | os.PathLike, flag: str = "--from") -> Source:
             return Source(p, "training checkpoint", p)
         if checkpoint_dirs(p):
             return Source(p, "run", p)
+        if _is_adapter_folder(p):
+            return Source(p, "adapter", p)
         return Source(p, "sharded checkpoint" if (p / INDEX_FILE).is_file() else "checkpoint", p)
     newest = latest_checkpoint(p)
     if newest is not None:  # a run that has not finished: its newest checkpoint
