@@ -6,10 +6,10 @@ the family up here and read its table.
 
 from __future__ import annotations
 
-from . import gpt2, llama
+from . import gpt2, llama, mistral
 from .family import Family, Getter, TensorNames
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY)}
 
 
 def get(name: str) -> Family:
@@ -32,7 +32,8 @@ def by_model_type(model_type: str) -> Family | None:
 
 
 def by_gguf_arch(arch: str) -> Family | None:
-    """The family a GGUF file's general.architecture names, or None."""
+    """The family a GGUF file's general.architecture names (the first that writes it: llama for
+    Mistral's files too, as llama.cpp keeps them), or None."""
     return next((f for f in FAMILIES.values() if f.gguf_arch == arch), None)
 
 
@@ -41,7 +42,7 @@ def model_types() -> list[str]:
 
 
 def gguf_archs() -> list[str]:
-    return [f.gguf_arch for f in FAMILIES.values() if f.gguf_arch]
+    return list(dict.fromkeys(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch))
 
 
 __all__ = ["FAMILIES", "Family", "Getter", "TensorNames", "by_gguf_arch", "by_model_type", "default_for", "get", "gguf_archs",

@@ -67,12 +67,17 @@ def read_config(path: str | os.PathLike, max_seq_len: Optional[int] = None) -> M
 def _with_context(fields: dict, max_seq_len: Optional[int], source) -> dict:
     """fields with the context capped to max_seq_len, before validation: a RoPE model's positions
     are computed, so its config.json may name a context beyond zoo's bound (a 4M-token Llama)
-    that a smaller max_seq_len makes loadable. Learned positions are a fixed table."""
+    that a smaller max_seq_len makes loadable. Learned positions are a fixed table. A larger
+    context than the checkpoint's is refused: zoo computes a model within its context only (a
+    sliding window, for one, caps it: families/mistral.py)."""
     if max_seq_len is None or fields.get("max_seq_len") == max_seq_len:
         return fields
     if fields.get("positions", "learned") != "rope":
         raise ValueError(f"max_seq_len: {source} has learned positions; its context is fixed at "
                          f"{fields.get('max_seq_len')}")
+    if isinstance(fields.get("max_seq_len"), int) and max_seq_len > fields["max_seq_len"]:
+        raise ValueError(f"max_seq_len: {max_seq_len} is beyond the context of {source}, "
+                         f"{fields['max_seq_len']} tokens; zoo computes a model within its context")
     return {**fields, "max_seq_len": max_seq_len}
 
 
