@@ -92,7 +92,7 @@ def hf_loss_and_grads(model, tok: np.ndarray, tgt: np.ndarray) -> tuple[float, d
 
 def assert_parity(hf_model, zoo_model, seed=0) -> None:
     """Logits within 1e-4, loss within 1e-5, every gradient within 1e-3 relative."""
-    from zoo.core.layout import parameter_layout
+    from zoo.arch.layout import parameter_layout
 
     tok, tgt = tokens(seed)
     diff = np.abs(zoo_model.logits(tok) - hf_logits(hf_model, tok)).max()

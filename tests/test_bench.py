@@ -16,8 +16,9 @@ import pytest
 import zoo
 from helpers import needs
 from zoo.cli import main
+from zoo.arch.layout import num_parameters, parameter_shapes
+from zoo.arch.presets import preset
 from zoo.tools import bench
-from zoo.core.presets import preset
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
@@ -61,7 +62,7 @@ def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precisi
         assert b["total_ms"] == pytest.approx(b["forward_ms"] + b["pullback_ms"])
     assert r["blocks"]["linear"]["forward_ms"] > 0 and r["blocks"]["linear"]["pullback_ms"] > 0
     assert r["blocks_profile"]["in_blocks_ms"] > 0 and r["blocks_profile"]["precision"] == precision
-    assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == cfg.num_parameters()
+    assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == num_parameters(cfg)
     assert r["command"].startswith("zoo bench ")
     # The GEMM libraries and the CPU, as the zoo workers reported them.
     g = r["gemm"]
@@ -273,13 +274,13 @@ def test_step_flops_gpt2():
 
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_bench_weights_are_zoos_init(tmp_path, name):
-    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.core.layout.initial_value)."""
+    """weights.bin holds zoo.Model(cfg, seed)'s weights: one init (zoo.arch.layout.initial_value)."""
     cfg = preset(name)
     bench.write_workdir(tmp_path, cfg, 1, 8, seed=5)
     weights = np.fromfile(tmp_path / "weights.bin", dtype=np.float32)
     params = json.loads((tmp_path / "manifest.json").read_text())["params"]
     expected = zoo.Model(cfg, seed=5).parameters()
-    assert [p["name"] for p in params] == list(cfg.parameter_shapes())
+    assert [p["name"] for p in params] == list(parameter_shapes(cfg))
     for p in params:
         got = weights[p["offset"]:p["offset"] + math.prod(p["shape"])].reshape(p["shape"])
         np.testing.assert_array_equal(got, expected[p["name"]], err_msg=p["name"])

@@ -14,8 +14,8 @@ import pytest
 
 import zoo
 from zoo.core.native import _native
-from zoo.core.config import ModelConfig
-from zoo.core.presets import preset
+from zoo.arch.config import ModelConfig
+from zoo.arch.presets import preset
 from zoo.tools import bench, bench_gemm
 
 GEMM = zoo.gemm_info()

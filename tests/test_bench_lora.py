@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from zoo.core.lora import LoraConfig, adapters, module_names
-from zoo.core.presets import preset
+from zoo.arch.lora import LoraConfig, adapters, module_names
+from zoo.arch.presets import preset
 from zoo.tools import bench_lora
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1", "--seq-len", "32", "--rank", "4"]

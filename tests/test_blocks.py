@@ -25,7 +25,7 @@ import pytest
 from helpers import rel_err
 from zoo import ModelConfig, RopeScaling
 from zoo.core.native import _native
-from zoo.model import rope_inv_freq
+from zoo.core.rope import rope_inv_freq
 
 try:  # the finite-difference checks need no torch; the reference checks skip without it
     import torch

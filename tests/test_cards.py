@@ -10,9 +10,10 @@ import pytest
 
 from zoo.tools import cards
 from zoo.cli import main
-from zoo.core.config import ModelConfig
-from zoo.core.memory import finetune_memory_bytes
-from zoo.core.presets import PRESETS
+from zoo.arch.config import ModelConfig
+from zoo.arch.memory import finetune_memory_bytes
+from zoo.arch.presets import PRESETS
+from zoo.arch.layout import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / cards.CARDS_DIR
@@ -63,8 +64,8 @@ def test_card_json_facts():
         d = json.loads((CARDS / f"{p.name}.json").read_text())
         cfg = p.config
         assert ModelConfig(**d["config"]) == cfg
-        assert d["parameters"]["total"] == cfg.num_parameters()
-        assert sum(t["parameters"] for t in d["tensors"]) == cfg.num_parameters()
+        assert d["parameters"]["total"] == num_parameters(cfg)
+        assert sum(t["parameters"] for t in d["tensors"]) == num_parameters(cfg)
         assert d["hf_checkpoints"] == list(p.hf_checkpoints) and d["licence"] == p.licence
         kind = d["blocks"]["attention"]["kind"]
         assert kind == ("MHA" if cfg.n_kv_head == cfg.n_head else "MQA" if cfg.n_kv_head == 1 else "GQA")
@@ -90,7 +91,7 @@ def test_card_contents():
     tiny = (CARDS / "tiny-llama.md").read_text()
     assert "None: a zoo-only shape" in tiny and "| 8 | 256 |" in tiny and "| 8 | 1024 |" not in tiny
     index = (CARDS / "README.md").read_text()
-    assert all(f"[{p.name}]({p.name}.md)" in index and f"{p.config.num_parameters():,}" in index for p in PRESETS)
+    assert all(f"[{p.name}]({p.name}.md)" in index and f"{num_parameters(p.config):,}" in index for p in PRESETS)
 
 
 def test_zoo_card_prints(capsys):
@@ -169,7 +170,7 @@ def test_broken_benchmark_file(tmp_path, capsys):
 
 
 def test_a_card_names_each_block_by_what_it_is():
-    from zoo.core.presets import Preset
+    from zoo.arch.presets import Preset
 
     base = PRESETS[0].config.model_dump()
     for norm, mlp, words in (("rmsnorm", "relu2", ("RMSNorm (`rmsnorm`)", "squared ReLU (`relu2`)")),

@@ -10,8 +10,11 @@ import pytest
 
 import zoo
 from helpers import STORIES, gemm_rounding, greedy_agrees, installed, needs, needs_shared, random_batch
+from zoo import Model
+from zoo.arch.layout import parameter_shapes
 from zoo.core.errors import CheckpointError
-from zoo.io.checkpoints import format_inspection, inspect_checkpoint, load_pretrained, save_pretrained
+from zoo.io.checkpoints import save_pretrained
+from zoo.io.inspect import format_inspection, inspect_checkpoint
 from zoo.io.safetensors import CheckpointReader
 from zoo.text.tokenizers import Tokenizer
 
@@ -81,7 +84,7 @@ def test_parity_with_transformers(tmp_path, case):
     if spec.get("dtype") == "bfloat16":
         with CheckpointReader(folder) as r:
             assert {r.info(n).dtype for n in r.names} == {"BF16"}
-    model = load_pretrained(folder)
+    model = Model.from_pretrained(folder)
     assert_parity(load_hf_fp32(folder), model)
 
 
@@ -90,8 +93,8 @@ def test_llama3_rope_forms_read_the_same(tmp_path):
     new = _saved("llama3-rope_parameters-sharded", tmp_path / "new")
     old = _saved("llama3-rope_parameters-sharded", tmp_path / "old")
     _old_rope_form(old)
-    assert load_pretrained(new).config == load_pretrained(old).config
-    assert load_pretrained(old).config.rope_scaling.factor == 8.0
+    assert Model.from_pretrained(new).config == Model.from_pretrained(old).config
+    assert Model.from_pretrained(old).config.rope_scaling.factor == 8.0
 
 
 @hf
@@ -104,7 +107,7 @@ def test_zoo_save_loads_in_transformers_with_same_logits(tmp_path, preset):
     assert np.abs(model.logits(tok) - hf_logits(hf, tok)).max() <= 1e-4
     assert hf.config.bos_token_id == 257 and hf.config.eos_token_id == 256
     # and back: zoo reads its own output, tokenizer included
-    again = load_pretrained(tmp_path)
+    again = Model.from_pretrained(tmp_path)
     assert again.config == model.config
     assert Tokenizer.from_pretrained(tmp_path).encode("hé") == [104, 195, 169]
 
@@ -115,7 +118,7 @@ def test_config_transformers_cannot_express_round_trips_in_zoo_form(tmp_path):
     model = zoo.Model(mixed, seed=5)
     with pytest.warns(UserWarning, match="model_type 'zoo'"):
         save_pretrained(model, tmp_path, tokenizer=Tokenizer.byte_level())
-    again = load_pretrained(tmp_path)
+    again = Model.from_pretrained(tmp_path)
     assert again.config == mixed
     tok, _ = random_batch(mixed, B=2, T=12)
     np.testing.assert_array_equal(again.logits(tok), model.logits(tok))
@@ -127,7 +130,7 @@ def test_config_transformers_cannot_express_round_trips_in_zoo_form(tmp_path):
 def test_transformers_save_zoo_load_zoo_save_identical_tensors(tmp_path, case):
     src = _saved(case, tmp_path / "hf")
     out = tmp_path / "zoo"
-    save_pretrained(load_pretrained(src), out)
+    save_pretrained(Model.from_pretrained(src), out)
     before = safetensors_torch.load_file(src / "model.safetensors")
     after = safetensors_torch.load_file(out / "model.safetensors")
     assert set(before) == set(after)
@@ -142,12 +145,12 @@ def test_transformers_save_zoo_load_zoo_save_identical_tensors(tmp_path, case):
 @hf
 def test_save_sharded_and_bf16(tmp_path):
     src = _saved("llama3-rope_parameters-sharded", tmp_path / "hf")
-    model = load_pretrained(src)
+    model = Model.from_pretrained(src)
     save_pretrained(model, tmp_path / "bf16", dtype="bfloat16", max_shard_bytes=10_000)
     index = json.loads((tmp_path / "bf16" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all(re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", s) for s in shards)
-    back = load_pretrained(tmp_path / "bf16")
+    back = Model.from_pretrained(tmp_path / "bf16")
     for name, p in model.parameters().items():
         expected = torch.from_numpy(p.copy()).bfloat16().float().numpy()  # torch's rounding
         np.testing.assert_array_equal(back.parameters()[name], expected, err_msg=name)
@@ -169,7 +172,7 @@ def test_tokenizer_files_follow_the_model(tmp_path):
     bpe.train_from_iterator(["hello world, hello zoo"] * 10, vocab_size=270, special_tokens=["<|endoftext|>"],
                             show_progress=False)
     bpe.save_model(str(src))
-    model = load_pretrained(src)
+    model = Model.from_pretrained(src)
     save_pretrained(model, tmp_path / "out")
     assert (tmp_path / "out" / "vocab.json").read_bytes() == (src / "vocab.json").read_bytes()
     assert (tmp_path / "out" / "merges.txt").read_bytes() == (src / "merges.txt").read_bytes()
@@ -191,7 +194,7 @@ def test_stories260k_greedy_matches_known_answer():
     answer = readme.split("gives these 80 ids", 1)[1].split(":", 1)[1]  # the ids follow the colon
     expected = [int(x) for x in re.findall(r"\d+", answer)][:80]
     assert len(expected) == 80
-    model = load_pretrained(STORIES)
+    model = Model.from_pretrained(STORIES)
     assert model.config.n_kv_head == 4 and model.config.tied_embeddings
     free = greedy_agrees(model.logits(np.asarray([[1] + expected[:-1]]))[0], expected)
     assert generate(model, [1], 80, temperature=0.0)[:free] == expected[:free]
@@ -204,7 +207,7 @@ def test_inspect_reports_without_loading(tmp_path, capsys):
     cfg = report["config"]
     assert report["architecture"] == "LlamaForCausalLM"
     assert report["parameters"] == sum(p.numel() for p in load_hf_fp32(src).parameters())
-    assert report["dtypes"] == {"F32": len(cfg.parameter_shapes())}
+    assert report["dtypes"] == {"F32": len(parameter_shapes(cfg))}
     assert report["loadable"] == "yes"
     mem = report["finetune_memory"]
     assert mem.parameters == mem.gradients == mem.optimizer // 2 == 4 * report["parameters"]
@@ -245,7 +248,7 @@ def _rewrite_header(path: Path, edit) -> None:
 
 def _error(folder: Path) -> str:
     with pytest.raises(CheckpointError) as e:
-        load_pretrained(folder)
+        Model.from_pretrained(folder)
     return str(e.value)
 
 
@@ -359,7 +362,7 @@ def test_loading_streams_from_the_map(tmp_path, dtype):
     largest = 4 * cfg.vocab_size * cfg.d_model
     tracemalloc.start()
     try:
-        load_pretrained(tmp_path)
+        Model.from_pretrained(tmp_path)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -63,9 +63,9 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     print(family, "validation losses", val)
     assert val[-1] <= 0.7 * val[0], val
     tokens = np.random.default_rng(0).integers(0, 300, (2, 24))
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
 
-    ours = load_pretrained(out).logits(tokens)
+    ours = Model.from_pretrained(out).logits(tokens)
     np.testing.assert_allclose(folder_logits(out, tokens), ours, atol=1e-4, rtol=0)
     assert (out / "loss.png").is_file()
 
@@ -98,12 +98,12 @@ def test_demo_generate_and_plot(tmp_path, capsys, cache):
     rc, stdout, err = run(capsys, "generate", "--from", out, "--prompt", "The keeper", "--temperature", 0,
                           "--max-new-tokens", 24, "--threads", 1, "--no-echo")
     assert rc == 0, err
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
     from zoo.generate import generate, prompt_tokens
     from zoo.text.tokenizers import Tokenizer
 
     tok = Tokenizer.from_pretrained(out)
-    ids = generate(load_pretrained(out), prompt_tokens(tok, "The keeper"), 24, stop_ids=tok.eos_ids)
+    ids = generate(Model.from_pretrained(out), prompt_tokens(tok, "The keeper"), 24, stop_ids=tok.eos_ids)
     assert stdout == tok.decode([i for i in ids if i not in tok.eos_ids]) + "\n"
 
     (out / "loss.png").unlink()
@@ -116,7 +116,8 @@ def test_generate_from_token_ids(tmp_path, capsys):
     """--prompt-ids: a checkpoint without tokenizer files generates (stopping at its config's
     EOS), printing ids; with a tokenizer, their text follows; bad ids are refused by name."""
     import zoo
-    from zoo.io.checkpoints import load_pretrained, save_pretrained
+    from zoo import Model
+    from zoo.io.checkpoints import save_pretrained
     from zoo.generate import generate
 
     stories = STORIES  # a Llama that transformers wrote, with no tokenizer files
@@ -124,7 +125,7 @@ def test_generate_from_token_ids(tmp_path, capsys):
     rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", "1,403, 407", "--max-new-tokens", 40,
                           *greedy)
     assert rc == 0, err
-    new = generate(load_pretrained(stories), [1, 403, 407], 40, stop_ids=[2])
+    new = generate(Model.from_pretrained(stories), [1, 403, 407], 40, stop_ids=[2])
     assert stdout == " ".join(map(str, [1, 403, 407] + new)) + "\n"
     assert new[-1] == 2 or len(new) == 40  # config.json's eos_token_id 2 ends it
     rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", 1, 403, 407, "--no-echo",
@@ -232,7 +233,7 @@ def test_bad_checkpoint_arguments(tmp_path, capsys):
     from hf_helpers import gpt2_checkpoint
 
     rc, _, err = run(capsys, "finetune", "--from", tmp_path / "nowhere", "--data", DEMO_DATA, "--out", tmp_path / "o")
-    assert rc == 1 and "nowhere" in err and "no such checkpoint folder" in err
+    assert rc == 1 and "nowhere" in err and "no such file or folder (--from takes" in err
     rc, _, err = run(capsys, "finetune", "--data", DEMO_DATA, "--out", tmp_path / "o")
     assert rc == 1 and "--from DIR is required" in err
 

@@ -123,11 +123,11 @@ def test_train_help_says_the_demo_has_settings_of_its_own(capsys):
 
 
 def test_generate_echoes_the_prompt_unless_told_not_to(checkpoint, capsys):
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
     from zoo.generate import generate, prompt_tokens
 
     tok = Tokenizer.from_pretrained(checkpoint)
-    ids = generate(load_pretrained(checkpoint), prompt_tokens(tok, "Once upon"), 12, stop_ids=tok.eos_ids)
+    ids = generate(Model.from_pretrained(checkpoint), prompt_tokens(tok, "Once upon"), 12, stop_ids=tok.eos_ids)
     continuation = tok.decode([i for i in ids if i not in tok.eos_ids])
     args = ["generate", "--from", checkpoint, "--prompt", "Once upon", "--temperature", 0,
             "--max-new-tokens", 12, "--threads", 1]

@@ -20,6 +20,7 @@ import pytest
 
 import zoo
 from helpers import needs, zoo_command
+from zoo.arch.layout import num_parameters
 from zoo.train.config import DEMO_DATA, TrainConfig
 
 
@@ -331,11 +332,11 @@ def test_zero_1_shards_the_moments_and_saves_them_whole(zero_1, two_ranks):
     """Each rank's moments cover its shard alone (the header's per-rank memory), and the
     checkpoint holds them whole, as a one-process run's: ZeRO-1 and plain data parallelism
     write the same moments to the last bits."""
-    from zoo.core.memory import human_bytes
+    from zoo.arch.memory import human_bytes
     from zoo.io.safetensors import SafetensorsFile
 
     (zero, console), (plain, _, plain_console) = zero_1, two_ranks
-    n = zoo.preset("tiny-llama").num_parameters()
+    n = num_parameters(zoo.preset("tiny-llama"))
     assert f"AdamW moments {human_bytes(8 * (n // 2 // 16 * 16))}" in console  # rank 0's shard
     assert f"AdamW moments {human_bytes(8 * n)}" in plain_console
     ckpt = "checkpoints/step-00000006/optimizer.safetensors"
@@ -366,9 +367,7 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(two_ranks, tm
     assert status != 0 and "rank 1" in console, console
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert not (out / "config.json").exists()  # nothing published
-    from zoo.io.checkpoints import load_pretrained
-
-    load_pretrained(out / "checkpoints" / "step-00000003")
+    zoo.Model.from_pretrained(out / "checkpoints" / "step-00000003")
     status, console = _launch(2, out, resume=True)
     assert status == 0, console
     _metrics_equal(out, reference)

@@ -16,8 +16,9 @@ from helpers import STORIES, needs_shared
 import pytest
 
 import zoo
-from zoo.core.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
+from zoo.arch.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
 from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
+from zoo.arch.layout import num_parameters
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def test_a_model_that_fits_to_generate_is_refused_training_at_its_first_step():
     # The weights (4 bytes per parameter) fit; the gradients and AdamW moments (12 more) do not:
     # the model is made and runs forward, and its first training step is refused before the
     # executor touches the training state.
-    n_params = zoo.preset("tiny-gpt2").num_parameters()
+    n_params = num_parameters(zoo.preset("tiny-gpt2"))
     r = helpers.python("""
 import numpy as np, zoo
 from zoo.core.errors import ResourceError
@@ -209,7 +210,7 @@ except ResourceError as e:
 
 def test_train_batch_too_big_for_memory_names_checkpointing(folders, tmp_path):
     # The model and its training state fit (16 bytes per parameter), its activations at 64 x 256 tokens do not.
-    n_params = zoo.preset("tiny-gpt2").num_parameters()
+    n_params = num_parameters(zoo.preset("tiny-gpt2"))
     available = 16 * n_params + (1 << 20)
     r = helpers.cli("train", "--preset", "tiny-gpt2", "--data", folders["data"], "--out", tmp_path / "run",
                  "--steps", "1", "--batch-size", "64", "--seq-len", "256",
@@ -262,7 +263,7 @@ except ValueError as e:
 
 
 def test_a_kv_cache_too_big_for_memory_is_refused_before_it_is_allocated():
-    n_params = zoo.preset("tiny-llama").num_parameters()
+    n_params = num_parameters(zoo.preset("tiny-llama"))
     r = helpers.python("""
 import zoo
 from zoo.core.errors import ResourceError

@@ -465,7 +465,7 @@ def test_nonfinite_bf16_weights_and_inspect_scan_agrees_with_loading(tmp_path):
     _poison(folder, POISON, dtype="bf16")
     loading = helpers.assert_error(generate(folder), "4 non-finite values", status=EXIT_INPUT)
     r = api(f"""
-        from zoo.io.checkpoints import format_inspection, inspect_checkpoint
+        from zoo.io.inspect import format_inspection, inspect_checkpoint
         print(format_inspection(inspect_checkpoint({str(folder)!r}, scan=True)))
         print(format_inspection(inspect_checkpoint({str(folder)!r})))
     """)
@@ -477,7 +477,7 @@ def test_nonfinite_bf16_weights_and_inspect_scan_agrees_with_loading(tmp_path):
 
 def test_inspect_scan_of_finite_weights_says_so(saved):
     r = api(f"""
-        from zoo.io.checkpoints import format_inspection, inspect_checkpoint
+        from zoo.io.inspect import format_inspection, inspect_checkpoint
         print(format_inspection(inspect_checkpoint({str(saved)!r}, scan=True)))
     """)
     assert r.returncode == 0 and "zoo can load   yes (weights scanned: all finite)" in r.stdout, r

@@ -111,12 +111,12 @@ def test_greedy_matches_transformers(tmp_path, family):
     import torch
 
     classes, configs = _hf_models()
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
 
     torch.manual_seed(0)
     hf = classes[family](configs[family]).eval()
     hf.save_pretrained(tmp_path)
-    model = load_pretrained(tmp_path)
+    model = Model.from_pretrained(tmp_path)
     prompt = [0, 17, 42, 99, 7, 250, 3]
     ours = generate(model, prompt, 32, temperature=0.0)
     assert len(ours) == 32

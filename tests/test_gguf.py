@@ -22,6 +22,7 @@ from helpers import LLAMA2_TOKENIZER, installed, needs, shared
 from zoo.cli import main
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
+from zoo.arch.layout import parameter_shapes
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -147,7 +148,7 @@ def random_gguf(path: Path, arch: str, cfg: zoo.ModelConfig, qtype, seed: int = 
     """A GGUF model with random weights, its matrices in qtype (1-D tensors in F32, as llama.cpp
     keeps them); returns the dequantized weights under their Hugging Face names and order."""
     rng = np.random.default_rng(seed)
-    shapes = cfg.parameter_shapes()
+    shapes = parameter_shapes(cfg)
     tensors, weights = [], {}
     gguf_names = list(LLAMA_NAMES if arch == "llama" else GPT2_NAMES)
     gguf_names += [f"blk.{i}.{n}" for i in range(cfg.n_layer) for n in (LLAMA_LAYER if arch == "llama" else GPT2_LAYER)]
@@ -252,7 +253,7 @@ def test_round_trip_of_llama_variants(tmp_path):
                           attention_bias=True, mlp_bias=True, tied_embeddings=True)
     model = zoo.Model(cfg, seed=5)
     from zoo.io.gguf import save_gguf
-    from zoo.model import rope_inv_freq
+    from zoo.core.rope import rope_inv_freq
 
     save_gguf(model, tmp_path / "m.gguf")
     names = {t.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
@@ -376,7 +377,7 @@ def test_qk_permutation_and_rope_match_transformers(tmp_path, case):
     np.testing.assert_allclose(loaded.logits(tok), expected, rtol=0, atol=1e-4)
     params = model.config.rope_parameters
     if params.get("rope_type") == "llama3":  # the scaling recovered from the factors computes the same frequencies
-        from zoo.model import rope_inv_freq
+        from zoo.core.rope import rope_inv_freq
 
         hf_inv = model.model.rotary_emb.inv_freq.numpy()
         np.testing.assert_allclose(rope_inv_freq(loaded.config), hf_inv, rtol=1e-6)
@@ -613,8 +614,12 @@ def test_generate_reads_a_gguf_as_its_converted_folder(tmp_path, capsys):
                      "--temperature", "0"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("Once") and len(texts[0]) > len("Once")
-    # finetune and inspect read folders: they say how to make one
-    assert main(["inspect", str(tmp_path / "m.gguf")]) == 1
+    # inspect reads it as it is; finetune starts from a folder, and says how to make one
+    assert main(["inspect", str(tmp_path / "m.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "a GGUF file" in out and "GGUF llama" in out and "zoo can load   yes" in out
+    assert main(["finetune", "--from", str(tmp_path / "m.gguf"), "--data", str(tmp_path / "hf" / "config.json"),
+                 "--out", str(tmp_path / "run"), "--steps", "1"]) == 1
     assert f"zoo convert {tmp_path / 'm.gguf'} DIR" in capsys.readouterr().err
 
 

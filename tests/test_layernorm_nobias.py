@@ -9,7 +9,7 @@ import zoo
 from helpers import CLAD, needs, needs_clad, randomize_norms, rel_err
 from zoo import ModelConfig
 from zoo.core import blocks
-from zoo.core.layout import parameter_layout
+from zoo.arch.layout import parameter_layout
 from zoo.core.native import _native
 
 B = _native.blocks

@@ -11,6 +11,7 @@ import zoo
 from helpers import BF16, GPT2_TINY, SHAKESPEARE, STORIES, cli, needs_clad, needs_shared, rel_err, shared
 from zoo import LoraConfig, ModelConfig
 from zoo.train.config import TrainConfig
+from zoo.arch.layout import num_parameters
 from zoo.train.trainer import Trainer, TrainInterrupted
 
 # Heads of 10 (no power of two), and adapters over every module of the Llama family.
@@ -45,7 +46,7 @@ def fp32_copy(model) -> zoo.Model:
 def merged(model) -> zoo.Model:
     """fp32_copy with every adapter merged into its module's weight: W + (alpha / r) B A (LoRA's
     scaling, written here from its definition)."""
-    from zoo.core.lora import adapters
+    from zoo.arch.lora import adapters
 
     full = fp32_copy(model)
     p = model.parameters()
@@ -82,7 +83,7 @@ def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
     assert rel_err(model.logits(tok), full.logits(tok)) < 1e-5
     _, grads = model.loss_and_grads(tok, tgt)
     _, full_grads = full.loss_and_grads(tok, tgt)
-    from zoo.core.lora import adapters
+    from zoo.arch.lora import adapters
 
     s, p = model.lora.alpha / model.lora.r, model.parameters()
     for a in adapters(cfg, model.lora):
@@ -209,7 +210,7 @@ def test_a_lora_step_allocates_training_state_for_the_adapters_alone():
     assert sizes["weights"] == sizes["gradients"] == 4 * m.n_params
     assert sizes["moments"] == 8 * m.n_params
     assert m.n_params == sum(v.size for v in m.parameters().values())
-    assert sizes["frozen_base"] < 0.3 * 4 * LLAMA_TINY.num_parameters()
+    assert sizes["frozen_base"] < 0.3 * 4 * num_parameters(LLAMA_TINY)
 
 
 # --- runs ------------------------------------------------------------------------------------
@@ -307,14 +308,15 @@ def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
 
 
 def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, monkeypatch):
-    from zoo.io.checkpoints import format_inspection, inspect_checkpoint, save_pretrained
+    from zoo.io.checkpoints import save_pretrained
+    from zoo.io.inspect import format_inspection, inspect_checkpoint
     from zoo.cli import main
 
     monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
     report = inspect_checkpoint("llama-3.1-8b", seq_len=256)
     full, bf16, int8, nf4 = (plain for _, plain, _ in report["memory_options"][:4])
     assert nf4 < int8 < bf16 < full
-    assert report["parameters"] == zoo.preset("llama-3.1-8b").num_parameters()
+    assert report["parameters"] == num_parameters(zoo.preset("llama-3.1-8b"))
     text = format_inspection(report)
     assert "none read" in text and "LoRA r=16, nf4 base" in text and "does not fit" in text and "  fits" in text
     # config.json alone, and a folder holding only it: the same figures, no weights read
@@ -345,7 +347,7 @@ def test_a_frozen_base_is_initialized_as_the_full_model_a_block_of_rows_at_a_tim
 def test_stored_matrix_products_over_many_tiles_equal_numpy(fmt):
     """Both products (x W^T, dy W) with W widened a tile and a block of rows at a time (here
     five forward tiles and two pullback blocks) equal numpy's on the stored values."""
-    from zoo._native import stored_matrix_product
+    from zoo.core._native import stored_matrix_product
 
     rng = np.random.default_rng(0)
     W = rng.standard_normal((50000, 96)).astype(np.float32)

@@ -19,8 +19,9 @@ from hf_helpers import hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llam
 from zoo.cli import main  # noqa: E402
 from zoo.core.errors import CheckpointError  # noqa: E402
 from zoo.io.hf_config import read_config  # noqa: E402
-from zoo.core.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
-from zoo.io.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter, load_with_adapter,  # noqa: E402
+from zoo.io.load import load_with_adapter  # noqa: E402
+from zoo.arch.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
+from zoo.io.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter,  # noqa: E402
                          read_adapter, save_adapter)
 
 FAMILIES = {
@@ -338,7 +339,7 @@ def test_peft_saved_adapter_loads_in_zoo(base, tmp_path):
     family, folder, _ = base
     targets = FAMILIES[family]["targets"]
     adapter = saved_peft_adapter(folder, targets, tmp_path / "adapter")
-    model = load_with_adapter(folder, adapter, base_dtype="fp32")
+    model = load_with_adapter(folder, adapter, zoo.Model, base_dtype="fp32")
     assert model.lora.r == R and model.lora.scaling == ALPHA / R and set(model.lora.targets) == set(targets)
     tok, _ = tokens()
     diff = np.abs(model.logits(tok) - hf_logits(peft_model(folder, [], adapter), tok)).max()

@@ -1,4 +1,4 @@
-"""The memory estimate (zoo/core/memory.py) against what a model really takes. The up-front
+"""The memory estimate (zoo/arch/memory.py) against what a model really takes. The up-front
 refusal of a run too big for the machine, `zoo inspect` and the model cards all rely on it.
 
 For GPT-2 and Llama shapes, full finetuning and LoRA over each base format, with and without
@@ -18,7 +18,8 @@ import pytest
 import zoo
 from helpers import BF16, run
 from zoo import LoraConfig, ModelConfig
-from zoo.core.memory import finetune_memory_bytes, generation_bytes
+from zoo.arch.layout import num_parameters
+from zoo.arch.memory import finetune_memory_bytes, generation_bytes
 
 GPT2 = zoo.preset("tiny-gpt2")
 LLAMA = zoo.preset("tiny-llama")
@@ -53,7 +54,7 @@ def test_each_term_is_what_the_executor_maps(cfg, way, lora, base_dtype, checkpo
 
 
 def test_a_zero_1_shard_of_the_moments_is_what_the_executor_maps():
-    n = LLAMA.num_parameters()
+    n = num_parameters(LLAMA)
     est = finetune_memory_bytes(LLAMA, 2, 16, moment_floats=n // 3)
     model = zoo.Model(LLAMA, seed=0)
     model.set_moment_range(0, n // 3)
@@ -89,7 +90,7 @@ RSS_WORKER = r'''
 import gc, json, sys
 import numpy as np, zoo
 from zoo import LoraConfig, ModelConfig
-from zoo.core.memory import finetune_memory_bytes
+from zoo.arch.memory import finetune_memory_bytes
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))

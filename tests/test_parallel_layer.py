@@ -26,6 +26,7 @@ from zoo.generate import generate
 from zoo.io.gguf import save_gguf
 from zoo.io.hf_config import config_to_hf, hf_incompatibility
 from zoo.model import ADError
+from zoo.arch.layout import num_parameters
 
 if installed("torch"):
     import torch
@@ -150,7 +151,7 @@ def test_layout_has_one_norm_per_layer(cfg):
     assert not [n for n in names if "ln_2" in n or "post_attention_layernorm" in n]
     assert sum("ln_1.weight" in n or "input_layernorm.weight" in n for n in names) == cfg.n_layer
     sequential = cfg.model_copy(update={"layer": "sequential"})
-    assert cfg.num_parameters() == sequential.num_parameters() - cfg.n_layer * cfg.d_model * (
+    assert num_parameters(cfg) == num_parameters(sequential) - cfg.n_layer * cfg.d_model * (
         2 if cfg.norm == "layernorm" else 1)
     plan = {b["name"] for b in zoo._native.activation_plan(cfg.model_dump(), 2, 8)}
     assert not plan & {"layer0.res_mid", "layer0.ln2_stats"} and "layer0.qkv" in plan

@@ -8,7 +8,7 @@ import pytest
 
 import zoo
 from zoo.core.native import _native
-from zoo.core.presets import preset
+from zoo.arch.presets import preset
 
 FORWARD, HEAD, PULLBACK = 1, 2, 4
 
@@ -157,7 +157,7 @@ def test_a_smaller_batch_after_a_larger_one_uses_its_own_rows(checkpointing):
 
 
 def test_a_layout_table_the_kernels_would_misread_is_refused():
-    from zoo.core.layout import layout_table, parameter_layout, parameter_offsets
+    from zoo.arch.layout import layout_table, parameter_layout, parameter_offsets
 
     cfg = preset("tiny-gpt2")
     layout = parameter_layout(cfg)
@@ -183,7 +183,7 @@ def test_a_layout_table_the_kernels_would_misread_is_refused():
 
 
 def test_the_layout_binds_only_roles_the_executor_has():
-    from zoo.core.layout import parameter_layout
+    from zoo.arch.layout import parameter_layout
 
     roles = zoo.build_info()["roles"]
     for name in ("tiny-gpt2", "tiny-llama"):

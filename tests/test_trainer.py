@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.io.checkpoints import load_pretrained
+from zoo import Model
 from zoo.train.config import DEMO_DATA, TrainConfig
-from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, checkpoint_dirs, lr_at, read_state
+from zoo.io.run_folder import checkpoint_dirs
+from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, lr_at, read_state
 
 
 def config(tmp_path, name="run", **kw):
@@ -73,8 +74,8 @@ def test_training_reduces_loss_and_writes_a_run(tmp_path):
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000020", "step-00000040"]
     assert result["plot"].is_file() and result["plot"].stat().st_size > 1000
     # The run folder is itself a checkpoint with the final weights.
-    final = load_pretrained(tmp_path / "run")
-    last = load_pretrained(tmp_path / "run" / "checkpoints" / "step-00000040")
+    final = Model.from_pretrained(tmp_path / "run")
+    last = Model.from_pretrained(tmp_path / "run" / "checkpoints" / "step-00000040")
     for k, v in final.parameters().items():
         assert np.array_equal(v, last.parameters()[k])
 
@@ -130,7 +131,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(TrainError, match=r"loss became nan at step 6.*last good checkpoint is .*step-00000004"):
         trainer.run(on_step=poison)
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000004"]
-    good = load_pretrained(checkpoint_dirs(tmp_path / "run")[0])
+    good = Model.from_pretrained(checkpoint_dirs(tmp_path / "run")[0])
     assert all(np.isfinite(v).all() for v in good.parameters().values())
     assert read_state(checkpoint_dirs(tmp_path / "run")[0])["step"] == 4
 
@@ -168,7 +169,7 @@ def test_unwritable_out_at_checkpoint_time(tmp_path):
     assert [p.name for p in checkpoint_dirs(tmp_path / "run")] == ["step-00000004"]
     assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp")]
     assert read_state(ckpts / "step-00000004")["step"] == 4
-    load_pretrained(ckpts / "step-00000004")
+    Model.from_pretrained(ckpts / "step-00000004")
 
 
 def test_run_folder_guards(tmp_path):
@@ -240,7 +241,7 @@ def test_extending_a_finished_run_follows_the_schedule_of_the_new_total(tmp_path
     assert all(lrs[n] == lr_at(cfg, n - 1, 100) for n in range(1, 101))
     assert all(lrs[n] == lr_at(cfg, n - 1, 150) for n in range(101, 151))
     # The final model is published again, and the plot covers the whole run.
-    final = load_pretrained(tmp_path / "a")
+    final = Model.from_pretrained(tmp_path / "a")
     for k, v in final.parameters().items():
         assert np.array_equal(v, extended.model.parameters()[k]), k
     assert read_state(checkpoint_dirs(tmp_path / "a")[-1])["total_steps"] == 150

@@ -1,23 +1,15 @@
 """zoo: GPT-2 and Llama from declarative configs, native C++ blocks, fast CPU finetuning."""
 
-from .core.native import _native
-from .core.config import ModelConfig, RopeScaling
+from .core.native import _native, get_threads, set_threads
+from .arch.config import ModelConfig
+from .core.rope import RopeScaling
 from .core.gemm import gemm_info, set_gemm_library
-from .core.lora import LoraConfig
+from .arch.lora import LoraConfig
 from .model import Model
-from .core.presets import PRESETS, preset
+from .arch.presets import PRESETS, preset
 from .text.tokenizers import Tokenizer
 
 __version__ = "0.1.0"
-
-
-def set_threads(n: int) -> None:
-    """Threads for zoo's kernels and its BLAS alike."""
-    _native.set_threads(int(n))
-
-
-def get_threads() -> int:
-    return _native.get_threads()
 
 
 def build_info() -> dict:

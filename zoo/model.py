@@ -11,30 +11,14 @@ import numpy as np
 
 from .core import blocks
 from .core.native import _native
-from .core.config import ModelConfig
+from .arch.config import ModelConfig
 from .core.gemm import apply_gemm_environment, check_precision
-from .core.layout import ParamSpec, frozen_table, initial_value, layout_table, parameter_layout, parameter_offsets
-from .core.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
-from .core.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """RoPE inverse frequencies in float32 (as transformers computes them), with Llama-3 scaling."""
-    hd = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd)))
-    inv = inv.astype(np.float32)
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = (2 * math.pi / inv).astype(np.float32)
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv).astype(np.float32)
-    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor)).astype(np.float32)
-    smoothed = ((1 - smooth) * scaled / s.factor + smooth * scaled).astype(np.float32)
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
+from .arch.layout import ParamSpec, frozen_table, initial_value, layout_table, num_parameters, parameter_layout, parameter_offsets
+from .arch.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
+from .arch.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
+from .core.rope import rope_inv_freq
+from .io import load
+from .io.checkpoints import save_pretrained
 
 
 # --- differentiation backends (docs/clad.md) -------------------------------------------
@@ -208,7 +192,7 @@ class Model:
         what = (f"its {base_dtype} frozen base" + (f" and {self.n_params:,} adapter parameters" if lora else "")
                 if self.frozen else "its float32 weights")
         check_memory(weights + rope_table_bytes,
-                     f"a model of {config.num_parameters():,} parameters ({what}"
+                     f"a model of {num_parameters(config):,} parameters ({what}"
                      f"{', RoPE tables' if rope_table_bytes else ''})",
                      "choose a smaller model (fewer layers, a narrower d_model or d_ff, a smaller vocabulary)"
                      + ("" if base_dtype in ("int8", "nf4") else ", or a narrower frozen base (bf16, int8, nf4)"))
@@ -545,13 +529,13 @@ class Model:
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> "Model":
-        from .io.checkpoints import load_pretrained
-
-        return load_pretrained(path, **kwargs)
+        """A model in any form zoo reads (io/load.py): a Hugging Face checkpoint folder, a run
+        folder or checkpoint, a PEFT adapter folder (over its base), a GGUF file. kwargs:
+        max_seq_len, ad, allow_nonfinite, lora, base_dtype, precision, checkpointing,
+        adapter_seed (io/checkpoints.load_pretrained documents them)."""
+        return load.load_model(load.resolve(path, "path"), cls, **kwargs)
 
     def save_pretrained(self, path, **kwargs) -> None:
-        from .io.checkpoints import save_pretrained
-
         save_pretrained(self, path, **kwargs)
 
     def __repr__(self) -> str:

@@ -67,7 +67,7 @@ zoo::Dims dims_from(const py::dict& c) {
     d.attention_bias = c["attention_bias"].cast<bool>();
     d.mlp_bias = c["mlp_bias"].cast<bool>();
     d.tied_embeddings = c["tied_embeddings"].cast<bool>();
-    // The run's setup (zoo/core/lora.py), absent for a trainable base without adapters.
+    // The run's setup (zoo/arch/lora.py), absent for a trainable base without adapters.
     if (c.contains("frozen")) {
         d.frozen = c["frozen"].cast<bool>();
         d.matrix_dtype = zoo::dtype_named(c["matrix_dtype"].cast<std::string>());
@@ -121,7 +121,7 @@ PYBIND11_MODULE(_native, m) {
     m.doc() = "zoo's native core: blocks, executor, optimizer";
     // An arena the system would not map is a MemoryError (with the arena and its size named).
     py::register_exception<zoo::AllocationError>(m, "AllocationError", PyExc_MemoryError);
-    // The bounds of limits.hpp, which zoo/core/config.py and zoo/train/config.py check first.
+    // The bounds of limits.hpp, which zoo/arch/config.py and zoo/train/config.py check first.
     m.attr("limits") = py::dict(
         py::arg("max_layers") = zoo::limits::max_layers, py::arg("max_width") = zoo::limits::max_width,
         py::arg("max_row_floats") = zoo::limits::max_row_floats, py::arg("max_vocab") = zoo::limits::max_vocab,
@@ -252,7 +252,7 @@ PYBIND11_MODULE(_native, m) {
             layers[l->name] = py::dict(py::arg("second_norm") = l->second_norm,
                                        py::arg("trainable") = !l->forward || l->pullback_clad);
         info["layers"] = layers;
-        // The roles a layout table may bind (zoo/core/layout.py names its tensors' roles from these).
+        // The roles a layout table may bind (zoo/arch/layout.py names its tensors' roles from these).
         std::vector<std::string> model_roles, layer_roles;
 #define ZOO_MODEL_ROLE_NAME(r) model_roles.push_back(#r);
 #define ZOO_LAYER_ROLE_NAME(r) layer_roles.push_back(#r);
@@ -334,9 +334,9 @@ PYBIND11_MODULE(_native, m) {
              py::arg("config"), py::arg("n_params"), py::arg("layout"), py::arg("inv_freq"),
              py::arg("frozen") = std::vector<std::tuple<std::string, int, size_t, size_t, std::string>>{},
              py::arg("adapters") = std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>>{},
-             "layout: the trainable tensors, rows of (role, layer, offset, count) (zoo/core/layout.py); frozen: a "
+             "layout: the trainable tensors, rows of (role, layer, offset, count) (zoo/arch/layout.py); frozen: a "
              "frozen base's tensors, rows of (role, layer, rows, cols, format); adapters: rows of (slot, layer, "
-             "o0, o1, rank, A offset, B offset) (zoo/core/lora.py).")
+             "o0, o1, rank, A offset, B offset) (zoo/arch/lora.py).")
         .def("store_base", [](Executor& e, size_t index, size_t first_row,
                               py::array_t<float, py::array::c_style | py::array::forcecast> values) {
                  const zoo::FrozenBinding& f = e.base_binding(index);

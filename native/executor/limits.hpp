@@ -1,5 +1,5 @@
 // Upper bounds on every size a config or a batch may give the native core, checked before any
-// table or arena is built. zoo/core/config.py and zoo/train/config.py read them (_native.limits), so
+// table or arena is built. zoo/arch/config.py and zoo/train/config.py read them (_native.limits), so
 // Python refuses a config before it reaches here, and a caller of the bindings is refused here.
 //
 // Each bound is far above every real model of the families zoo reads (the largest open ones have

@@ -1,5 +1,5 @@
 // The executor: a decoder-only transformer laid out in arenas, run forward block by block and
-// pulled back in reverse. The parameter layout comes from Python (zoo/core/layout.py) as a table of
+// pulled back in reverse. The parameter layout comes from Python (zoo/arch/layout.py) as a table of
 // (role, layer, offset, count) and is bound in one loop; the blocks come from the registry
 // (registry.hpp); activations are planned here by liveness (plan.hpp) for a (B, T).
 #pragma once
@@ -41,7 +41,7 @@ struct Dims {
     bool rope;
     float norm_eps;
     bool attention_bias, mlp_bias, tied_embeddings;
-    // The run's setup beside the architecture (zoo/core/lora.py): a frozen base (a LoRA run, or a
+    // The run's setup beside the architecture (zoo/arch/lora.py): a frozen base (a LoRA run, or a
     // model that only runs forward) with its matrices in matrix_dtype, and the adapters' widest
     // stack (segments x rank) and whether they drop their input: these size the scratch.
     bool frozen = false;
@@ -83,7 +83,7 @@ inline void check_dims(const Dims& d) {
     check_size("gate width x d_ff x d_model", fc * D, max_tensor_floats);
 }
 
-// The roles a parameter binds to: the names zoo/core/layout.py gives them. Each becomes a pointer
+// The roles a parameter binds to: the names zoo/arch/layout.py gives them. Each becomes a pointer
 // field of the structs below, and the binding loop matches role names against this one list.
 #define ZOO_MODEL_ROLES(X) X(wte) X(wpe) X(lnf_w) X(lnf_b) X(lm_head_w)
 #define ZOO_LAYER_ROLES(X)                                                                       \

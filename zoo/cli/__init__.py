@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import errno
-import json
 import math
 import os
 import sys
@@ -17,7 +16,13 @@ from pathlib import Path
 
 from ..core.errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
                      CheckpointError, DistributedError, ResourceError)
+from ..io import load
 from ..train.config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
+from ..arch.layout import num_parameters
+
+# What --from (and the other model arguments) takes, in every verb's help.
+FROM_HELP = ("the model: a Hugging Face checkpoint folder (sharded too), a zoo run folder or one of its "
+             "checkpoints, a PEFT adapter folder or a GGUF file")
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
 _OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM}
@@ -495,7 +500,7 @@ def _cmd_finetune(args) -> int:
     def make() -> TrainConfig:
         cfg = _train_config(args, {})
         if cfg.from_dir is None:
-            raise ValueError("finetune: --from DIR is required (a checkpoint folder in Hugging Face layout)")
+            raise ValueError("finetune: --from DIR is required (the model to finetune: a Hugging Face checkpoint folder, a zoo run folder or one of its checkpoints)")
         return cfg
 
     return _run_training(_shared_config(args, make))
@@ -560,8 +565,7 @@ def _add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, tempera
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="continue a prompt with a checkpoint (KV cache, streamed)")
-    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR",
-                   help="checkpoint folder, or a GGUF file (read as zoo convert reads it)")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="MODEL", help=FROM_HELP)
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default="", help="text to continue (default: start of a document)")
     prompt.add_argument("--prompt-ids", nargs="+", default=None, metavar="ID",
@@ -593,31 +597,22 @@ def _threads_and_precision(args) -> None:
 
 def _cmd_generate(args) -> int:
     from ..generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
-    from ..text.tokenizers import Tokenizer, has_tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
     _threads_and_precision(args)  # before the weights are read
-    from ..io.gguf import is_gguf
-
-    src = Path(args.from_dir)
-    gguf_file = is_gguf(src)
-    if not src.is_dir() and not gguf_file:
-        raise ValueError(f"--from {src}: no such checkpoint folder or GGUF file")
-    model = _load_allowing_nonfinite(src, args.allow_nonfinite, args)
-    tokenizer = None
-    if gguf_file and args.tokenizer is None:  # the vocabulary its metadata carries
-        tokenizer = model.pretrained_tokenizer
-        if tokenizer is None and prompt_ids is None:
-            raise ValueError(f"--from {src}: this GGUF file carries no vocabulary (no tokenizer.ggml.* keys); "
-                             "give a tokenizer folder with --tokenizer, or the prompt as token ids with --prompt-ids")
-    elif args.tokenizer is not None or has_tokenizer(src):
-        tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
+    source = load.resolve(args.from_dir)
+    src = source.path
+    model = _load_model(source, args.allow_nonfinite, args)
+    tokenizer = load.tokenizer_for(source, model, args.tokenizer)
+    if source.form == "gguf" and tokenizer is None and prompt_ids is None:
+        raise ValueError(f"--from {src}: this GGUF file carries no vocabulary (no tokenizer.ggml.* keys); "
+                         "give a tokenizer folder with --tokenizer, or the prompt as token ids with --prompt-ids")
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"tokenizer {args.tokenizer or src}: {tokenizer.vocab_size} tokens, more than the "
                          f"model's vocab_size {model.config.vocab_size}")
     if prompt_ids is not None:
-        return _generate_ids(args, model, src, prompt_ids, tokenizer)
+        return _generate_ids(args, model, source, prompt_ids, tokenizer)
     if tokenizer is None:
         raise CheckpointError(src, "no tokenizer here (looked for zoo_tokenizer.json, tokenizer.json, tokenizer.model, "
                                    "vocab.json + merges.txt); give the prompt as token ids with --prompt-ids, or a "
@@ -646,8 +641,8 @@ EVAL_SETTINGS = {"batch_size": 8, "seq_len": 128, "val_fraction": 0.1, "eval_bat
 def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="mean loss and perplexity of a checkpoint over a data set (any training "
                                     "format, masked as in training)")
-    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR",
-                   help="checkpoint folder, or a run folder (its training settings are then the defaults)")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="MODEL",
+                   help=FROM_HELP + "; a run's training settings are the defaults")
     p.add_argument("--data", nargs="+", metavar="PATH", help="data files or folders (default: the run's)")
     p.add_argument("--split", choices=["all", "val"], default="all",
                    help="all the data, or the validation split the trainer evaluates (default all)")
@@ -667,25 +662,14 @@ def _add_eval(sub) -> None:
     p.set_defaults(run=_cmd_eval)
 
 
-def _run_settings(src: Path) -> dict:
-    """The training settings of the run whose folder src is ({} for a plain checkpoint folder)."""
-    from ..train.trainer import latest_checkpoint, load_state
-
-    ckpt = latest_checkpoint(src)
-    return json.loads(load_state(ckpt).config.model_dump_json()) if ckpt is not None else {}
-
-
 def _cmd_eval(args) -> int:
-    from ..text.chat_template import ChatTemplate
     from ..train.data import all_token_ids, batches_for, tokenize_files
     from ..train.evaluate import evaluate
-    from ..text.tokenizers import Tokenizer, has_tokenizer
 
     _threads_and_precision(args)
-    src = Path(args.from_dir)
-    if not src.is_dir():
-        raise ValueError(f"--from {src}: no such checkpoint folder")
-    run = _run_settings(src)
+    source = load.resolve(args.from_dir)
+    src = source.path
+    run = source.settings()
     s = {k: getattr(args, k, None) if getattr(args, k, None) is not None else run.get(k, default)
          for k, default in EVAL_SETTINGS.items()}
     for flag, name in (("--batch-size", "batch_size"), ("--seq-len", "seq_len"), ("--eval-batches", "eval_batches")):
@@ -694,14 +678,13 @@ def _cmd_eval(args) -> int:
     data = args.data or run.get("data")
     if not data:
         raise ValueError(f"--data: none given, and {src} is not a run folder whose data zoo could reuse")
-    model = _load_allowing_nonfinite(src, args.allow_nonfinite, args)
+    model = _load_model(source, args.allow_nonfinite, args)
     if s["seq_len"] > model.config.max_seq_len:
         raise ValueError(f"--seq-len {s['seq_len']}: beyond the model's max_seq_len {model.config.max_seq_len}")
-    if not args.tokenizer and not has_tokenizer(src) and all_token_ids(data):
-        tokenizer, template = None, None  # token ids need no tokenizer, and this folder has none
-    else:
-        tokenizer = Tokenizer.from_pretrained(args.tokenizer or src)
-        template = ChatTemplate.for_folder(Path(args.tokenizer or src))
+    tokenizer = load.tokenizer_for(source, model, args.tokenizer)
+    if tokenizer is None and not all_token_ids(data):
+        raise CheckpointError(src, "no tokenizer here to read the data with; give a tokenizer folder with --tokenizer")
+    template = load.chat_template_for(source, args.tokenizer) if tokenizer is not None else None
     token_file = tokenize_files(data, tokenizer, args.cache_dir, template, vocab_size=model.config.vocab_size)
     windows = batches_for(token_file, s["batch_size"], s["seq_len"], s["val_fraction"] if args.split == "val" else 0.0,
                           s["eval_batches"], s["seed"], f"data {', '.join(map(str, data))}", s["train_on_everything"])
@@ -721,7 +704,7 @@ def _cmd_eval(args) -> int:
 
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="chat with a checkpoint (its chat template; streamed; --prompt for one turn)")
-    p.add_argument("--from", dest="from_dir", required=True, metavar="DIR", help="checkpoint folder")
+    p.add_argument("--from", dest="from_dir", required=True, metavar="MODEL", help=FROM_HELP)
     p.add_argument("--system", default=None, metavar="TEXT", help="a system prompt")
     p.add_argument("--prompt", default=None, metavar="TEXT", help="one message: print the reply and exit")
     _add_sampling_flags(p, 256, 0.7, "tokens per reply at most (fewer at an end-of-text token or the model's "
@@ -732,19 +715,17 @@ def _add_chat(sub) -> None:
 
 def _cmd_chat(args) -> int:
     from ..chat import ChatSession
-    from ..text.chat_template import ChatTemplate
     from ..generate import check_settings
-    from ..text.tokenizers import Tokenizer
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     _threads_and_precision(args)
-    src = Path(args.from_dir)
-    if not src.is_dir():
-        raise ValueError(f"--from {src}: no such checkpoint folder")
-    model = _load_allowing_nonfinite(src, False, args)
-    tok_dir = Path(args.tokenizer or src)
-    tokenizer = Tokenizer.from_pretrained(tok_dir)
-    session = ChatSession(model, tokenizer, ChatTemplate.for_folder(tok_dir), args.system,
+    source = load.resolve(args.from_dir)
+    model = _load_model(source, False, args)
+    tokenizer = load.tokenizer_for(source, model, args.tokenizer)
+    if tokenizer is None:
+        raise CheckpointError(source.path, "no tokenizer here (nor in a GGUF file's metadata): a chat is text; give "
+                                           "a tokenizer folder with --tokenizer")
+    session = ChatSession(model, tokenizer, load.chat_template_for(source, args.tokenizer), args.system,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed)
     if args.prompt is not None:
@@ -771,7 +752,7 @@ def _token_ids(flag: str, values: list[str]) -> list[int]:
     return [int(part) for part in parts]
 
 
-def _generate_ids(args, model, src: Path, prompt_ids: list[int], tokenizer) -> int:
+def _generate_ids(args, model, source, prompt_ids: list[int], tokenizer) -> int:
     """zoo generate --prompt-ids: the ids (the prompt's unless --no-echo, then the new ones) on
     one line as they come, then their text on the next where there is a tokenizer."""
     from ..io.checkpoints import stop_ids
@@ -793,7 +774,8 @@ def _generate_ids(args, model, src: Path, prompt_ids: list[int], tokenizer) -> i
         sys.stdout.flush()
         shown.append(token)
 
-    stop = tokenizer.eos_ids if tokenizer is not None else stop_ids(src)
+    src = source.path
+    stop = tokenizer.eos_ids if tokenizer is not None else stop_ids(source.model) if source.model.is_dir() else []
     try:
         generate(model, prompt_ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
                  stop_ids=stop, on_token=show)
@@ -847,7 +829,7 @@ def _add_inspect(sub) -> None:
 
 
 def _cmd_inspect(args) -> int:
-    from ..io.checkpoints import format_inspection, inspect_checkpoint
+    from ..io.inspect import format_inspection, inspect_checkpoint
 
     _check_flag("--batch", args.batch, args.batch >= 1, ">= 1")
     if args.seq_len is not None:
@@ -858,28 +840,28 @@ def _cmd_inspect(args) -> int:
     return 0
 
 
-def _load_allowing_nonfinite(src, allow: bool, args=None):
-    """load_pretrained; with allow (--allow-nonfinite), a checkpoint holding NaN or Inf loads too,
-    and the warning that says how many and where is printed as one line. args: a verb's
-    --precision and --base-dtype, each defaulting to the run's when src is a run folder (a LoRA
-    run's adapters then go on the base it trained them on, and compute as it did)."""
+def _load_model(source, allow_nonfinite: bool, args=None):
+    """The model of a resolved --from (io/load.py); with allow_nonfinite (--allow-nonfinite), a
+    checkpoint holding NaN or Inf loads too, and the warning that says how many and where is
+    printed as one line. args: a verb's --precision and --base-dtype, each defaulting to the
+    run's when the source is a run folder or checkpoint (a LoRA run's adapters then go on the base
+    it trained them on, and compute as it did)."""
     import warnings
 
-    from ..io.checkpoints import load_pretrained
     from ..core.gemm import check_precision
+    from ..arch.lora import default_precision
+    from ..model import Model
 
     settings = {}
     if args is not None:
-        from ..core.lora import default_precision
-
-        run = _run_settings(Path(src)) if Path(src).is_dir() else {}
+        run = source.settings()
         base_dtype = args.base_dtype or run.get("base_dtype")
         precision = args.precision or run.get("precision") or default_precision(base_dtype or "fp32")
         check_precision(precision)
         settings = dict(precision=precision, base_dtype=base_dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
-        model = load_pretrained(src, allow_nonfinite=allow, **settings)
+        model = load.load_model(source, Model, allow_nonfinite=allow_nonfinite, **settings)
     for w in caught:
         print(f"zoo: warning: {w.message}", file=sys.stderr)
     return model
@@ -890,7 +872,7 @@ def _add_convert(sub) -> None:
                        epilog="A GGUF file (llama.cpp's format, llama and gpt2 architectures) is read as SRC like a "
                               "folder: its weights dequantized to float32, its tokenizer written as files. With "
                               "--to gguf, DST is one GGUF file for llama.cpp (docs/checkpoints.md, GGUF).")
-    p.add_argument("src", metavar="SRC", help="checkpoint folder or GGUF file to read")
+    p.add_argument("src", metavar="SRC", help=FROM_HELP.replace("the model", "the model to rewrite", 1))
     p.add_argument("dst", metavar="DST", help="folder to write (tokenizer files are copied along), or the .gguf file "
                                               "that --to gguf writes")
     p.add_argument("--to", choices=["hf", "gguf"], default=None,
@@ -916,7 +898,10 @@ def _cmd_convert(args) -> int:
                     "float32, bfloat16 or float16 for a folder (q8_0 is a GGUF type: --to gguf)")
     elif Path(args.dst).is_dir():
         raise ValueError(f"DST {args.dst}: a folder; --to gguf writes one file (e.g. {Path(args.dst) / 'model.gguf'})")
-    model = _load_allowing_nonfinite(args.src, args.allow_nonfinite)
+    source = load.resolve(args.src, "SRC")
+    if source.is_adapter:
+        raise load.refuse("convert", source, f"merge it into its base first: zoo merge BASE {source.path} OUT_DIR")
+    model = _load_model(source, args.allow_nonfinite)
     if to == "gguf":
         from ..io.gguf import save_gguf
 
@@ -933,9 +918,10 @@ def _add_merge(sub) -> None:
                        epilog="Every adapted weight becomes W + (lora_alpha / r) * B A, computed in float32; the "
                               "base's tokenizer and generation files are carried over (docs/checkpoints.md, LoRA "
                               "adapters).")
-    p.add_argument("base", metavar="BASE_DIR", help="the base checkpoint folder the adapter was trained on")
-    p.add_argument("adapter", metavar="ADAPTER_DIR", help="adapter folder (adapter_config.json + "
-                                                           "adapter_model.safetensors, PEFT's format)")
+    p.add_argument("base", metavar="BASE", help="the base the adapter was trained on: " + FROM_HELP[4:])
+    p.add_argument("adapter", metavar="ADAPTER", help="adapter folder (adapter_config.json + "
+                                                       "adapter_model.safetensors, PEFT's format), or a LoRA run's "
+                                                       "folder or checkpoint")
     p.add_argument("dst", metavar="OUT_DIR", help="folder to write the merged checkpoint to")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="how the merged weights are stored")
@@ -943,9 +929,14 @@ def _add_merge(sub) -> None:
 
 
 def _cmd_merge(args) -> int:
-    from ..io.peft import merge_adapter
+    from ..model import Model
 
-    out = _printing_warnings(lambda: merge_adapter(args.base, args.adapter, args.dst, dtype=args.dtype))
+    base, adapter = load.resolve(args.base, "BASE"), load.resolve(args.adapter, "ADAPTER")
+    if base.is_adapter:
+        raise load.refuse("merge", base, "as BASE; give the base model first, then the adapter")
+    if not adapter.is_adapter:
+        raise load.refuse("merge", adapter, "as ADAPTER; give a PEFT adapter folder or a LoRA run's folder")
+    out = _printing_warnings(lambda: load.merge(base.path, adapter.model, args.dst, Model, dtype=args.dtype))
     print(f"wrote {out} ({args.dtype})")
     return 0
 
@@ -989,14 +980,14 @@ def _add_presets(sub) -> None:
 
 
 def _cmd_presets(args) -> int:
-    from ..core.presets import PRESETS
+    from ..arch.presets import PRESETS
 
     print(f"{'preset':16} {'parameters':>15}  {'layers':>6} {'d_model':>7} {'heads':>9}  blocks")
     for p in PRESETS:
         c = p.config
         heads = f"{c.n_head}/{c.n_kv_head}"
         blocks = f"{c.norm}, {c.mlp}, {c.positions}{', tied' if c.tied_embeddings else ''}"
-        print(f"{p.name:16} {c.num_parameters():>15,}  {c.n_layer:>6} {c.d_model:>7} {heads:>9}  {blocks}")
+        print(f"{p.name:16} {num_parameters(c):>15,}  {c.n_layer:>6} {c.d_model:>7} {heads:>9}  {blocks}")
     return 0
 
 

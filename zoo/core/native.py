@@ -36,7 +36,7 @@ def _load_from_wheel(missing: str) -> bool:
 
 for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
     try:
-        from .. import _native
+        from . import _native
 
         break
     except ImportError as e:
@@ -45,4 +45,15 @@ for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
                 str(e)[str(e).index(missing):].split(".so")[0]):
             raise
 
-__all__ = ["_native"]
+
+
+def set_threads(n: int) -> None:
+    """Threads for zoo's kernels and its BLAS alike."""
+    _native.set_threads(int(n))
+
+
+def get_threads() -> int:
+    return _native.get_threads()
+
+
+__all__ = ["_native", "get_threads", "set_threads"]

@@ -1,11 +1,11 @@
 """Hugging Face checkpoint folders in and out: config.json + safetensors weights (+ tokenizer).
 
-Names: zoo's parameter names are the Hugging Face ones (layout.py). A GPT-2 checkpoint may
-also drop the `transformer.` prefix (GPT2Model, OpenAI's upload), a Llama one the `model.`
-prefix (LlamaModel). GPT-2's Conv1D weights are stored transposed relative to zoo. The causal
-mask buffers GPT-2 checkpoints carry (attn.bias, attn.masked_bias) and Llama's rotary
-inv_freq are not parameters and are skipped; any other tensor zoo has no place for is an
-error, since ignoring it would silently change the model.
+Names: zoo's parameter names are the Hugging Face ones (layout.py, from the config's family).
+A checkpoint of the bare model may drop the family's base prefix (`transformer.` of GPT2Model
+and OpenAI's upload, `model.` of LlamaModel). Weights a family stores (in, out), as GPT-2's
+Conv1D, are transposed. The buffers a family's checkpoints may carry (GPT-2's causal mask,
+Llama's rotary inv_freq) are not parameters and are skipped; any other tensor zoo has no
+place for is an error, since ignoring it would silently change the model.
 """
 
 from __future__ import annotations
@@ -14,32 +14,30 @@ import json
 import math
 import os
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from .. import families
 from ..core.atomic import copy_file, write_bytes, write_json
-from ..core.config import ModelConfig
+from ..arch.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..core.files import parse_model, read_json, regular_file
-from .hf_config import (CONFIG_FILE, config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
+from .hf_config import (CONFIG_FILE, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
                         read_config_json)
-from ..core.layout import ParamSpec, parameter_layout
-from ..core.memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
-from .safetensors import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
+from ..arch.layout import ParamSpec, parameter_layout
+from .safetensors import (DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
                              write_checkpoint)
 from ..text.tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokenizer
 
 # transformers' generation settings (bos/eos ids, sampling defaults): the model's, carried from
 # the folder it was loaded from unchanged, or written from the tokenizer's ids.
 GENERATION_FILE = "generation_config.json"
-_PREFIXES = {"gpt2": "transformer.", "llama": "model."}
 
 
-def _is_buffer(name: str) -> bool:
+def _is_buffer(cfg: ModelConfig, name: str) -> bool:
     """Tensors some checkpoints store that are not parameters (recomputed by every runtime)."""
-    return name.endswith((".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"))
+    return name.endswith(families.get(cfg.family).names.buffers)
 
 
 @dataclass(frozen=True)
@@ -51,7 +49,7 @@ class TensorMatch:
 def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatch]:
     """Pair every zoo parameter with a checkpoint tensor of the right shape; errors name the file
     and tensor for a missing tensor, a wrong shape or a tensor zoo has no place for."""
-    prefix = _PREFIXES[cfg.family]
+    prefix = families.get(cfg.family).names.base_prefix
     matches = []
     for spec in parameter_layout(cfg):
         stored = spec.name
@@ -66,8 +64,9 @@ def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatc
                                   f"shape {list(info.shape)}, expected {list(expected)} from {CONFIG_FILE}", key=stored)
         matches.append(TensorMatch(spec, stored))
     used = {m.stored for m in matches}
+    head = families.get(cfg.family).names.head + ".weight"
     for name in reader.names:
-        if name in used or _is_buffer(name) or (name == "lm_head.weight" and cfg.tied_embeddings):
+        if name in used or _is_buffer(cfg, name) or (name == head and cfg.tied_embeddings):
             continue  # a tied head stored anyway is the embedding again
         raise CheckpointError(reader.file_of(name).path,
                               f"tensor has no place in the model {CONFIG_FILE} describes", key=name)
@@ -128,11 +127,11 @@ def _checkpoint_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
-def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
+def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int] = None, ad="manual",
                     allow_nonfinite: bool = False, lora=None, base_dtype: Optional[str] = None,
                     precision: str = "fp32", checkpointing: bool = False, adapter_seed: int = 0):
-    """A zoo.Model from a Hugging Face checkpoint folder (config.json + safetensors), or from a
-    GGUF file (gguf_model.py: weights dequantized to float32, the tokenizer from its metadata).
+    """A model_class (zoo.Model) from a Hugging Face checkpoint folder (config.json + safetensors,
+    one file or shards). Every other form a model comes in is io/load.py's.
 
     max_seq_len: cap the context of a RoPE model (its positions are computed, so this changes
     no weight; it keeps arenas small for models with 128K-token configs).
@@ -143,30 +142,12 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     stored in the base's format as they are read, a block of rows at a time; the adapters start
     as PEFT starts them, drawn from adapter_seed.
     """
-    from .gguf import is_gguf, load_gguf
-    from ..model import Model
-
-    if _is_adapter_folder(path):
-        if lora is not None:
-            raise ValueError(f"{path}: an adapter folder brings its own LoRA settings; pass no lora=")
-        from .peft import adapter_base, load_with_adapter
-
-        return load_with_adapter(adapter_base(path), path, max_seq_len=max_seq_len, ad=ad, base_dtype=base_dtype,
-                                 precision=precision, checkpointing=checkpointing, allow_nonfinite=allow_nonfinite)
-    if is_gguf(path):
-        if lora is not None or base_dtype not in (None, "fp32"):
-            raise CheckpointError(Path(path), "a GGUF file loads as a float32 model; for a LoRA run or a "
-                                              f"frozen base, convert it first: zoo convert {path} DIR")
-        model = load_gguf(path, max_seq_len=max_seq_len, ad=ad, allow_nonfinite=allow_nonfinite)
-        model.set_precision(precision)
-        model.set_checkpointing(checkpointing)
-        return model
     folder = _checkpoint_folder(path)
     cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
         matches = check_tensors(cfg, reader)  # all checks before the arena is allocated
-        model = Model(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
-                      checkpointing=checkpointing)
+        model = model_class(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
+                            checkpointing=checkpointing)
         params = model.parameters()
         nonfinite: dict[str, int] = {}
         for m in matches:
@@ -188,14 +169,6 @@ def load_pretrained(path: str | os.PathLike, *, max_seq_len: Optional[int] = Non
     model.pretrained_path = folder  # save_pretrained copies this folder's tokenizer files
     model.pretrained_generation_config = _read_generation_config(folder)  # read now: written back on save
     return model
-
-
-def _is_adapter_folder(path) -> bool:
-    """A PEFT adapter folder (a LoRA run's output): adapter_config.json, and no model of its own."""
-    from .peft import ADAPTER_CONFIG
-
-    folder = Path(path)
-    return folder.is_dir() and (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_FILE).exists()
 
 
 # Values read at a time into a frozen base: the widest tensor's fp32 copy would cost gigabytes.
@@ -343,152 +316,3 @@ def _copy_tokenizer_files(src: Path, dst: Path) -> None:
         return
     for name, content in missing.items():
         write_bytes(dst / name, content)
-
-
-# --- zoo inspect -------------------------------------------------------------------------------
-
-
-def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optional[int] = None,
-                       scan: bool = False, lora_r: int = 16) -> dict:
-    """What `zoo inspect` prints: of a checkpoint folder, from config.json and the safetensors
-    headers; of a preset name, a config.json file or a folder holding only config.json, from
-    the config alone (no weights needed). Its verdict runs the checks loading runs (a config,
-    header, range or index that loading refuses fails here the same way; names, shapes and
-    dtypes give "no: <loading's error>"). The weights' values are read only with scan=True, for
-    NaN/Inf, chunk by chunk. The memory table: full finetuning, LoRA (rank lora_r) over each
-    base format, and generation, at (batch, seq_len), against what this machine has."""
-    from ..core.presets import PRESETS
-
-    names = [p.name for p in PRESETS]
-    given = Path(path)
-    if not given.exists() and str(path) in names:
-        from ..core.presets import preset
-
-        cfg = preset(str(path))
-        report = {"path": f"preset {path}", "architecture": f"zoo preset ({cfg.family} names)", "model_type": "-",
-                  "weights": None}
-    elif (given.is_file() and not _is_gguf_file(given)) or (given.is_dir() and (given / CONFIG_FILE).is_file()
-                                                            and not _has_weights(given)):
-        config_file = given if given.is_file() else given / CONFIG_FILE
-        hf = read_config_json(config_file)
-        cfg = config_from_hf(hf, config_file)
-        report = {"path": str(config_file), "architecture": (hf.get("architectures") or [f"zoo model, {cfg.family} names"])[0],
-                  "model_type": hf["model_type"], "weights": None}
-    elif not given.exists():
-        raise CheckpointError(given, f"no such folder, file or preset (presets: {', '.join(names)})")
-    else:
-        report = _inspect_weights(given, scan)
-        cfg = report["config"]
-    seq_len = seq_len or min(cfg.max_seq_len, 1024)
-    report.update(config=cfg, parameters=cfg.num_parameters(), batch=batch, seq_len=seq_len,
-                  finetune_memory=finetune_memory_bytes(cfg, batch, seq_len),
-                  finetune_memory_checkpointing=finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True),
-                  memory_options=memory_options(cfg, batch, seq_len, lora_r), available=available_memory_bytes(),
-                  lora_r=lora_r)
-    return report
-
-
-def _is_gguf_file(path: Path) -> bool:
-    from .gguf import is_gguf
-
-    return is_gguf(path)
-
-
-def _has_weights(folder: Path) -> bool:
-    return any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).is_file()
-
-
-def _inspect_weights(path: Path, scan: bool) -> dict:
-    folder = _checkpoint_folder(path)
-    hf = read_config_json(folder)
-    cfg = config_from_hf(hf, folder / CONFIG_FILE)
-    with CheckpointReader(folder) as reader:
-        infos = [reader.info(n) for n in reader.names]
-        try:
-            matches = check_tensors(cfg, reader)
-            if scan:
-                nonfinite = scan_nonfinite(reader, matches)
-                if nonfinite:
-                    raise _nonfinite_error(reader, nonfinite, len(matches))
-            loadable = "yes"
-        except CheckpointError as e:
-            loadable = f"no: {e}"
-        files = sorted({reader.file_of(n).path for n in reader.names})
-    dtypes = Counter()
-    for info in infos:
-        if not _is_buffer(info.name):
-            dtypes[info.dtype] += 1
-    tokenizer_files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    return {
-        "path": str(folder), "architecture": (hf.get("architectures") or [f"zoo model, {cfg.family} names"])[0],
-        "model_type": hf["model_type"], "config": cfg, "weights": True, "tensors": len(infos), "dtypes": dict(dtypes),
-        "files": [str(f.name) for f in files], "file_bytes": sum(f.stat().st_size for f in files),
-        "tokenizer_files": tokenizer_files, "loadable": loadable, "scanned": scan,
-    }
-
-
-def memory_options(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16) -> list[tuple[str, int, int]]:
-    """(setting, bytes, bytes with activation checkpointing) for full finetuning, LoRA of rank
-    lora_r on every linear layer over each base format, and (one number, twice) generation."""
-    from ..core.lora import LoraConfig, default_precision
-
-    out = [("full finetune (fp32, AdamW)", finetune_memory_bytes(cfg, batch, seq_len).total,
-            finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True).total)]
-    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
-    for fmt in ("bf16", "int8", "nf4"):
-        precision = default_precision(fmt)  # what a LoRA run over it takes by default
-        out.append((f"LoRA r={lora_r}, {fmt} base",
-                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt, precision=precision).total,
-                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt,
-                                          precision=precision).total))
-    for fmt in ("fp32", "bf16"):
-        g = generation_bytes(cfg, batch, seq_len, fmt)
-        out.append((f"generation, {fmt} weights", g, g))
-    return out
-
-
-def _verdict(r: dict) -> str:
-    if r["loadable"] != "yes":
-        return r["loadable"]
-    if r["scanned"]:
-        return "yes (weights scanned: all finite)"
-    return "yes, if its weights are finite (not scanned for NaN/Inf: zoo inspect --scan reads them)"
-
-
-def format_inspection(r: dict) -> str:
-    cfg: ModelConfig = r["config"]
-    kv = f", {cfg.n_kv_head} kv heads" if cfg.n_kv_head != cfg.n_head else ""
-    rope = ""
-    if cfg.positions == "rope":
-        rope = f", rope theta {cfg.rope_theta:g}" + (" with llama3 scaling" if cfg.rope_scaling else "")
-    lines = [
-        f"{r['path']}",
-        f"  architecture   {r['architecture']} (model_type {r['model_type']})",
-        f"  shape          {cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads{kv}, head_dim "
-        f"{cfg.head_dim}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, context {cfg.max_seq_len}",
-        f"  blocks         {cfg.norm}, {cfg.mlp}, {cfg.positions} positions{rope}, "
-        f"{'tied' if cfg.tied_embeddings else 'untied'} embeddings",
-        f"  parameters     {r['parameters']:,}",
-    ]
-    if r["weights"]:
-        lines += [
-            f"  weights        {r['tensors']} tensors in {len(r['files'])} file(s), {human_bytes(r['file_bytes'])}; "
-            + ", ".join(f"{k} x{v}" for k, v in sorted(r["dtypes"].items())),
-            f"  tokenizer      {', '.join(r['tokenizer_files']) or 'none'}",
-            f"  zoo can load   {_verdict(r)}",
-        ]
-    else:
-        lines.append("  weights        none read (a config alone): the figures below come from the shape")
-    have = r["available"]
-    lines.append(f"  memory at batch {r['batch']} x {r['seq_len']} tokens"
-                 + (f" ({human_bytes(have[0])} available here, {have[1]})" if have else "") + ":")
-    width = max(len(name) for name, _, _ in r["memory_options"])
-    lines.append(f"    {'':{width}}  {'plain':>11}  {'checkpointing':>13}")
-    for name, plain, ckpt in r["memory_options"]:
-        fits = "" if not have else ("  fits" if min(plain, ckpt) <= have[0] else "  does not fit")
-        lines.append(f"    {name:{width}}  {human_bytes(plain):>11}  "
-                     f"{human_bytes(ckpt) if not name.startswith('generation') else '':>13}{fits}")
-    m = r["finetune_memory"]
-    lines.append(f"    full finetune: parameters {human_bytes(m.parameters)}, gradients {human_bytes(m.gradients)}, "
-                 f"AdamW moments {human_bytes(m.optimizer)}, activations {human_bytes(m.activations)}")
-    return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""GGUF files <-> zoo models, for llama.cpp's `llama` and `gpt2` architectures.
+"""GGUF files <-> zoo models, for the families llama.cpp defines an architecture for
+(zoo/families/: each family's gguf_arch, the metadata it reads and writes, and its q/k
+permutation).
 
 Names: each zoo parameter (Hugging Face names, layout.py) gets its GGUF name from llama.cpp's own
 map (gguf.get_tensor_name_map, the one its converter uses): model.layers.N.self_attn.q_proj ->
@@ -25,6 +27,7 @@ scaling's parameters from it and checks that they give back every divisor.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import stat
@@ -35,15 +38,17 @@ from typing import Callable, Optional
 import numpy as np
 from pydantic import ValidationError
 
+from .. import families
 from ..core.atomic import atomic_path
-from ..core.config import ModelConfig, RopeScaling
+from ..arch.config import ModelConfig
+from ..core.rope import RopeScaling
 from ..core.errors import CheckpointError
 from ..core.files import first_field_error
 from .hf_config import hf_incompatibility
-from ..core.layout import ParamSpec, parameter_layout
+from ..arch.layout import ParamSpec, parameter_layout
+from .checkpoints import nonfinite_message
 from .safetensors import count_nonfinite
 
-ARCHITECTURES = ("llama", "gpt2")
 ROPE_FREQS = "rope_freqs.weight"
 # Export: what --dtype names -> the GGUF type of the 2-D weights (norms, biases, GPT-2's positions
 # and rope_freqs stay F32, as llama.cpp's converter keeps them) and general.file_type.
@@ -76,26 +81,29 @@ def tensor_names(cfg: ModelConfig) -> list[tuple[ParamSpec, str]]:
     """(zoo parameter, its GGUF name) for every parameter of cfg, by llama.cpp's name map."""
     import gguf
 
-    arch = gguf.MODEL_ARCH.LLAMA if cfg.family == "llama" else gguf.MODEL_ARCH.GPT2
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == _gguf_arch(cfg))
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
     out = []
     for spec in parameter_layout(cfg):
         name = names.get_name(spec.name, try_suffixes=(".weight", ".bias"))
         if name is None:  # a layout.py name llama.cpp's map lacks: a bug here, not bad input
-            raise RuntimeError(f"gguf's {cfg.family} name map has no name for {spec.name}")
+            raise RuntimeError(f"gguf's {_gguf_arch(cfg)} name map has no name for {spec.name}")
         out.append((spec, name))
     return out
 
 
+def _gguf_arch(cfg: ModelConfig) -> str:
+    """The GGUF architecture cfg's family writes; an error for a family llama.cpp has none for."""
+    arch = families.get(cfg.family).gguf_arch
+    if arch is None:
+        raise ValueError(f"llama.cpp defines no GGUF architecture for the {cfg.family} family")
+    return arch
+
+
 def _rope_heads(cfg: ModelConfig, spec: ParamSpec) -> Optional[int]:
-    """How many heads a llama tensor's rows are permuted over (q: n_head, k: n_kv_head), else None."""
-    if cfg.family != "llama":
-        return None
-    if ".self_attn.q_proj." in spec.name:
-        return cfg.n_head
-    if ".self_attn.k_proj." in spec.name:
-        return cfg.n_kv_head
-    return None
+    """How many heads a tensor's rows are permuted over in GGUF (the family says: Llama's q over
+    n_head, k over n_kv_head), else None."""
+    return families.get(cfg.family).gguf_rope_heads(cfg, spec.name)
 
 
 def to_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -114,8 +122,9 @@ def from_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def config_from_gguf(f, max_seq_len: Optional[int] = None) -> ModelConfig:
     """The ModelConfig a GGUFFile's metadata and tensor shapes describe; errors name the file and key."""
     arch = f.value("general.architecture", str, why=" (it says which model the file holds)")
-    if arch not in ARCHITECTURES:
-        raise CheckpointError(f.path, f"unsupported architecture {arch!r} (zoo reads {', '.join(ARCHITECTURES)})",
+    family = families.by_gguf_arch(arch)
+    if family is None:
+        raise CheckpointError(f.path, f"unsupported architecture {arch!r} (zoo reads {', '.join(families.gguf_archs())})",
                               key="general.architecture")
 
     def key(name: str, kind: type, default=...):
@@ -130,33 +139,10 @@ def config_from_gguf(f, max_seq_len: Optional[int] = None) -> ModelConfig:
                               key=f"{arch}.vocab_size")
     fields = dict(vocab_size=vocab_size, max_seq_len=key("context_length", int), d_model=d_model,
                   n_layer=key("block_count", int), n_head=n_head, d_ff=key("feed_forward_length", int),
-                  tied_embeddings=_tied(f))
-    if arch == "gpt2":
-        fields.update(norm="layernorm", norm_eps=key("attention.layer_norm_epsilon", float), mlp="gelu",
-                      positions="learned", attention_bias=True, mlp_bias=True)
-    else:
-        head_dim = key("attention.key_length", int, d_model // n_head if n_head and d_model % n_head == 0 else None)
-        if head_dim is None:
-            raise CheckpointError(f.path, f"required when embedding_length {d_model} is not a multiple of "
-                                          f"head_count {n_head}", key=f"{arch}.attention.key_length")
-        for name in ("attention.value_length", "rope.dimension_count"):
-            if key(name, int, head_dim) != head_dim:
-                raise CheckpointError(f.path, f"{key(name, int)} differs from the head size {head_dim}: zoo's heads "
-                                              "use one size for keys, values and rotation", key=f"{arch}.{name}")
-        scaling_type = key("rope.scaling.type", str, "none")
-        if scaling_type != "none":
-            raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (zoo computes Llama 3's, "
-                                          f"which GGUF stores as {ROPE_FREQS})", key=f"{arch}.rope.scaling.type")
-        if key("rope.scale_linear", float, 1.0) != 1.0:
-            raise CheckpointError(f.path, "linear rope scaling is not supported", key=f"{arch}.rope.scale_linear")
-        theta = key("rope.freq_base", float, 10000.0)
-        fields.update(n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim, norm="rmsnorm",
-                      norm_eps=key("attention.layer_norm_rms_epsilon", float), mlp="swiglu", positions="rope",
-                      rope_theta=theta, attention_bias="blk.0.attn_q.bias" in f.tensors,
-                      mlp_bias="blk.0.ffn_up.bias" in f.tensors)
-        if ROPE_FREQS in f.tensors:
-            fields["rope_scaling"] = _llama3_scaling(f, theta, head_dim)
-    if max_seq_len is not None and arch == "llama":
+                  tied_embeddings=_tied(f), **family.read_gguf(key, f))
+    if fields["positions"] == "rope" and ROPE_FREQS in f.tensors:
+        fields["rope_scaling"] = _llama3_scaling(f, fields["rope_theta"], fields["head_dim"])
+    if max_seq_len is not None and fields["positions"] == "rope":
         fields["max_seq_len"] = max_seq_len
     elif max_seq_len is not None and max_seq_len != fields["max_seq_len"]:
         raise ValueError(f"max_seq_len: {f.path} has learned positions; its context is fixed at "
@@ -226,7 +212,7 @@ def _llama3_scaling(f, theta: float, head_dim: int) -> Optional[RopeScaling]:
                               original_max_position_embeddings=original)
     except ValidationError:
         raise unsupported from None
-    from ..model import rope_inv_freq
+    from ..core.rope import rope_inv_freq
 
     cfg = ModelConfig(vocab_size=1, max_seq_len=1, d_model=head_dim, n_layer=1, n_head=1, positions="rope",
                       norm="rmsnorm", mlp="swiglu", rope_theta=theta, rope_scaling=scaling)
@@ -251,32 +237,39 @@ def check_tensors(cfg: ModelConfig, f) -> list[tuple[ParamSpec, str]]:
         used.add("output.weight")  # absent, or equal to token_embd.weight
     for name in f.tensors:
         if name not in used:
-            raise CheckpointError(f.path, f"tensor has no place in the {cfg.family} model the metadata describes",
+            raise CheckpointError(f.path, f"tensor has no place in the {_gguf_arch(cfg)} model the metadata describes",
                                   key=name)
     return pairs
 
 
-def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad="manual",
-              allow_nonfinite: bool = False):
-    """A zoo.Model from a GGUF file: weights dequantized to float32, the q/k permutation undone,
-    the tokenizer the metadata carries as model.pretrained_tokenizer (save_pretrained writes it)."""
-    from .checkpoints import nonfinite_message
-    from .gguf_file import GGUFFile
+def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int] = None, ad="manual",
+              allow_nonfinite: bool = False, lora=None, base_dtype: Optional[str] = None, precision: str = "fp32",
+              checkpointing: bool = False, adapter_seed: int = 0):
+    """A model_class (zoo.Model) from a GGUF file: weights dequantized to float32 (or stored in
+    a frozen base's format, one tensor at a time), the q/k permutation undone, the tokenizer the
+    metadata carries as model.pretrained_tokenizer (save_pretrained writes it). The other
+    arguments are checkpoints.load_pretrained's."""
     from ..text.gguf_tokenizer import tokenizer_from_gguf
-    from ..model import Model
+    from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
         cfg = config_from_gguf(f, max_seq_len)
         pairs = check_tensors(cfg, f)
         tokenizer = tokenizer_from_gguf(f, cfg.vocab_size)  # all checks before the arena is allocated
-        model = Model(cfg, seed=None, ad=ad)
-        params = model.parameters()
+        model = model_class(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
+                            checkpointing=checkpointing)
+        params = None if model.frozen else model.parameters()
         nonfinite: dict[str, int] = {}
         for spec, name in pairs:
             w = f.read(name)
             heads = _rope_heads(cfg, spec)
-            params[spec.name][...] = w if heads is None else from_gguf_rows(w, heads)
-            n = count_nonfinite(params[spec.name])
+            w = w if heads is None else from_gguf_rows(w, heads)
+            if params is None:
+                model.set_base_tensor(spec.name, w)
+                n = count_nonfinite(w)
+            else:
+                params[spec.name][...] = w
+                n = count_nonfinite(params[spec.name])
             if n:
                 nonfinite[name] = n
         if nonfinite:
@@ -286,8 +279,26 @@ def load_gguf(path: str | os.PathLike, *, max_seq_len: Optional[int] = None, ad=
                                               "--allow-nonfinite (zoo convert) or allow_nonfinite=True "
                                               "(zoo.Model.from_pretrained)")
             warnings.warn(f"{f.path}: loaded with {message} (allow_nonfinite=True)", RuntimeWarning, stacklevel=3)
+    if lora is not None:
+        model.init_adapters(adapter_seed)
     model.pretrained_tokenizer = tokenizer
     return model
+
+
+def chat_template_from_gguf(path: str | os.PathLike):
+    """The chat template a GGUF file carries (tokenizer.chat_template), with its bos/eos texts;
+    zoo's fallback where it has none."""
+    from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+    from ..text.gguf_tokenizer import tokenizer_files
+    from .gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        files = tokenizer_files(f, f.tensor("token_embd.weight").shape[0])
+    config = json.loads(files["tokenizer_config.json"]) if files else {}
+    bos, eos = config.get("bos_token"), config.get("eos_token")
+    if config.get("chat_template") is None:
+        return ChatTemplate(FALLBACK_TEMPLATE, f"zoo's fallback chat template ({path} has none)", bos, eos)
+    return ChatTemplate(config["chat_template"], f"{path} tokenizer.chat_template", bos, eos)
 
 
 # --- zoo -> GGUF ---------------------------------------------------------------------------
@@ -313,7 +324,7 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
     cfg = model.config
     problem = hf_incompatibility(cfg)
     if problem is not None:
-        raise CheckpointError(path, f"GGUF's {cfg.family} architecture, as llama.cpp computes it, is the "
+        raise CheckpointError(path, f"GGUF's {_gguf_arch(cfg)} architecture, as llama.cpp computes it, is the "
                                     f"transformers one: {problem[1]}", key=problem[0])
     folder = None
     if tokenizer is None:
@@ -331,7 +342,7 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
                                             folder or "the tokenizer"))
     tensors = _export_tensors(model, EXPORT_TYPES[dtype][0])
     with atomic_path(path) as tmp:
-        writer = gguf.GGUFWriter(tmp, cfg.family)
+        writer = gguf.GGUFWriter(tmp, _gguf_arch(cfg))
         try:
             for key, (value, kind) in keys.items():
                 sub = gguf.GGUFValueType.get_type(value[0]) if kind == gguf.GGUFValueType.ARRAY else None
@@ -354,23 +365,14 @@ def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str,
     from gguf.constants import GGML_QUANT_VERSION
     from gguf.constants import GGUFValueType as T
 
-    arch = cfg.family
+    arch = _gguf_arch(cfg)
     keys = {"general.name": (name, T.STRING), "general.file_type": (file_type, T.UINT32),
             "general.quantization_version": (GGML_QUANT_VERSION, T.UINT32),
             f"{arch}.context_length": (cfg.max_seq_len, T.UINT32),
             f"{arch}.embedding_length": (cfg.d_model, T.UINT32), f"{arch}.block_count": (cfg.n_layer, T.UINT32),
             f"{arch}.feed_forward_length": (cfg.d_ff, T.UINT32), f"{arch}.attention.head_count": (cfg.n_head, T.UINT32)}
-    if arch == "gpt2":
-        keys[f"{arch}.attention.layer_norm_epsilon"] = (cfg.norm_eps, T.FLOAT32)
-        return keys
-    keys.update({f"{arch}.attention.head_count_kv": (cfg.n_kv_head, T.UINT32),
-                 f"{arch}.attention.layer_norm_rms_epsilon": (cfg.norm_eps, T.FLOAT32),
-                 f"{arch}.rope.freq_base": (cfg.rope_theta, T.FLOAT32),
-                 f"{arch}.rope.dimension_count": (cfg.head_dim, T.UINT32),
-                 f"{arch}.vocab_size": (cfg.vocab_size, T.UINT32)})
-    if cfg.head_dim * cfg.n_head != cfg.d_model:
-        keys[f"{arch}.attention.key_length"] = (cfg.head_dim, T.UINT32)
-        keys[f"{arch}.attention.value_length"] = (cfg.head_dim, T.UINT32)
+    for key, (value, kind) in families.get(cfg.family).write_gguf(cfg).items():
+        keys[f"{arch}.{key}"] = (value, T[kind])
     return keys
 
 
@@ -402,10 +404,10 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
                 if qtype != Q.F32 else np.ascontiguousarray(w, dtype=np.float32)
 
         out.append((gguf_name, spec.shape, qtype, make))
-    if cfg.family == "gpt2" and cfg.tied_embeddings:  # llama.cpp's GPT-2 converter writes the tied head out
+    if families.get(cfg.family).gguf_writes_tied_head and cfg.tied_embeddings:  # as llama.cpp's converter does
         out.append(("output.weight",) + out[0][1:])
     if cfg.rope_scaling is not None:
-        from ..model import rope_inv_freq
+        from ..core.rope import rope_inv_freq
 
         divisors = (_inv_freq(cfg.rope_theta, cfg.head_dim) / rope_inv_freq(cfg).astype(np.float64)).astype(np.float32)
         out.append((ROPE_FREQS, divisors.shape, Q.F32, lambda: divisors))

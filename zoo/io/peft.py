@@ -1,4 +1,4 @@
-"""LoRA adapters in and out in PEFT's format, and merging one into its base checkpoint.
+"""LoRA adapters in and out in PEFT's format (loading one over its base, and merging: io/load.py).
 
 An adapter folder, as `peft.PeftModel.save_pretrained` writes it and `PeftModel.from_pretrained`
 reads it: adapter_config.json (peft_type "LORA", r, lora_alpha, target_modules, ...) and
@@ -8,7 +8,7 @@ module path (model.layers.0.self_attn.q_proj, transformer.h.0.attn.c_attn). A mo
 becomes W + (lora_alpha / r) * B @ A, W in (out, in) orientation; GPT-2's Conv1D modules store
 W transposed (fan_in_fan_out), their A and B are the same as a Linear's.
 
-Which modules an adapter sits on, and their shapes, come from zoo/core/lora.py (zoo.core.lora.adapters),
+Which modules an adapter sits on, and their shapes, come from zoo/arch/lora.py (zoo.arch.lora.adapters),
 as for zoo's own LoRA runs. zoo adapts the modules its targets name (q_proj, c_attn, attn.c_proj
 ...) in every layer, with one rank and one alpha, and nothing else. An adapter that needs more
 (DoRA, rsLoRA's scaling, per-module ranks, biases, modules_to_save, some layers only, the LM
@@ -28,11 +28,12 @@ from typing import Any, Optional, Union
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import families
 from ..core.atomic import write_json
-from ..core.config import ModelConfig
+from ..arch.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..core.files import read_json, parse_model
-from ..core.lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
+from ..arch.lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
 from .safetensors import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,7 +45,7 @@ PEFT_VERSION = "0.21.0"  # the PEFT release whose files these are (written as pe
 
 def factor_names(a: Adapter) -> tuple[str, str]:
     """An adapter's A and B by zoo's names (PEFT's, less its base_model.model. prefix), as
-    zoo.core.lora.adapter_layout names them."""
+    zoo.arch.lora.adapter_layout names them."""
     return f"{a.module}.lora_A.weight", f"{a.module}.lora_B.weight"
 
 
@@ -88,7 +89,7 @@ class PeftAdapter:
 
     folder: Path
     lora: LoraConfig  # the zoo LoRA that computes what the adapter computes
-    adapters: list[Adapter]  # the modules it sits on (zoo.core.lora.adapters of cfg and lora)
+    adapters: list[Adapter]  # the modules it sits on (zoo.arch.lora.adapters of cfg and lora)
     factors: dict[str, np.ndarray]  # zoo name (`<module>.lora_A.weight`) -> float32
     base_model_name_or_path: Optional[str]
 
@@ -168,7 +169,7 @@ def read_adapter(folder: Union[str, os.PathLike], cfg: ModelConfig) -> PeftAdapt
         raise CheckpointError(config_path, f"{conf.target_modules!r} adapts {_in_layer(missed[0])} in some layers "
                                            f"but not {missed[0]}; zoo adapts a module in every layer",
                               key="target_modules")
-    fan_in_fan_out = cfg.family == "gpt2"
+    fan_in_fan_out = families.get(cfg.family).names.transposed
     if conf.fan_in_fan_out != fan_in_fan_out:
         raise CheckpointError(config_path, f"{conf.fan_in_fan_out} for a {cfg.family} model, whose modules are "
                                            f"{'Conv1D' if fan_in_fan_out else 'Linear'} (expected {fan_in_fan_out})",
@@ -250,7 +251,7 @@ def peft_config_dict(cfg: ModelConfig, lora: LoraConfig, base_model_name_or_path
         "lora_dropout": lora.dropout,
         "target_modules": list(lora.targets) if lora.targets is not None else module_names(cfg),
         "exclude_modules": None,
-        "fan_in_fan_out": cfg.family == "gpt2",  # GPT-2's Conv1D stores weights (in, out)
+        "fan_in_fan_out": families.get(cfg.family).names.transposed,  # GPT-2's Conv1D stores weights (in, out)
         "bias": "none",
         "use_rslora": False,
         "use_dora": False,
@@ -270,7 +271,8 @@ def load_adapter(model, folder: Union[str, os.PathLike]) -> PeftAdapter:
     lora = getattr(model, "lora", None)
     if lora is None:
         raise ValueError("load_adapter: the model has no LoRA adapters; make it with "
-                         "lora=read_adapter(folder, config).lora, or use load_with_adapter")
+                         "lora=read_adapter(folder, config).lora, or load the adapter folder itself: "
+                         "zoo.Model.from_pretrained(folder)")
     adapter = read_adapter(folder, model.config)
     config_path = adapter.folder / ADAPTER_CONFIG
     if adapter.lora.r != lora.r:
@@ -300,62 +302,10 @@ def adapter_base(folder: Union[str, os.PathLike]) -> Path:
     base = raw.get("base_model_name_or_path") if isinstance(raw, dict) else None
     if not base:
         raise CheckpointError(config_path, "names no base model; give the base folder and the adapter folder "
-                                           "(zoo.io.peft.load_with_adapter(base, adapter))", key="base_model_name_or_path")
+                                           "(zoo.io.load.load_with_adapter(base, adapter, zoo.Model))", key="base_model_name_or_path")
     path = Path(base) if os.path.isabs(base) else Path(folder) / base
     if not path.is_dir():
         raise CheckpointError(config_path, f"{base!r} is not a checkpoint folder on this machine (a Hub name? "
-                                           "download it, then zoo.io.peft.load_with_adapter(base, adapter))",
+                                           "download it, then zoo.io.load.load_with_adapter(base, adapter, zoo.Model))",
                               key="base_model_name_or_path")
     return path
-
-
-def load_with_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, os.PathLike], **kwargs):
-    """A zoo.Model of a Hugging Face checkpoint with a PEFT adapter on its frozen base; kwargs
-    (base_dtype=, max_seq_len=, ...) go to zoo.Model.from_pretrained."""
-    from .hf_config import read_config
-    from ..model import Model
-
-    adapter = read_adapter(adapter_folder, read_config(base))
-    model = Model.from_pretrained(base, lora=adapter.lora, **kwargs)
-    load_adapter(model, adapter_folder)
-    return model
-
-
-# --- zoo merge --------------------------------------------------------------------------------
-
-
-def merge_adapter(base: Union[str, os.PathLike], adapter_folder: Union[str, os.PathLike],
-                  out: Union[str, os.PathLike], dtype: str = "float32") -> Path:
-    """Write base + adapter as one Hugging Face checkpoint (W + scaling * B @ A in every adapted
-    module, W in zoo's (out, in) orientation, GPT-2's Conv1D transposed back on saving), with the
-    base's tokenizer and generation files, as save_pretrained carries them. Each sum is made in
-    float32 and rounded once, to `dtype`, as it is stored.
-
-    The base is held in float32 (4 bytes per parameter), or in bf16 (2 bytes: an 8B model in 16
-    GB) where that loses nothing: a bfloat16 merge of a base stored in BF16."""
-    from .checkpoints import load_pretrained, save_pretrained
-
-    held = "bf16" if dtype == "bfloat16" and _stored_in_bf16(base) else "fp32"
-    model = load_pretrained(base, base_dtype=held)
-    adapter = read_adapter(adapter_folder, model.config)
-    scaling = np.float32(adapter.lora.scaling)
-    for a in adapter.adapters:
-        a_name, b_name = factor_names(a)
-        weight = f"{a.module}.weight"
-        merged = model.base_tensor(weight)  # a float32 copy, exact from either format
-        merged += scaling * (adapter.factors[b_name] @ adapter.factors[a_name])
-        model.set_base_tensor(weight, merged)  # bf16: rounded once, as saving as bfloat16 would
-    return save_pretrained(model, out, dtype=dtype)
-
-
-def _stored_in_bf16(base: Union[str, os.PathLike]) -> bool:
-    """Whether every weight of a checkpoint folder is stored in BF16 (a GGUF file: no)."""
-    from .checkpoints import check_tensors
-    from .gguf import is_gguf
-    from .hf_config import read_config
-    from .safetensors import CheckpointReader
-
-    if is_gguf(base):
-        return False
-    with CheckpointReader(base) as reader:
-        return all(reader.info(m.stored).dtype == "BF16" for m in check_tensors(read_config(base), reader))

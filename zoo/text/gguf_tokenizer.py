@@ -85,12 +85,18 @@ def tokenizer_from_gguf(f, vocab_size: int) -> Optional[Tokenizer]:
                                   key=key) from None
 
 
+# The tokenizer kinds of GGUF's tokenizer.ggml.model (a vocabulary's format, named after the
+# architectures that introduced them; any architecture may carry either).
+BYTE_LEVEL_BPE = "gpt2"
+SENTENCEPIECE = "llama"
+
+
 def tokenizer_files(f, vocab_size: int) -> Optional[dict[str, bytes]]:
     """File name -> content of the tokenizer a GGUFFile describes, or None without one."""
     kind = f.value("tokenizer.ggml.model", str, None)
     if kind is None or kind == "none":
         return None
-    if kind not in ("gpt2", "llama"):
+    if kind not in (BYTE_LEVEL_BPE, SENTENCEPIECE):
         raise CheckpointError(f.path, f"tokenizer model {kind!r} is not supported (zoo reads 'gpt2', byte-level BPE, "
                                       "and 'llama', SentencePiece)", key="tokenizer.ggml.model")
     tokens = _strings(f, "tokenizer.ggml.tokens")
@@ -110,13 +116,13 @@ def tokenizer_files(f, vocab_size: int) -> Optional[dict[str, bytes]]:
         if i is not None and not 0 <= i < len(tokens):
             raise CheckpointError(f.path, f"id {i} is not a token (there are {len(tokens)})", key=key)
         special[which] = i
-    if kind == "gpt2":
+    if kind == BYTE_LEVEL_BPE:
         files = {"tokenizer.json": _tokenizer_json(f, tokens, types, special)}
         default_bos = False
     else:
         files = {"tokenizer.model": _sentencepiece_model(f, tokens, types, special)}
         default_bos = True  # llama.cpp's default for a SentencePiece vocabulary
-    config = {"tokenizer_class": "PreTrainedTokenizerFast" if kind == "gpt2" else "LlamaTokenizer"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast" if kind == BYTE_LEVEL_BPE else "LlamaTokenizer"}
     for which, (_, name) in _SPECIAL_IDS.items():
         if special[which] is not None:
             config[name] = tokens[special[which]]
@@ -298,7 +304,7 @@ def gguf_tokenizer_metadata(tokenizer: Tokenizer, vocab_size: int, settings: dic
             keys[_SPECIAL_IDS[which][0]] = (i, T.UINT32)
     add_bos = settings.get("add_bos_token")
     if add_bos is None:  # as transformers decides: LlamaTokenizer adds it, a tokenizer.json says so in its template
-        add_bos = vocab.model == "llama" or vocab.template_bos
+        add_bos = vocab.model == SENTENCEPIECE or vocab.template_bos
     keys["tokenizer.ggml.add_bos_token"] = (bool(add_bos) and tokenizer.bos_id is not None, T.BOOL)
     keys["tokenizer.ggml.add_eos_token"] = (bool(settings.get("add_eos_token")), T.BOOL)
     if settings.get("chat_template"):
@@ -373,7 +379,7 @@ def _sentencepiece_vocab(tokenizer: Tokenizer, vocab_size: int) -> _Vocab:
     keys = {"tokenizer.ggml.scores": ([scores.get(i, 0.0) for i in range(vocab_size)], T.ARRAY),
             "tokenizer.ggml.add_space_prefix": (bool(normalizer.get(3, 1)), T.BOOL),  # protobuf defaults: true
             "tokenizer.ggml.remove_extra_whitespaces": (bool(normalizer.get(4, 1)), T.BOOL)}
-    return _Vocab("llama", token_list, type_list, keys)
+    return _Vocab(SENTENCEPIECE, token_list, type_list, keys)
 
 
 def _bpe_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
@@ -411,7 +417,7 @@ def _bpe_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
             tokens[i], types[i] = text, CONTROL
     token_list, type_list = _padded(tokens, types, vocab_size)
     keys = {"tokenizer.ggml.pre": (names[pattern], T.STRING), "tokenizer.ggml.merges": (merges, T.ARRAY)}
-    return _Vocab("gpt2", token_list, type_list, keys, template_bos)
+    return _Vocab(BYTE_LEVEL_BPE, token_list, type_list, keys, template_bos)
 
 
 def _zoo_bytes_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
@@ -429,4 +435,4 @@ def _zoo_bytes_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
     token_list, type_list = _padded(tokens, types, vocab_size)
     keys = {"tokenizer.ggml.pre": ("gpt-2", T.STRING),
             "tokenizer.ggml.merges": ([f"{unreachable} {unreachable}"], T.ARRAY)}
-    return _Vocab("gpt2", token_list, type_list, keys)
+    return _Vocab(BYTE_LEVEL_BPE, token_list, type_list, keys)

@@ -16,7 +16,7 @@ memory is its own (getrusage's ru_maxrss, read in the child) and no two compete 
 
 The *_bf16 systems run with --precision bf16 only, next to the fp32 ones, in every round.
 
-This process writes the weights (zoo's init, zoo.core.layout.initial_value), the token batch and
+This process writes the weights (zoo's init, zoo.arch.layout.initial_value), the token batch and
 zoo's parameter layout into a temporary work folder that every worker reads. The FLOP count of
 a step is analytic (see step_flops); docs/benchmarks.md explains every number.
 """
@@ -133,8 +133,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 def model_config(preset: Optional[str], config_file: Optional[str]):
     """The ModelConfig to measure: a preset (default gpt2), or a YAML/JSON file holding a
     ModelConfig's fields, or a training config whose `model:` (or `preset:`) names one."""
-    from ..core.config import ModelConfig
-    from ..core.presets import preset as lookup
+    from ..arch.config import ModelConfig
+    from ..arch.presets import preset as lookup
 
     if config_file is None:
         return lookup(preset or "gpt2")
@@ -191,11 +191,11 @@ def torch_available() -> bool:
 
 def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> None:
     """manifest.json, weights.bin (float32, zoo's arena order) and tokens.bin (int32, B x (T+1)).
-    The weights are zoo's init (zoo.core.layout.initial_value, the draws in the order zoo.Model(cfg,
+    The weights are zoo's init (zoo.arch.layout.initial_value, the draws in the order zoo.Model(cfg,
     seed) makes them, so they are the weights of that model); written one tensor at a time."""
     import numpy as np
 
-    from ..core.layout import initial_value, parameter_layout
+    from ..arch.layout import initial_value, parameter_layout
 
     rng = np.random.default_rng(seed)
     entries, offset = [], 0
@@ -278,6 +278,8 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
               vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
               seed: int = 0, precision: str = "fp32") -> dict:
     """Runs every worker and returns the results (the --json document)."""
+    from ..arch.layout import num_parameters
+
     for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
                          ("--warmup", warmup, 0), ("--rounds", rounds, 1)):
         if v < low:
@@ -307,7 +309,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
     raw: dict[str, list[dict]] = {}  # system -> one result per round
     with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
         work = Path(tmp)
-        print(f"zoo bench: writing weights and data ({cfg.num_parameters():,} parameters)", file=sys.stderr)
+        print(f"zoo bench: writing weights and data ({num_parameters(cfg):,} parameters)", file=sys.stderr)
         write_workdir(work, cfg, batch, seq_len, seed)
         zoo_cmd = [sys.executable, "-m", "zoo.tools.bench_worker", "--workdir", tmp] + common + zoo_flags
         # By path, not -m: the PyTorch process must not import zoo (bench_torch.py says why).
@@ -390,7 +392,7 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
             + (["--checkpointing"] if checkpointing else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
-                  "n_params": cfg.num_parameters(), "matmul_params": flops["matmul_params"]},
+                  "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
         "rounds": rounds,
         "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,

@@ -255,6 +255,8 @@ def render(r: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from ..arch.layout import num_parameters
+
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_dist", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2")
     p.add_argument("--batch-size", type=int, default=8, help="global batch (split across the ranks)")
@@ -280,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --ranks {args.ranks}")
 
     import zoo
-    from zoo.core.presets import PRESETS
+    from zoo.arch.presets import PRESETS
 
     runs: dict[str, list[dict]] = {m: [] for m in SYSTEMS}
     for i in range(args.rounds):
@@ -292,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
          "date": datetime.date.today().isoformat(), "model": args.preset, "batch": args.batch_size,
          "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
          "cpus": os.cpu_count(), **summarize(runs, args)}
-    n = zoo.preset(args.preset).num_parameters()
+    n = num_parameters(zoo.preset(args.preset))
     dp = r["systems"]["dp"]
     reduce_s = dp["phases_median_ms"]["reduce"] / 1e3
     sent = 2 * (args.ranks - 1) / args.ranks * 4 * n
@@ -302,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     compute_s = (dp["median_ms"] - dp["phases_median_ms"]["reduce"]) / 1e3
     r["links_gbps"] = [float(x) for x in args.links.split(",")]
     r["cost_ranks"] = args.cost_ranks
-    r["cost_model"] = cost_model({p.name: p.config.num_parameters() for p in PRESETS if not p.name.startswith("tiny-")},
+    r["cost_model"] = cost_model({p.name: num_parameters(p.config) for p in PRESETS if not p.name.startswith("tiny-")},
                                  args.cost_ranks, compute_s / n, r["links_gbps"])
     print(render(r))
     if args.json:

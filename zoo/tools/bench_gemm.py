@@ -142,7 +142,7 @@ def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emula
             min_seconds: float) -> dict:
     import zoo
     from zoo.core.native import _native
-    from zoo.core.presets import preset
+    from zoo.arch.presets import preset
 
     cfg = preset(preset_name)
     rows = batch * seq_len
@@ -281,7 +281,7 @@ def render(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from zoo.core.presets import PRESETS
+    from zoo.arch.presets import PRESETS
 
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_gemm", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="gpt2", choices=[x.name for x in PRESETS])

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .bench_torch import _peak_rss_mib
 from .bench_worker import cpu_info
+from ..arch.layout import num_parameters
 
 
 def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: int) -> dict:
@@ -25,7 +26,7 @@ def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: in
 
     import zoo
     from zoo.generate import generate
-    from zoo.core.lora import default_precision
+    from zoo.arch.lora import default_precision
 
     zoo.set_threads(threads)
     cfg = zoo.preset(preset)
@@ -40,7 +41,7 @@ def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: in
     first, per_token = stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
     return {"base": base, "precision": model.precision, "build_s": build_s, "prompt_s": first,
             "per_token_s": per_token, "tokens_per_s": 1.0 / per_token if per_token else None, "new_tokens": len(ids),
-            "peak_rss_mib": _peak_rss_mib(), "arena_bytes": model.arena_bytes(), "parameters": cfg.num_parameters()}
+            "peak_rss_mib": _peak_rss_mib(), "arena_bytes": model.arena_bytes(), "parameters": num_parameters(cfg)}
 
 
 def main(argv=None) -> int:

@@ -115,8 +115,9 @@ def lora_flops(cfg, tokens: int, rank: int, adapted: list) -> dict:
 
 
 def run_bench(args: argparse.Namespace) -> dict:
+    from ..arch.layout import num_parameters
+    from ..arch.lora import LoraConfig, adapters, module_names
     from ..io.hf_config import config_to_hf
-    from ..core.lora import LoraConfig, adapters, module_names
 
     cfg = model_config(args.preset or (None if args.config else "llama-3.2-1b"), args.config)
     preset_name = args.preset or (None if args.config else "llama-3.2-1b")
@@ -195,7 +196,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "command": shlex.join(command),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": args.config, "config": cfg.model_dump(),
-                  "n_params": cfg.num_parameters(), "matmul_params": flops["matmul_params"]},
+                  "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": args.batch_size, "seq_len": args.seq_len, "tokens_per_step": tokens, "steps": args.steps,
         "warmup": args.warmup, "threads": threads, "seed": args.seed, "lora": lora,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm", over="the adapters only"),

@@ -25,8 +25,8 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     import numpy as np
 
     import zoo
-    from zoo.core.config import ModelConfig
-    from zoo.core.lora import LoraConfig, default_precision
+    from zoo.arch.config import ModelConfig
+    from zoo.arch.lora import LoraConfig, default_precision
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()

@@ -53,7 +53,7 @@ def cpu_info() -> dict:
 
 def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool, precision: str):
     import zoo
-    from zoo.core.config import ModelConfig
+    from zoo.arch.config import ModelConfig
 
     cfg = ModelConfig(**manifest["config"])
     model = zoo.Model(cfg, seed=None, ad=ad, checkpointing=checkpointing, precision=precision)

@@ -108,11 +108,12 @@ BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "
 
 # Every ModelConfig field the forward below reads or that is a plain shape. A field zoo gains
 # later is refused until this file implements it.
+# family names the tensors only: the reference reads them by role, so every family computes alike.
 CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
                  "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
-                 "mlp_bias", "tied_embeddings", "layer"}
+                 "mlp_bias", "tied_embeddings", "layer", "family"}
 ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-# zoo's parameter roles (zoo/core/layout.py): the tensors outside the layers, and those of a layer.
+# zoo's parameter roles (zoo/arch/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
 LAYER_ROLES = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "attn_out_w", "attn_out_b", "ln2_w", "ln2_b",
                "fc_w", "fc_b", "proj_w", "proj_b")
@@ -221,8 +222,8 @@ class Decoder(nn.Module):
 def zoo_layout(cfg: dict) -> list[dict]:
     """zoo's parameter layout for a config, as the records this file takes. Imports zoo: for
     callers in a process that has it (the tests), never the bench's PyTorch worker."""
-    from zoo.core.config import ModelConfig
-    from zoo.core.layout import parameter_layout
+    from zoo.arch.config import ModelConfig
+    from zoo.arch.layout import parameter_layout
 
     return [{"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer}
             for p in parameter_layout(ModelConfig(**cfg))]

@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..core.config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
+from ..arch.config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 
 DEFAULT_STEPS = 1000
 
@@ -79,7 +79,7 @@ class TrainConfig(BaseModel):
                                                        "(default: $ZOO_CACHE or ~/.cache/zoo)")
 
     # --- batch shape ------------------------------------------------------------------
-    # Bounded by the native core's limits (zoo/core/config.py); batch_size x seq_len too (_check).
+    # Bounded by the native core's limits (zoo/arch/config.py); batch_size x seq_len too (_check).
     batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch")
     seq_len: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step")
@@ -153,7 +153,7 @@ class TrainConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, name: Optional[str]) -> Optional[str]:
-        from ..core.presets import PRESETS
+        from ..arch.presets import PRESETS
 
         known = [p.name for p in PRESETS]
         if name is not None and name not in known:
@@ -177,7 +177,7 @@ class TrainConfig(BaseModel):
         if self.lora and self.base_dtype is None:
             self.base_dtype = "bf16"
         if self.precision is None:  # a narrow frozen base runs its products in bf16 where the CPU has them
-            from ..core.lora import default_precision
+            from ..arch.lora import default_precision
 
             self.precision = default_precision(self.base_dtype) if self.lora else "fp32"
         if self.min_lr is not None and self.min_lr > self.lr:
@@ -195,7 +195,7 @@ class TrainConfig(BaseModel):
 
     def lora_config(self):
         """The run's zoo.LoraConfig (None without --lora)."""
-        from ..core.lora import LoraConfig
+        from ..arch.lora import LoraConfig
 
         if not self.lora:
             return None

@@ -51,24 +51,28 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from ..core.atomic import fsync_dir, fsync_file, named, temp_file_pid, write_json
+from ..core.native import get_threads, set_threads
+from ..arch.presets import preset
+from ..io import load
+from ..io.load import load_model
+from ..io.run_folder import CHECKPOINTS, OPTIMIZER_FILE, STATE_FILE, checkpoint_dirs, checkpoint_name, latest_checkpoint
+from ..model import Model
 from .data import DataError, all_token_ids, batch_share, batches_for, tokenize_files
 from .distributed import Group, shard_bounds
 from ..core.errors import CheckpointError, DistributedError, ResourceError
 from .evaluate import validation_loss
 from ..core.files import read_json_model
 from ..io.hf_config import CONFIG_FILE
-from ..core.memory import available_memory_bytes, describe, human_bytes
+from ..arch.memory import available_memory_bytes, describe, human_bytes
 from ..io.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..core.gemm import check_precision, gemm_info
 from .plot import METRICS_FILE, PLOT_FILE, read_records
 from ..io.safetensors import INDEX_FILE, Pieces, SafetensorsFile, write_file
 from ..text.tokenizers import TOKENIZER_FILES, has_tokenizer
 from .config import BUDGET_FIELDS, TrainConfig
+from ..arch.layout import num_parameters
 
-CHECKPOINTS = "checkpoints"
 LOG_FILE = "train.log"
-STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.safetensors"
 LOCK_FILE = ".zoo-run.lock"
 # Checkpoint files that are not part of the Hugging Face model (not published to --out).
 _TRAINER_FILES = {STATE_FILE, OPTIMIZER_FILE}
@@ -116,19 +120,6 @@ def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
 
 
 # --- run folders ----------------------------------------------------------------------
-
-
-def checkpoint_dirs(out: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints of a run, oldest first (temporary folders are not listed)."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
-
-
-def latest_checkpoint(out: str | os.PathLike) -> Optional[Path]:
-    dirs = checkpoint_dirs(out)
-    return dirs[-1] if dirs else None
 
 
 Count = Annotated[int, Field(ge=0, strict=True)]  # strict: "5" is not a step count
@@ -296,14 +287,13 @@ class Trainer:
             self._lock = None
 
     def _set_up(self) -> None:
-        import zoo
 
         cfg, group = self.cfg, self.group
         if cfg.threads is not None:
-            zoo.set_threads(cfg.threads)
+            set_threads(cfg.threads)
         elif group is not None and "OMP_NUM_THREADS" not in os.environ:
-            zoo.set_threads(group.default_threads())
-        self.threads = zoo.get_threads()
+            set_threads(group.default_threads())
+        self.threads = get_threads()
 
         check_precision(cfg.precision)  # before any weights are read
         resume_from = None
@@ -360,9 +350,8 @@ class Trainer:
         takes rank 0's weights. Returns whether the run resumes (rank 0 knows)."""
         import tempfile
 
-        import zoo
         from ..text.chat_template import ChatTemplate
-        from ..core.config import ModelConfig
+        from ..arch.config import ModelConfig
         from ..text.tokenizers import Tokenizer
 
         group = self.group
@@ -377,7 +366,7 @@ class Trainer:
             if self.cfg.lora:  # each rank reads the frozen base itself; rank 0 sends the adapters below
                 self.model = self._load_lora_model(None)[0]
             else:
-                self.model = zoo.Model(ModelConfig.model_validate(sent["model"]), seed=None, ad=self.cfg.ad)
+                self.model = Model(ModelConfig.model_validate(sent["model"]), seed=None, ad=self.cfg.ad)
             self.tokenizer_dir = None
             self.chat_template = None if sent["chat_template"] is None else ChatTemplate(*sent["chat_template"])
             source = sent["tokenizer"]
@@ -517,17 +506,14 @@ class Trainer:
 
     def _load_model(self, resume_from: Optional[Path]):
         """(model, tokenizer, tokenizer folder or None) for a resumed, finetuned or new run."""
-        import zoo
-        from ..io.checkpoints import load_pretrained
         from ..text.tokenizers import Tokenizer
 
         cfg = self.cfg
         if cfg.lora:
             return self._load_lora_model(resume_from)
         if resume_from is not None or cfg.from_dir is not None:
-            src = resume_from if resume_from is not None else Path(cfg.from_dir)
-            _check_checkpoint_folder(src)
-            model = load_pretrained(src, ad=cfg.ad)
+            src = resume_from if resume_from is not None else finetune_source(cfg.from_dir).model
+            model = load_model(load.resolve(src), Model, ad=cfg.ad)
             tok_dir = Path(cfg.tokenizer) if cfg.tokenizer and resume_from is None else src
             if not cfg.tokenizer and not has_tokenizer(tok_dir) and cfg.data and all_token_ids(cfg.data):
                 return model, None, None  # token ids need no tokenizer, and this checkpoint has none
@@ -535,8 +521,8 @@ class Trainer:
         if cfg.model is not None:
             model_cfg = cfg.model
         else:
-            model_cfg = zoo.preset(cfg.preset or "tiny-llama")
-        model = zoo.Model(model_cfg, seed=cfg.seed, ad=cfg.ad)
+            model_cfg = preset(cfg.preset or "tiny-llama")
+        model = Model(model_cfg, seed=cfg.seed, ad=cfg.ad)
         if cfg.tokenizer:
             return model, Tokenizer.from_pretrained(cfg.tokenizer), Path(cfg.tokenizer)
         return model, Tokenizer.byte_level(), None
@@ -544,17 +530,13 @@ class Trainer:
     def _check_memory_up_front(self) -> None:
         """The run's memory estimate against what the machine has, from the model's config alone,
         before any weight is read or arena mapped (memory.check_finetune_fits)."""
-        import zoo
-        from ..io.hf_config import read_config
-        from ..core.memory import check_finetune_fits
+        from ..arch.memory import check_finetune_fits
 
         cfg = self.cfg
         if cfg.from_dir is not None:
-            if not Path(cfg.from_dir).is_dir() or not (Path(cfg.from_dir) / CONFIG_FILE).is_file():
-                return  # _load_model names what is wrong with it
-            model_cfg, what = read_config(Path(cfg.from_dir)), f"finetuning {cfg.from_dir}"
+            model_cfg, what = load.config_of(finetune_source(cfg.from_dir)), f"finetuning {cfg.from_dir}"
         else:
-            model_cfg = cfg.model or zoo.preset(cfg.preset or "tiny-llama")
+            model_cfg = cfg.model or preset(cfg.preset or "tiny-llama")
             what = f"training {cfg.preset or 'the model config'}"
         rows = cfg.batch_size if self.group is None else -(-cfg.batch_size // self.group.size)
         ranks = 1 if self.group is None else self.group.size
@@ -568,8 +550,6 @@ class Trainer:
     def _load_lora_model(self, resume_from: Optional[Path]):
         """A LoRA run: the frozen base from --from (or a new model from the preset or config, seeded),
         its adapters new or, on --resume, the checkpoint's (which also holds the tokenizer)."""
-        import zoo
-        from ..io.checkpoints import load_pretrained
         from ..io.peft import load_adapter
         from ..text.tokenizers import Tokenizer
 
@@ -577,11 +557,10 @@ class Trainer:
         settings = dict(ad=cfg.ad, lora=cfg.lora_config(), base_dtype=cfg.base_dtype, precision=cfg.precision,
                         checkpointing=cfg.checkpointing)
         if cfg.from_dir is not None:
-            src = Path(cfg.from_dir)
-            _check_checkpoint_folder(src)
-            model = load_pretrained(src, adapter_seed=cfg.seed, **settings)
+            src = finetune_source(cfg.from_dir).model
+            model = load_model(load.resolve(src), Model, adapter_seed=cfg.seed, **settings)
         else:
-            model = zoo.Model(cfg.model or zoo.preset(cfg.preset or "tiny-llama"), seed=cfg.seed, **settings)
+            model = Model(cfg.model or preset(cfg.preset or "tiny-llama"), seed=cfg.seed, **settings)
             src = None
         if resume_from is not None:
             load_adapter(model, resume_from)
@@ -925,7 +904,7 @@ class Trainer:
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         group = self.group
         trainable = f" ({m.n_params:,} trainable, in the adapters)" if m.lora is not None else ""
-        self.say(f"model: {m.config.family}-style, {m.config.num_parameters():,} parameters{trainable}; {threads}"
+        self.say(f"model: {m.config.family}-style, {num_parameters(m.config):,} parameters{trainable}; {threads}"
                  f"{' per rank' if group is not None else ''}; {products}")
         if group is not None:
             part = (f"{rows} of the {cfg.batch_size} sequences of every micro-batch" if rows != cfg.batch_size else
@@ -955,7 +934,7 @@ class Trainer:
         In a distributed run every rank calls it: they check that their weights agree, the
         ZeRO-1 shards of the moments go to rank 0, and rank 0 writes."""
         root = self.out / CHECKPOINTS
-        final = root / f"step-{self.step:08d}"
+        final = root / checkpoint_name(self.step)
         if self.last_checkpoint == final:
             return final
         if self.group is not None:
@@ -1125,12 +1104,17 @@ class Trainer:
             return None
 
 
-def _check_checkpoint_folder(src: Path) -> None:
-    """A run starts from a checkpoint folder: refuse anything else, saying what to do with a GGUF file."""
-    if not src.is_dir():
-        gguf = src.is_file() and src.suffix.lower() == ".gguf"
-        raise TrainError(f"--from {src}: " + (f"a GGUF file; a run starts from a folder: zoo convert {src} DIR, "
-                                              "then --from DIR" if gguf else "no such checkpoint folder"))
+def finetune_source(path) -> "load.Source":
+    """What a run starts from (--from): a model whose weights it trains. A GGUF file and a LoRA
+    adapter are refused, saying what to do instead."""
+    source = load.resolve(path)
+    if source.form == "gguf":
+        raise load.refuse("finetune", source, f"convert it to a folder first: zoo convert {source.path} DIR, then "
+                                              "--from DIR")
+    if source.is_adapter:
+        raise load.refuse("finetune", source, "finetune its base with --lora, or merge the adapter into it first "
+                                              "(zoo merge BASE ADAPTER OUT_DIR) and finetune that")
+    return source
 
 
 def _tokenizer_source(path: Optional[Path]) -> Optional[tuple[Optional[str], dict[str, bytes]]]:

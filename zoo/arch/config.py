@@ -7,13 +7,14 @@ holds the real shapes of the GPT-2 and Llama families.
 
 from __future__ import annotations
 
-import math
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from . import blocks
-from .native import _native
+from .. import families
+from ..core import blocks
+from ..core.native import _native
+from ..core.rope import RopeScaling
 
 # Upper bounds on every size, checked here before anything is built from a config (a config.json
 # with 10^8 layers or a vocabulary of 2e9 is refused in microseconds, naming the field). They are
@@ -27,26 +28,6 @@ MAX_VOCAB = LIMITS["max_vocab"]  # 2^24
 MAX_SEQ_LEN = LIMITS["max_seq_len"]  # 2^21
 MAX_TENSOR_FLOATS = LIMITS["max_tensor_floats"]  # 2^36: one weight tensor
 MAX_TOKENS = LIMITS["max_tokens"]  # 2^24: batch x seq_len of one micro-batch
-
-
-class RopeScaling(BaseModel):
-    """Llama-3 frequency scaling of RoPE (rope_type "llama3" in Hugging Face)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    factor: float = Field(gt=0)
-    low_freq_factor: float = Field(gt=0)
-    high_freq_factor: float = Field(gt=0)
-    original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ_LEN)
-
-    @model_validator(mode="after")
-    def _check(self) -> "RopeScaling":
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(
-                "rope_scaling.high_freq_factor must be greater than rope_scaling.low_freq_factor "
-                f"(got {self.high_freq_factor} <= {self.low_freq_factor})"
-            )
-        return self
 
 
 class ModelConfig(BaseModel):
@@ -75,6 +56,9 @@ class ModelConfig(BaseModel):
     attention_bias: bool = True
     mlp_bias: bool = True
     tied_embeddings: bool = True
+    # The Hugging Face architecture its tensors are named after and it saves as (zoo/families/);
+    # None: gpt2 for learned positions, llama for RoPE.
+    family: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -95,7 +79,15 @@ class ModelConfig(BaseModel):
                 data["head_dim"] = d_model // n_head
         if data.get("d_ff") is None and isinstance(data.get("d_model"), int):
             data["d_ff"] = 4 * data["d_model"]
+        if data.get("family") is None:
+            data["family"] = families.default_for(data.get("positions", "learned"))
         return data
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        families.get(v)  # a ValueError naming the families
+        return v
 
     @field_validator("norm", "mlp", "layer")
     @classmethod
@@ -139,19 +131,5 @@ class ModelConfig(BaseModel):
     # --- derived quantities -------------------------------------------------
 
     @property
-    def family(self) -> str:
-        """Which Hugging Face naming the parameters follow: 'gpt2' for learned positions, else 'llama'."""
-        return "gpt2" if self.positions == "learned" else "llama"
-
-    @property
     def qkv_dim(self) -> int:
         return (self.n_head + 2 * self.n_kv_head) * self.head_dim
-
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter in zoo's layout, in arena order (2-D weights are (out, in))."""
-        from .layout import parameter_shapes
-
-        return parameter_shapes(self)
-
-    def num_parameters(self) -> int:
-        return sum(math.prod(s) for s in self.parameter_shapes().values())

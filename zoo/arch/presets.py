@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig
+from ..core.rope import RopeScaling
 
 
 @dataclass(frozen=True)

@@ -14,19 +14,16 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from . import blocks
+from .. import families
+from ..core import blocks
+from ..core.gemm import gemm_info
+from .layout import ParamSpec
 
 if TYPE_CHECKING:
     from .config import ModelConfig
-    from .layout import ParamSpec
 
 # The formats a frozen base's matrices may take (native/kernels/quant.hpp), and what each costs per value.
 BASE_DTYPES = ("fp32", "bf16", "int8", "nf4")
-
-# Every module an adapter can sit on, per naming family, in layer order.
-LLAMA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GPT2_MODULES = ("c_attn", "c_proj", "c_fc")
-
 
 class LoraConfig(BaseModel):
     """rank r, alpha (the adapters' output is scaled by alpha / r), dropout on their input, and
@@ -64,23 +61,28 @@ class Adapter:
 
 
 def _layer_modules(cfg: "ModelConfig", i: int) -> list[tuple[str, str, int, int, int]]:
-    """(module path, slot, o0, o1, in_features) of every linear layer of layer i."""
+    """(module path, slot, o0, o1, in_features) of every linear layer of layer i, named as cfg's
+    family names them (a fused tensor, such as GPT-2's c_attn, one module over its whole slot)."""
+    names = families.get(cfg.family).names
     d, hd = cfg.d_model, cfg.head_dim
     q, kv, ff = cfg.n_head * hd, cfg.n_kv_head * hd, cfg.d_ff
     gated = blocks.activations()[cfg.mlp]["gate_width"] == 2
-    if cfg.family == "gpt2":
-        p = f"transformer.h.{i}."
-        fc = 2 * ff if gated else ff
-        return [(p + "attn.c_attn", "qkv", 0, cfg.qkv_dim, d), (p + "attn.c_proj", "attn_out", 0, d, q),
-                (p + "mlp.c_fc", "fc", 0, fc, d), (p + "mlp.c_proj", "proj", 0, d, ff)]
-    p = f"model.layers.{i}."
-    out = [(p + "self_attn.q_proj", "qkv", 0, q, d), (p + "self_attn.k_proj", "qkv", q, q + kv, d),
-           (p + "self_attn.v_proj", "qkv", q + kv, q + 2 * kv, d), (p + "self_attn.o_proj", "attn_out", 0, d, q)]
-    if gated:
-        out += [(p + "mlp.gate_proj", "fc", 0, ff, d), (p + "mlp.up_proj", "fc", ff, 2 * ff, d)]
-    else:
-        out += [(p + "mlp.up_proj", "fc", 0, ff, d)]
-    return out + [(p + "mlp.down_proj", "proj", 0, d, ff)]
+    prefix = names.layer.format(i=i)
+    out = []
+
+    def linear(parts, slot, rows, d_in):
+        if len(parts) == 1:
+            rows = [sum(rows)]
+        o0 = 0
+        for part, n in zip(parts, rows):
+            out.append((prefix + part, slot, o0, o0 + n, d_in))
+            o0 += n
+
+    linear(names.qkv, "qkv", [q, kv, kv], d)
+    linear((names.attn_out,), "attn_out", [d], q)
+    linear(names.mlp_in_gated if gated else (names.mlp_in,), "fc", [ff, ff] if gated else [ff], d)
+    linear((names.mlp_out,), "proj", [d], ff)
+    return out
 
 
 def _matches(path: str, target: str) -> bool:
@@ -90,7 +92,7 @@ def _matches(path: str, target: str) -> bool:
 def module_names(cfg: "ModelConfig") -> list[str]:
     """The module names a target may use for cfg's linear layers, in layer order (q_proj ...
     down_proj as cfg's MLP has them; c_attn, c_proj, c_fc)."""
-    names = GPT2_MODULES if cfg.family == "gpt2" else LLAMA_MODULES
+    names = families.get(cfg.family).lora_modules
     return [n for n in names if any(_matches(m[0], n) for m in _layer_modules(cfg, 0))]
 
 
@@ -130,8 +132,6 @@ def adapter_layout(cfg: "ModelConfig", lora: LoraConfig) -> tuple[list["ParamSpe
     """The adapters' tensors in the trainable arena's order (per layer and slot, its A's then its
     B's), named as PEFT names them without its base_model.model. prefix, and the table the
     executor binds: rows of (slot, layer, o0, o1, rank, A offset, B offset)."""
-    from .layout import ParamSpec
-
     specs, table = [], []
     at, r = 0, lora.r
     by_slot: dict[tuple[int, str], list[Adapter]] = {}
@@ -171,8 +171,6 @@ def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
 def default_precision(base_dtype: str) -> str:
     """The products of a LoRA run by default: bf16 over a base narrower than fp32 where the CPU has
     bf16 dot products (the base is bf16 at best already), else fp32."""
-    from .gemm import gemm_info
-
     return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] else "fp32"
 
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .native import _native
+from ..core.native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
-from .errors import ResourceError
+from ..core.errors import ResourceError
 from .lora import LoraConfig, adapter_layout, run_setup
+from .layout import frozen_table, num_parameters, parameter_layout
 
 FLOAT_BYTES = 4
 
@@ -61,8 +62,6 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpoint
 def base_bytes(cfg: ModelConfig, base_dtype: str) -> int:
     """Bytes of the model's tensors as a frozen base stores them (matrices in base_dtype, the
     rest in fp32, scales included)."""
-    from .layout import frozen_table, parameter_layout
-
     rows, _ = frozen_table(parameter_layout(cfg), base_dtype)
     return sum(int(_native.storage_bytes(fmt, r, c)) for _, _, r, c, fmt in rows)
 
@@ -92,7 +91,7 @@ def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoint
     sharded across (ZeRO-1), each keeping its share."""
     check_batch_shape(batch, seq_len)
     if lora is None:
-        n = cfg.num_parameters()
+        n = num_parameters(cfg)
         moments = -(-n // zero_ranks) if moment_floats is None else moment_floats
         return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n,
                               optimizer=2 * FLOAT_BYTES * moments,
@@ -114,7 +113,7 @@ def generation_bytes(cfg: ModelConfig, batch: int, seq_len: int, base_dtype: str
     check_batch_shape(batch, seq_len)
     frozen = base_dtype != "fp32"
     setup = run_setup(cfg, None, base_dtype, frozen, [], 0)
-    weights = base_bytes(cfg, base_dtype) if frozen else FLOAT_BYTES * cfg.num_parameters()
+    weights = base_bytes(cfg, base_dtype) if frozen else FLOAT_BYTES * num_parameters(cfg)
     return weights + FLOAT_BYTES * int(_native.cache_floats(setup, int(batch), int(seq_len)))
 
 

@@ -1,8 +1,10 @@
 """Parameter layout: the one place that says which tensors a config has, their names,
 shapes, order in the parameter arena, and the role the native executor binds them to.
 
-Naming rule: configs with learned positions use GPT2LMHeadModel names, configs with RoPE
-use LlamaForCausalLM names. A block the family does not have keeps the family's pattern
+Names: each tensor is named as the config's family (ModelConfig.family, zoo/families/) names
+it in its checkpoints; the family says where each role's tensor lives (TensorNames). A config
+without a family is named after GPT2LMHeadModel with learned positions and LlamaForCausalLM
+with RoPE. A block the family does not have keeps the family's pattern
 (e.g. a GPT-2-named model with RMSNorm has ln_1.weight and no ln_1.bias; a parallel-residual
 layer has ln_1 (input_layernorm) and no ln_2 (post_attention_layernorm); a Llama-named
 model with LayerNorm gets input_layernorm.bias; a Llama-named GELU MLP has up_proj and
@@ -27,7 +29,8 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from . import blocks
+from .. import families
+from ..core import blocks
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -60,12 +63,18 @@ def initial_value(spec: ParamSpec, rng: np.random.Generator, n_layer: int, rows:
     return value
 
 
-def parameter_layout(cfg: "ModelConfig") -> list[ParamSpec]:
-    return _gpt2_layout(cfg) if cfg.family == "gpt2" else _llama_layout(cfg)
+def parameter_layout(cfg: ModelConfig) -> list[ParamSpec]:
+    """Every parameter of cfg in arena order, named as cfg's family names it."""
+    return _layout(cfg)
 
 
-def parameter_shapes(cfg: "ModelConfig") -> dict[str, tuple[int, ...]]:
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter in zoo's layout, in arena order (2-D weights are (out, in))."""
     return {p.name: p.shape for p in parameter_layout(cfg)}
+
+
+def num_parameters(cfg: ModelConfig) -> int:
+    return sum(math.prod(p.shape) for p in parameter_layout(cfg))
 
 
 def parameter_offsets(layout: list[ParamSpec]) -> tuple[dict[str, int], int]:
@@ -106,48 +115,8 @@ def _init(role: str, shape) -> str:
     return "residual" if role in _RESIDUAL else "normal"
 
 
-def _gpt2_layout(cfg: "ModelConfig") -> list[ParamSpec]:
-    d, hd = cfg.d_model, cfg.head_dim
-    fc_out = blocks.activations()[cfg.mlp]["gate_width"] * cfg.d_ff
-    norm_bias = blocks.norms()[cfg.norm]["bias"]
-    second_norm = blocks.layers()[cfg.layer]["second_norm"]
-    out: list[ParamSpec] = []
-
-    def add(name, shape, role, layer=-1, transposed=False, decay=False):
-        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay, _init(role, shape)))
-
-    add("transformer.wte.weight", (cfg.vocab_size, d), "wte")
-    add("transformer.wpe.weight", (cfg.max_seq_len, d), "wpe")
-    for i in range(cfg.n_layer):
-        p = f"transformer.h.{i}."
-        add(p + "ln_1.weight", (d,), "ln1_w", i)
-        if norm_bias:
-            add(p + "ln_1.bias", (d,), "ln1_b", i)
-        add(p + "attn.c_attn.weight", (cfg.qkv_dim, d), "qkv_w", i, True, True)
-        if cfg.attention_bias:
-            add(p + "attn.c_attn.bias", (cfg.qkv_dim,), "qkv_b", i)
-        add(p + "attn.c_proj.weight", (d, cfg.n_head * hd), "attn_out_w", i, True, True)
-        if cfg.attention_bias:
-            add(p + "attn.c_proj.bias", (d,), "attn_out_b", i)
-        if second_norm:
-            add(p + "ln_2.weight", (d,), "ln2_w", i)
-            if norm_bias:
-                add(p + "ln_2.bias", (d,), "ln2_b", i)
-        add(p + "mlp.c_fc.weight", (fc_out, d), "fc_w", i, True, True)
-        if cfg.mlp_bias:
-            add(p + "mlp.c_fc.bias", (fc_out,), "fc_b", i)
-        add(p + "mlp.c_proj.weight", (d, cfg.d_ff), "proj_w", i, True, True)
-        if cfg.mlp_bias:
-            add(p + "mlp.c_proj.bias", (d,), "proj_b", i)
-    add("transformer.ln_f.weight", (d,), "lnf_w")
-    if norm_bias:
-        add("transformer.ln_f.bias", (d,), "lnf_b")
-    if not cfg.tied_embeddings:
-        add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
-    return out
-
-
-def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
+def _layout(cfg: ModelConfig) -> list[ParamSpec]:
+    names = families.get(cfg.family).names
     d, hd = cfg.d_model, cfg.head_dim
     q_out, kv_out = cfg.n_head * hd, cfg.n_kv_head * hd
     gated = blocks.activations()[cfg.mlp]["gate_width"] == 2
@@ -155,50 +124,43 @@ def _llama_layout(cfg: "ModelConfig") -> list[ParamSpec]:
     second_norm = blocks.layers()[cfg.layer]["second_norm"]
     out: list[ParamSpec] = []
 
-    def add(name, shape, role, layer=-1, decay=False):
-        out.append(ParamSpec(name, tuple(shape), role, layer, False, decay, _init(role, shape)))
+    def add(name, shape, role, layer=-1, transposed=False, decay=False):
+        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay, _init(role, shape)))
 
-    add("model.embed_tokens.weight", (cfg.vocab_size, d), "wte")
-    if cfg.positions == "learned":  # unreachable today (learned => gpt2 naming); kept for clarity
-        add("model.embed_positions.weight", (cfg.max_seq_len, d), "wpe")
-    for i in range(cfg.n_layer):
-        p = f"model.layers.{i}."
-        add(p + "input_layernorm.weight", (d,), "ln1_w", i)
+    def norm(name, role, layer=-1):
+        add(name + ".weight", (d,), role + "_w", layer)
         if norm_bias:
-            add(p + "input_layernorm.bias", (d,), "ln1_b", i)
-        # q, k, v weights adjacent: one (q_out + 2 kv_out, d) GEMM
-        add(p + "self_attn.q_proj.weight", (q_out, d), "qkv_w", i, True)
-        add(p + "self_attn.k_proj.weight", (kv_out, d), "", i, True)
-        add(p + "self_attn.v_proj.weight", (kv_out, d), "", i, True)
-        if cfg.attention_bias:
-            add(p + "self_attn.q_proj.bias", (q_out,), "qkv_b", i)
-            add(p + "self_attn.k_proj.bias", (kv_out,), "", i)
-            add(p + "self_attn.v_proj.bias", (kv_out,), "", i)
-        add(p + "self_attn.o_proj.weight", (d, q_out), "attn_out_w", i, True)
-        if cfg.attention_bias:
-            add(p + "self_attn.o_proj.bias", (d,), "attn_out_b", i)
+            add(name + ".bias", (d,), role + "_b", layer)
+
+    def linear(prefix, parts, rows, d_in, role, bias, layer):
+        """One GEMM's weight (and bias): its parts next to each other, the first bound to role."""
+        if len(parts) == 1:
+            rows = [sum(rows)]
+        for k, (part, n) in enumerate(zip(parts, rows)):
+            add(prefix + part + ".weight", (n, d_in), role + "_w" if k == 0 else "", layer, names.transposed, True)
+        if bias:
+            for k, (part, n) in enumerate(zip(parts, rows)):
+                add(prefix + part + ".bias", (n,), role + "_b" if k == 0 else "", layer)
+
+    add(names.embedding + ".weight", (cfg.vocab_size, d), "wte")
+    if cfg.positions == "learned":
+        add(names.positions + ".weight", (cfg.max_seq_len, d), "wpe")
+    for i in range(cfg.n_layer):
+        p = names.layer.format(i=i)
+        norm(p + names.norm1, "ln1", i)
+        # q, k and v adjacent: one (q_out + 2 kv_out, d) GEMM; gate and up likewise
+        linear(p, names.qkv, [q_out, kv_out, kv_out], d, "qkv", cfg.attention_bias, i)
+        linear(p, (names.attn_out,), [d], q_out, "attn_out", cfg.attention_bias, i)
         if second_norm:
-            add(p + "post_attention_layernorm.weight", (d,), "ln2_w", i)
-            if norm_bias:
-                add(p + "post_attention_layernorm.bias", (d,), "ln2_b", i)
+            norm(p + names.norm2, "ln2", i)
         if gated:
-            add(p + "mlp.gate_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
-            add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "", i, True)
-            if cfg.mlp_bias:
-                add(p + "mlp.gate_proj.bias", (cfg.d_ff,), "fc_b", i)
-                add(p + "mlp.up_proj.bias", (cfg.d_ff,), "", i)
+            linear(p, names.mlp_in_gated, [cfg.d_ff, cfg.d_ff], d, "fc", cfg.mlp_bias, i)
         else:
-            add(p + "mlp.up_proj.weight", (cfg.d_ff, d), "fc_w", i, True)
-            if cfg.mlp_bias:
-                add(p + "mlp.up_proj.bias", (cfg.d_ff,), "fc_b", i)
-        add(p + "mlp.down_proj.weight", (d, cfg.d_ff), "proj_w", i, True)
-        if cfg.mlp_bias:
-            add(p + "mlp.down_proj.bias", (d,), "proj_b", i)
-    add("model.norm.weight", (d,), "lnf_w")
-    if norm_bias:
-        add("model.norm.bias", (d,), "lnf_b")
+            linear(p, (names.mlp_in,), [cfg.d_ff], d, "fc", cfg.mlp_bias, i)
+        linear(p, (names.mlp_out,), [d], cfg.d_ff, "proj", cfg.mlp_bias, i)
+    norm(names.final_norm, "lnf")
     if not cfg.tied_embeddings:
-        add("lm_head.weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
+        add(names.head + ".weight", (cfg.vocab_size, d), "lm_head_w", decay=True)
     return out
 
 

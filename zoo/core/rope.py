@@ -1,0 +1,52 @@
+"""RoPE's frequencies: Llama 3's frequency scaling as a config field, and the inverse
+frequencies every rotation reads (the executor's table, the GGUF writer's rope_freqs)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .native import _native
+
+MAX_SEQ_LEN = dict(_native.limits)["max_seq_len"]
+
+
+class RopeScaling(BaseModel):
+    """Llama-3 frequency scaling of RoPE (rope_type "llama3" in Hugging Face)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ_LEN)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                "rope_scaling.high_freq_factor must be greater than rope_scaling.low_freq_factor "
+                f"(got {self.high_freq_factor} <= {self.low_freq_factor})"
+            )
+        return self
+
+
+def rope_inv_freq(cfg) -> np.ndarray:
+    """RoPE inverse frequencies in float32 (as transformers computes them), with Llama-3 scaling."""
+    hd = cfg.head_dim
+    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd)))
+    inv = inv.astype(np.float32)
+    s = cfg.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = (2 * math.pi / inv).astype(np.float32)
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv).astype(np.float32)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor)).astype(np.float32)
+    smoothed = ((1 - smooth) * scaled / s.factor + smooth * scaled).astype(np.float32)
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
