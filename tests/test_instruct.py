@@ -234,7 +234,7 @@ def test_token_ids_train_a_checkpoint_without_a_tokenizer(tmp_path):
     np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 256, 4000))
     out = subprocess.run(ZOO + ["finetune", "--from", str(folder), "--data", str(tmp_path / "ids.npy"),
                                 "--steps", "3", "--batch-size", "2", "--seq-len", "32", "--out", str(tmp_path / "run"),
-                                "--no-progress", "--cache-dir", str(tmp_path / "cache")],
+                                "--no-progress", "--threads", "1", "--cache-dir", str(tmp_path / "cache")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "(1 token ids)" in out.stderr + out.stdout
