@@ -2,6 +2,7 @@
 thread count each test found given back after it. Shared helpers are in helpers.py."""
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -46,3 +47,13 @@ def pytest_configure(config):
     # A run meant to test the Clad build (make test-clad) must not pass by skipping it.
     if os.environ.get("ZOO_TEST_CLAD") == "1" and not zoo.build_info()["clad"]:
         raise pytest.UsageError("ZOO_TEST_CLAD=1, but this zoo was built without the Clad backend (docs/clad.md)")
+    # PyTorch makes its compiler's cache folder as it is imported, while the test modules are
+    # collected (before any fixture): a folder of the run's own, removed when it ends.
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config._zoo_torch_cache = tempfile.mkdtemp(prefix="zoo-tests-torch-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config._zoo_torch_cache
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_zoo_torch_cache", None):
+        shutil.rmtree(config._zoo_torch_cache, ignore_errors=True)
