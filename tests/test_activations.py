@@ -91,7 +91,7 @@ def test_lora_adapters_follow_the_chain_rule(name, backend, family):
     """A frozen base runs the activation's plain pullback (the fused one recomputes for the
     weight gradient, which a frozen base has none of). Its adapters' gradients are the merged
     model's weight gradient G pulled back: dB = s G A^T, dA = s B^T G."""
-    from zoo.core.lora import adapters
+    from zoo.arch.lora import adapters
 
     cfg = FAMILIES[family](name)
     model = zoo.Model(cfg, seed=3, lora=LoraConfig(r=4, alpha=6), base_dtype="fp32", ad={name: backend})
