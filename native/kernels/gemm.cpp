@@ -3,8 +3,11 @@
 #include <algorithm>
 
 #include "kernels/bf16.hpp"
+#include "kernels/isa.hpp"
 
+#if defined(ZOO_X86)
 #include <cpuid.h>
+#endif
 #include <omp.h>
 
 #include <cstring>
@@ -325,6 +328,7 @@ std::vector<Library> built_in() {
 }
 
 std::string cpu_vendor() {
+#if defined(ZOO_X86)
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return "unknown";
     char v[13];
@@ -333,6 +337,9 @@ std::string cpu_vendor() {
     std::memcpy(v + 8, &c, 4);
     v[12] = 0;
     return v;
+#else
+    return "unknown";  // no CPUID: zoo's choices for this CPU do not depend on its vendor
+#endif
 }
 
 // Measured (docs/benchmarks.md, `python -m zoo.tools.bench_gemm`): on Intel Xeons oneMKL's
@@ -415,6 +422,23 @@ bool bf16_native() {
     return false;
 #endif
 }
+
+}  // namespace gemm
+
+VectorIsa onednn_vector_isa_cap() {
+#ifdef ZOO_GEMM_ONEDNN
+    const unsigned isa = dnnl_get_effective_cpu_isa();
+    auto has = [&](unsigned set) { return (isa & set) == set; };
+    if (has(dnnl_cpu_isa_avx512_core_bf16)) return VectorIsa::avx512_bf16;
+    if (has(dnnl_cpu_isa_avx512_core)) return VectorIsa::avx512;
+    if (has(dnnl_cpu_isa_avx2)) return VectorIsa::avx2;
+    return VectorIsa::scalar;
+#else
+    return VectorIsa::avx512_bf16;
+#endif
+}
+
+namespace gemm {
 
 void require_precision(Precision p) {
     if (p != Precision::bf16) return;
