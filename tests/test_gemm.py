@@ -102,6 +102,26 @@ def test_bf16_products_are_within_the_bound_bf16_rounding_predicts():
 
 
 @needs_bf16
+@pytest.mark.parametrize("M,N,K", [(64, 20000, 768), (20000, 96, 256), (140, 140, 16384), (24, 40, 70000)])
+def test_bf16_products_larger_than_the_rounding_buffer_stay_within_the_bound(M, N, K):
+    # Where zoo rounds the operands itself (oneDNN's fpmath mode has no bf16 kernel here), it
+    # rounds them in panels of a 4M-value buffer: here one operand whole and the other in
+    # blocks of columns or rows, both in blocks, and K in blocks summed into C. (Elsewhere these
+    # are plain oneDNN products, held to the same bound.)
+    rng = np.random.default_rng(M)
+    for ta, tb in ((False, True), (True, False), (False, False), (True, True)):
+        a = rng.standard_normal((K, M) if ta else (M, K), dtype=np.float32)
+        b = rng.standard_normal((N, K) if tb else (K, N), dtype=np.float32)
+        exact, magnitude = reference(a, b, ta, tb)
+        c = np.full((M, N), 0.25, np.float32)
+        got = _native.gemm(a, b, ta, tb, "bf16", c).astype(np.float64) - 0.25
+        bound = (2 * 2.0**-9 + 2.0**-18 + K * 2.0**-24) * magnitude + 1e-6
+        assert (np.abs(got - exact) <= bound).all(), (ta, tb, np.max(np.abs(got - exact) / bound))
+        rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert 1e-4 < rel < 1e-2, (ta, tb, rel)
+
+
+@needs_bf16
 def test_bf16_products_run_on_the_cpus_bf16_kernels():
     # Training shapes (GPT-2's qkv, a tiny test model's), and generation's one-row LM head
     # (whose weight-gradient product, a sum over one row, oneDNN runs in fp32: generation has none).

@@ -235,9 +235,23 @@ PYBIND11_MODULE(_native, m) {
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
        py::arg("repeats") = 1);
-    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K) {
-        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K);
-    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"));
+    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K,
+                            bool bf16_operands) {
+        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K, bf16_operands);
+    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"),
+       py::arg("bf16_operands") = false);
+    m.def("gemm_kernels_used", [](bool reset) {
+        py::list out;
+        for (const auto& u : zoo::gemm::kernels_used())
+            out.append(py::dict(py::arg("precision") = zoo::precision_name(u.precision), py::arg("trans_a") = u.trans_a,
+                                py::arg("trans_b") = u.trans_b, py::arg("M") = u.M, py::arg("N") = u.N,
+                                py::arg("K") = u.K, py::arg("bf16_operands") = u.bf16_operands,
+                                py::arg("kernel") = u.kernel, py::arg("bf16_kernel") = zoo::gemm::is_bf16_kernel(u.kernel),
+                                py::arg("calls") = u.calls));
+        if (reset) zoo::gemm::reset_kernels_used();
+        return out;
+    }, py::arg("reset") = false,
+       "The oneDNN products run since the last reset: shape, kernel, whether it is a bf16 kernel, calls.");
     m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
           "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });
