@@ -240,6 +240,8 @@ PYBIND11_MODULE(_native, m) {
         return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K, bf16_operands);
     }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"),
        py::arg("bf16_operands") = false);
+    m.def("is_bf16_kernel", &zoo::gemm::is_bf16_kernel, py::arg("kernel"),
+          "Whether a kernel (as gemm_kernel names it) runs on bf16 dot products here.");
     m.def("gemm_kernels_used", [](bool reset) {
         py::list out;
         for (const auto& u : zoo::gemm::kernels_used())

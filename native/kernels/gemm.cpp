@@ -359,9 +359,12 @@ std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K, bool bf16
     return name(fp32_library());
 }
 
+// oneDNN's names say the ISA of its brgemm kernels (brg:avx512_core_bf16, brg:avx512_core_amx);
+// its jit gemm ("gemm:jit:bf16") runs bf16 dot products only where the CPU has them, and
+// emulates them (in fp32 instructions) elsewhere.
 bool is_bf16_kernel(const std::string& kernel) {
-    return kernel.find("amx") != std::string::npos || kernel.find("bf16") != std::string::npos ||
-           kernel.find("vnni_2") != std::string::npos;
+    auto has = [&](const char* s) { return kernel.find(s) != std::string::npos; };
+    return has("amx") || has("avx512_core_bf16") || has("vnni_2") || (has("bf16") && bf16_native());
 }
 
 std::vector<KernelUse> kernels_used() {
