@@ -91,6 +91,16 @@ def test_a_path_the_cpu_lacks_or_an_unknown_one_is_refused(vector_path):
             vector_path(path)
 
 
+@pytest.mark.parametrize("cls,path", [("SSE41", "scalar"), ("AVX2", "avx2"), ("AVX512_CORE", "avx512"),
+                                      ("AVX512_CORE_BF16", "avx512_bf16")])
+def test_the_vector_path_follows_the_class_forced(cls, path):
+    # With or without oneDNN in the build: DNNL_MAX_CPU_ISA lowers zoo's own paths as oneDNN's.
+    want = PATHS[min(PATHS.index(path), PATHS.index(GEMM["cpu_vector_isa"]))]
+    r = subprocess.run([sys.executable, "-c", "import zoo; print(zoo.gemm_info()['vector_isa'])"],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ, DNNL_MAX_CPU_ISA=cls))
+    assert r.returncode == 0 and r.stdout.strip() == want, (cls, r.stdout, r.stderr)
+
+
 # --- each CPU class, forced -----------------------------------------------------------------
 
 # What zoo should do in each class: oneDNN's ISA name, zoo's vector path, whether bf16 products

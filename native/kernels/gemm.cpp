@@ -1,6 +1,8 @@
 #include "kernels/gemm.hpp"
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 
 #include "kernels/bf16.hpp"
 #include "kernels/isa.hpp"
@@ -509,14 +511,24 @@ bool bf16_native() {
 
 VectorIsa onednn_vector_isa_cap() {
 #ifdef ZOO_GEMM_ONEDNN
-    const unsigned isa = dnnl_get_effective_cpu_isa();
+    const unsigned isa = dnnl_get_effective_cpu_isa();  // the CPU's, lowered by DNNL_MAX_CPU_ISA
     auto has = [&](unsigned set) { return (isa & set) == set; };
     if (has(dnnl_cpu_isa_avx512_core_bf16)) return VectorIsa::avx512_bf16;
     if (has(dnnl_cpu_isa_avx512_core)) return VectorIsa::avx512;
     if (has(dnnl_cpu_isa_avx2)) return VectorIsa::avx2;
     return VectorIsa::scalar;
 #else
-    return VectorIsa::avx512_bf16;
+    // Without oneDNN, the same variable read as oneDNN reads it (its names, any case), so that
+    // a forced class means the same in every build.
+    const char* v = std::getenv("DNNL_MAX_CPU_ISA");
+    std::string isa = v ? v : "";
+    for (char& c : isa) c = (char)std::toupper((unsigned char)c);
+    if (isa.empty() || isa == "ALL" || isa.rfind("AVX512_CORE_BF16", 0) == 0 || isa.rfind("AVX512_CORE_FP16", 0) == 0 ||
+        isa.rfind("AVX512_CORE_AMX", 0) == 0)
+        return VectorIsa::avx512_bf16;
+    if (isa.rfind("AVX512_CORE", 0) == 0) return VectorIsa::avx512;
+    if (isa.rfind("AVX2", 0) == 0) return VectorIsa::avx2;
+    return VectorIsa::scalar;  // SSE41, AVX
 #endif
 }
 

@@ -45,8 +45,8 @@ inline VectorIsa cpu_vector_isa() {
     return VectorIsa::scalar;
 }
 
-// Defined in gemm.cpp: the class oneDNN runs at here (lowered by DNNL_MAX_CPU_ISA), or
-// avx512_bf16 without oneDNN (no cap).
+// Defined in gemm.cpp: the class oneDNN runs at here (lowered by DNNL_MAX_CPU_ISA); without
+// oneDNN, the class DNNL_MAX_CPU_ISA names (avx512_bf16, no cap, where it names none).
 VectorIsa onednn_vector_isa_cap();
 
 namespace detail {
