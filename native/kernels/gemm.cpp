@@ -69,8 +69,9 @@ struct Matmul {
     dnnl::matmul primitive;
     dnnl::memory a, b, c;
     std::string kernel;  // oneDNN's name for the implementation it picked
-    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (packed, in the layout they
-    // are stored in) before the call: where oneDNN's fpmath_mode::bf16 picks no bf16 kernel.
+    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (rounded_gemm, which runs
+    // it in panels as products of bf16 operands): where oneDNN's fpmath_mode::bf16 picks no bf16
+    // kernel. The primitive here, of the whole product, only names the kernel.
     bool rounds_operands = false;
     long calls = 0;
 };
