@@ -149,8 +149,36 @@ PYBIND11_MODULE(_native, m) {
                         py::arg("fp32_default") = zoo::gemm::name(zoo::gemm::default_fp32_library()),
                         py::arg("bf16") = zoo::gemm::bf16_built() ? py::object(py::str("onednn")) : py::object(py::none()),
                         py::arg("built_in") = built, py::arg("bf16_native") = zoo::gemm::bf16_native(),
-                        py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa());
+                        py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa(),
+                        py::arg("vector_isa") = zoo::vector_isa_name(zoo::vector_isa()),
+                        py::arg("cpu_vector_isa") = zoo::vector_isa_name(zoo::cpu_vector_isa()));
     });
+    // zoo's own conversion loops (isa.hpp): forced to a path for tests, "auto" for the default.
+    m.def("set_vector_isa", &zoo::set_vector_isa, py::arg("name"));
+    m.def("round_bf16", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        py::array_t<uint16_t> out(x.size());
+        zoo::to_bf16_row(x.data(), out.mutable_data(), (size_t)x.size());
+        return out;
+    }, py::arg("x"), "x (flattened) rounded to bf16 bits on the current vector path.");
+    m.def("widen", [](py::array_t<float, py::array::c_style | py::array::forcecast> w, const std::string& format,
+                      bool to_bf16) {
+        if (w.ndim() != 2) throw std::invalid_argument("zoo: widen takes a 2-D matrix");
+        const int rows = (int)w.shape(0), cols = (int)w.shape(1);
+        const zoo::DType t = zoo::dtype_named(format);
+        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
+        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
+        const zoo::Matrix W(data, t, rows, cols);
+        if (to_bf16) {
+            py::array_t<uint16_t> out({rows, cols});
+            zoo::widen_rows_bf16(W, 0, rows, out.mutable_data());
+            return py::object(out);
+        }
+        py::array_t<float> out({rows, cols});
+        zoo::widen_rows(W, 0, rows, out.mutable_data());
+        return py::object(out);
+    }, py::arg("w"), py::arg("format"), py::arg("to_bf16") = false,
+       "w stored in a weight format, then widened back (to fp32, or bf16 bits) on the current vector path.");
     // One product through gemm.hpp, for tests and zoo.tools.bench_gemm: A and B as stored
     // (A (M,K), or (K,M) with trans_a; B (K,N), or (N,K) with trans_b); C = op(A) op(B), or
     // added into c (returned) when given.
@@ -207,9 +235,25 @@ PYBIND11_MODULE(_native, m) {
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
        py::arg("repeats") = 1);
-    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K) {
-        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K);
-    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"));
+    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K,
+                            bool bf16_operands) {
+        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K, bf16_operands);
+    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"),
+       py::arg("bf16_operands") = false);
+    m.def("is_bf16_kernel", &zoo::gemm::is_bf16_kernel, py::arg("kernel"),
+          "Whether a kernel (as gemm_kernel names it) runs on bf16 dot products here.");
+    m.def("gemm_kernels_used", [](bool reset) {
+        py::list out;
+        for (const auto& u : zoo::gemm::kernels_used())
+            out.append(py::dict(py::arg("precision") = zoo::precision_name(u.precision), py::arg("trans_a") = u.trans_a,
+                                py::arg("trans_b") = u.trans_b, py::arg("M") = u.M, py::arg("N") = u.N,
+                                py::arg("K") = u.K, py::arg("bf16_operands") = u.bf16_operands,
+                                py::arg("kernel") = u.kernel, py::arg("bf16_kernel") = zoo::gemm::is_bf16_kernel(u.kernel),
+                                py::arg("calls") = u.calls));
+        if (reset) zoo::gemm::reset_kernels_used();
+        return out;
+    }, py::arg("reset") = false,
+       "The oneDNN products run since the last reset: shape, kernel, whether it is a bf16 kernel, calls.");
     m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
           "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });

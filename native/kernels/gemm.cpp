@@ -1,15 +1,21 @@
 #include "kernels/gemm.hpp"
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 
 #include "kernels/bf16.hpp"
+#include "kernels/isa.hpp"
 
+#if defined(ZOO_X86)
 #include <cpuid.h>
+#endif
 #include <omp.h>
 
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 
 #include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
@@ -63,16 +69,12 @@ struct Matmul {
     dnnl::matmul primitive;
     dnnl::memory a, b, c;
     std::string kernel;  // oneDNN's name for the implementation it picked
-    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (packed, in the layout they
-    // are stored in) before the call: where oneDNN's fpmath_mode::bf16 picks no bf16 kernel.
+    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (rounded_gemm, which runs
+    // it in panels as products of bf16 operands): where oneDNN's fpmath_mode::bf16 picks no bf16
+    // kernel. The primitive here, of the whole product, only names the kernel.
     bool rounds_operands = false;
+    long calls = 0;
 };
-
-// Whether oneDNN's implementation runs on bf16 dot-product instructions.
-bool is_bf16_kernel(const std::string& impl) {
-    return impl.find("amx") != std::string::npos || impl.find("bf16") != std::string::npos ||
-           impl.find("vnni_2") != std::string::npos;
-}
 
 dnnl::engine& engine() {
     static dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -116,10 +118,12 @@ Matmul make_matmul(const Key& k) {
     return r;
 }
 
-std::string onednn_kernel(const Key& k) {
-    const Matmul m = make_matmul(k);
-    return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel;
-}
+std::string kernel_name(const Matmul& m) { return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel; }
+std::string onednn_kernel(const Key& k) { return kernel_name(make_matmul(k)); }
+
+// Every oneDNN product made in this process, with its primitive: what kernels_used() reports.
+std::mutex cache_mutex;  // the cached memory objects are rebound on every call
+std::unordered_map<Key, Matmul, KeyHash> cache;
 
 // rows x cols of a (leading dimension lda) rounded to bf16, packed.
 void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
@@ -127,40 +131,90 @@ void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
     for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
 }
 
+void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+                  float beta, float* C, int ldc);
+
+// counted: whether kernels_used() counts this call (not the blocks of a product zoo rounds,
+// which is counted as itself).
 void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
-                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false) {
-    static std::mutex mutex;  // the cached memory objects are rebound on every call
-    static std::unordered_map<Key, Matmul, KeyHash> cache;
+                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, bool counted = true) {
     static dnnl::stream stream(engine());
     const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands};
+    {
+        std::unique_lock<std::mutex> lock(cache_mutex);
+        auto it = cache.find(key);
+        if (it == cache.end()) {
+            // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
+            // a long-lived process that sees many lengths does not keep every primitive forever.
+            if (cache.size() >= 512) cache.clear();
+            it = cache.emplace(key, make_matmul(key)).first;
+        }
+        Matmul& m = it->second;
+        if (counted) m.calls++;
+        if (!m.rounds_operands) {
+            dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
+            dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
+            dnnl_memory_set_data_handle(m.c.get(), C);
+            const dnnl_exec_arg_t args[3] = {
+                {DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
+            if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+                throw std::runtime_error("zoo: oneDNN matmul failed");
+            stream.wait();
+            return;
+        }
+    }
+    rounded_gemm(ta, tb, M, N, K, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
+}
+
+// A bf16 product of fp32 operands that zoo rounds itself (where oneDNN's fpmath mode picks no
+// bf16 kernel), in blocks: each operand rounded a panel at a time (rows of op(A), columns of
+// op(B), over all of K where K fits), right before the product reads it, while it is in cache.
+// The smaller operand is rounded whole where it fits in half the buffer, so the larger one is
+// rounded once. One buffer of rounded_budget values, allocated at the first such product: a
+// whole LM head weight rounded at once (GPT-2's: 74 MiB) would cost more memory than the step's
+// activations, and read back from memory, more time.
+constexpr size_t rounded_budget = size_t(4) << 20;  // 8 MiB of bf16
+
+void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+                  float beta, float* C, int ldc) {
+    static std::mutex mutex;  // one buffer for the process
+    static std::vector<uint16_t> rounded;
     std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-        // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
-        // a long-lived process that sees many lengths does not keep every primitive forever.
-        if (cache.size() >= 512) cache.clear();
-        it = cache.emplace(key, make_matmul(key)).first;
+    if (rounded.empty()) rounded.resize(rounded_budget);
+    // Blocks of at most `most` along n, evened out, a multiple of 16 where that still fits.
+    auto block = [](int n, size_t most) {
+        most = std::max<size_t>(1, std::min<size_t>(most, n));
+        const size_t parts = (n + most - 1) / most, b = (n + parts - 1) / parts;
+        return (int)(b % 16 && b / 16 * 16 + 16 <= most ? b / 16 * 16 + 16 : b);
+    };
+    const int kb = block(K, rounded_budget / 64);          // K whole up to 65,536
+    const size_t panel = rounded_budget / kb;              // rows of op(A) + columns of op(B) per block
+    int mb, nb;
+    if ((size_t)M + N <= panel) mb = M, nb = N;            // both whole
+    else if ((size_t)M <= panel / 2) mb = M, nb = block(N, panel - M);
+    else if ((size_t)N <= panel / 2) nb = N, mb = block(M, panel - N);
+    else mb = block(M, panel / 2), nb = block(N, panel / 2);
+    uint16_t *a16 = rounded.data(), *b16 = a16 + (size_t)mb * kb;
+    for (int k0 = 0; k0 < K; k0 += kb) {
+        const int k = std::min(kb, K - k0);
+        for (int m0 = 0; m0 < M; m0 += mb) {
+            const int m = std::min(mb, M - m0);
+            // op(A) rows [m0, m0 + m) x K [k0, k0 + k), packed (m x k, or k x m when ta).
+            if (ta) to_bf16_rows(A + (size_t)k0 * lda + m0, lda, k, m, a16);
+            else to_bf16_rows(A + (size_t)m0 * lda + k0, lda, m, k, a16);
+            for (int n0 = 0; n0 < N; n0 += nb) {
+                const int n = std::min(nb, N - n0);
+                // op(B) K [k0, k0 + k) x columns [n0, n0 + n), packed (k x n, or n x k when tb);
+                // rounded once where one block covers N and M.
+                if (n0 || m0 == 0 || n < N) {
+                    if (tb) to_bf16_rows(B + (size_t)n0 * ldb + k0, ldb, n, k, b16);
+                    else to_bf16_rows(B + (size_t)k0 * ldb + n0, ldb, k, n, b16);
+                }
+                onednn_gemm(Precision::bf16, ta, tb, m, n, k, a16, ta ? m : k, b16, tb ? k : n, k0 ? 1.0f : beta,
+                            C + (size_t)m0 * ldc + n0, ldc, true, false);
+            }
+        }
     }
-    Matmul& m = it->second;
-    if (m.rounds_operands) {
-        // One buffer for both rounded operands, grown to the largest product seen: after a
-        // step's first product of each shape, nothing is allocated.
-        static std::vector<uint16_t> rounded;
-        const size_t na = (size_t)M * K, nb = (size_t)K * N;
-        if (rounded.size() < na + nb) rounded.resize(na + nb);
-        uint16_t *a16 = rounded.data(), *b16 = a16 + na;
-        to_bf16_rows(static_cast<const float*>(A), lda, ta ? K : M, ta ? M : K, a16);
-        to_bf16_rows(static_cast<const float*>(B), ldb, tb ? N : K, tb ? K : N, b16);
-        A = a16;
-        B = b16;
-    }
-    dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
-    dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
-    dnnl_memory_set_data_handle(m.c.get(), C);
-    const dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
-    if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
-        throw std::runtime_error("zoo: oneDNN matmul failed");
-    stream.wait();
 }
 #endif
 
@@ -295,14 +349,48 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
     }
 }
 
-std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K) {
+std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K, bool bf16_operands) {
     const bool dnnl = p == Precision::bf16 || fp32_library() == Library::onednn;
 #ifdef ZOO_GEMM_ONEDNN
-    if (dnnl) return std::string("onednn:") + onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0, 0});
+    if (dnnl)
+        return std::string("onednn:") +
+               onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0, bf16_operands && p == Precision::bf16});
 #endif
     require_precision(p);
     (void)dnnl;
+    (void)bf16_operands;
     return name(fp32_library());
+}
+
+// oneDNN's names say the ISA of its brgemm kernels (brg:avx512_core_bf16, brg:avx512_core_amx);
+// its jit gemm ("gemm:jit:bf16") runs bf16 dot products only where the CPU has them, and
+// emulates them (in fp32 instructions) elsewhere.
+bool is_bf16_kernel(const std::string& kernel) {
+    auto has = [&](const char* s) { return kernel.find(s) != std::string::npos; };
+    return has("amx") || has("avx512_core_bf16") || has("vnni_2") || (has("bf16") && bf16_native());
+}
+
+std::vector<KernelUse> kernels_used() {
+    std::vector<KernelUse> used;
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (const auto& [k, m] : cache)
+        if (m.calls)
+            used.push_back({(Precision)k.precision, k.trans_a != 0, k.trans_b != 0, k.M, k.N, k.K, k.bf16_operands != 0,
+                            "onednn:" + kernel_name(m), m.calls});
+    std::sort(used.begin(), used.end(), [](const KernelUse& a, const KernelUse& b) {
+        return std::tie(a.precision, a.M, a.N, a.K, a.trans_a, a.trans_b, a.bf16_operands) <
+               std::tie(b.precision, b.M, b.N, b.K, b.trans_a, b.trans_b, b.bf16_operands);
+    });
+#endif
+    return used;
+}
+
+void reset_kernels_used() {
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto& [k, m] : cache) m.calls = 0;
+#endif
 }
 
 const char* name(Library lib) {
@@ -325,6 +413,7 @@ std::vector<Library> built_in() {
 }
 
 std::string cpu_vendor() {
+#if defined(ZOO_X86)
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return "unknown";
     char v[13];
@@ -333,6 +422,9 @@ std::string cpu_vendor() {
     std::memcpy(v + 8, &c, 4);
     v[12] = 0;
     return v;
+#else
+    return "unknown";  // no CPUID: zoo's choices for this CPU do not depend on its vendor
+#endif
 }
 
 // Measured (docs/benchmarks.md, `python -m zoo.tools.bench_gemm`): on Intel Xeons oneMKL's
@@ -415,6 +507,33 @@ bool bf16_native() {
     return false;
 #endif
 }
+
+}  // namespace gemm
+
+VectorIsa onednn_vector_isa_cap() {
+#ifdef ZOO_GEMM_ONEDNN
+    const unsigned isa = dnnl_get_effective_cpu_isa();  // the CPU's, lowered by DNNL_MAX_CPU_ISA
+    auto has = [&](unsigned set) { return (isa & set) == set; };
+    if (has(dnnl_cpu_isa_avx512_core_bf16)) return VectorIsa::avx512_bf16;
+    if (has(dnnl_cpu_isa_avx512_core)) return VectorIsa::avx512;
+    if (has(dnnl_cpu_isa_avx2)) return VectorIsa::avx2;
+    return VectorIsa::scalar;
+#else
+    // Without oneDNN, the same variable read as oneDNN reads it (its names, any case), so that
+    // a forced class means the same in every build.
+    const char* v = std::getenv("DNNL_MAX_CPU_ISA");
+    std::string isa = v ? v : "";
+    for (char& c : isa) c = (char)std::toupper((unsigned char)c);
+    if (isa.empty() || isa == "ALL" || isa.rfind("AVX512_CORE_BF16", 0) == 0 || isa.rfind("AVX512_CORE_FP16", 0) == 0 ||
+        isa.rfind("AVX512_CORE_AMX", 0) == 0)
+        return VectorIsa::avx512_bf16;
+    if (isa.rfind("AVX512_CORE", 0) == 0) return VectorIsa::avx512;
+    if (isa.rfind("AVX2", 0) == 0) return VectorIsa::avx2;
+    return VectorIsa::scalar;  // SSE41, AVX
+#endif
+}
+
+namespace gemm {
 
 void require_precision(Precision p) {
     if (p != Precision::bf16) return;

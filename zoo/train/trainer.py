@@ -65,7 +65,7 @@ from ..core.files import read_json_model
 from ..io.hf_config import CONFIG_FILE
 from ..arch.memory import available_memory_bytes, describe, human_bytes
 from ..io.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ..core.gemm import check_precision, gemm_info
+from ..core.gemm import check_precision, products_report
 from .plot import METRICS_FILE, PLOT_FILE, read_records
 from ..io.safetensors import INDEX_FILE, Pieces, SafetensorsFile, write_file
 from ..text.tokenizers import TOKENIZER_FILES, has_tokenizer
@@ -898,14 +898,17 @@ class Trainer:
         share = self.share
         rows = share.rows[1] - share.rows[0]
         tf = self.token_file
-        gemm = gemm_info()
-        products = (f"bf16 products on {gemm['bf16']} ({gemm['onednn_isa']})" if m.precision == "bf16"
-                    else f"fp32 products on {gemm['fp32']}")
+        # The kernels the products will run on, as the GEMM library reports them; a bf16 run
+        # whose products would get no bf16 kernel says so in a line of its own.
+        products, slow_products = products_report(m.config, m.precision, rows * cfg.seq_len,
+                                                  m.base_dtype if m.lora is not None else "fp32")
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
         group = self.group
         trainable = f" ({m.n_params:,} trainable, in the adapters)" if m.lora is not None else ""
         self.say(f"model: {m.config.family}-style, {num_parameters(m.config):,} parameters{trainable}; {threads}"
                  f"{' per rank' if group is not None else ''}; {products}")
+        if slow_products:
+            self.say(slow_products)
         if group is not None:
             part = (f"{rows} of the {cfg.batch_size} sequences of every micro-batch" if rows != cfg.batch_size else
                     f"{len(share.micros)} of the {cfg.grad_accum} micro-batches of every step")
