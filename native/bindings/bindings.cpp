@@ -106,6 +106,22 @@ const int32_t* same_shape(const Tokens& a, const Tokens& tokens, const char* wha
     return same_shape(std::optional<Tokens>(a), tokens, what);
 }
 
+// Optional hidden key spans (B, T, 2) beside tokens: their data, or null when absent.
+const int32_t* key_spans(const std::optional<Tokens>& hidden, const Tokens& tokens) {
+    if (!hidden) return nullptr;
+    if (hidden->ndim() != 3 || hidden->shape(0) != tokens.shape(0) || hidden->shape(1) != tokens.shape(1) ||
+        hidden->shape(2) != 2)
+        throw std::invalid_argument("zoo: hidden must be (B, T, 2), beside tokens (B, T)");
+    return hidden->data();
+}
+
+// A preference step's selected rows and their targets: 1-D, of one length.
+int selection(const Tokens& rows, const Tokens& targets) {
+    if (rows.ndim() != 1 || targets.ndim() != 1 || rows.shape(0) != targets.shape(0))
+        throw std::invalid_argument("zoo: rows and targets must be 1-D of one length");
+    return (int)rows.shape(0);
+}
+
 // A plan as Python sees it: one dict per buffer.
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
@@ -437,14 +453,17 @@ PYBIND11_MODULE(_native, m) {
         .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
         .def("set_poison_dead_buffers", &Executor::set_poison_dead_buffers)
         .def("forward",
-             [](Executor& e, Tokens tokens, std::optional<Tokens> targets, std::optional<Tokens> positions) {
+             [](Executor& e, Tokens tokens, std::optional<Tokens> targets, std::optional<Tokens> positions,
+                std::optional<Tokens> hidden) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
                  const int32_t* tg = same_shape(targets, tokens, "targets");
                  const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
                  py::gil_scoped_release nogil;
-                 return e.forward(tokens.data(), tg, pos, B, T);
+                 return e.forward(tokens.data(), tg, pos, hid, B, T);
              },
-             py::arg("tokens"), py::arg("targets") = py::none(), py::arg("positions") = py::none())
+             py::arg("tokens"), py::arg("targets") = py::none(), py::arg("positions") = py::none(),
+             py::arg("hidden") = py::none())
         .def("logits", [](py::object self, int64_t B, int64_t T) {
             auto& e = self.cast<Executor&>();
             batch_shape(B, T, "logits");
@@ -454,14 +473,45 @@ PYBIND11_MODULE(_native, m) {
             return view(self, const_cast<float*>(e.logits()), {(py::ssize_t)B, (py::ssize_t)T, e.dims().vocab_size});
         })
         .def("forward_backward",
-             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale, std::optional<Tokens> positions) {
+             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale, std::optional<Tokens> positions,
+                std::optional<Tokens> hidden) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
                  same_shape(targets, tokens, "targets");
                  const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
                  py::gil_scoped_release nogil;
-                 return e.forward_backward(tokens.data(), targets.data(), pos, B, T, grad_scale);
+                 return e.forward_backward(tokens.data(), targets.data(), pos, hid, B, T, grad_scale);
              },
-             py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none())
+             py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none(),
+             py::arg("hidden") = py::none())
+        // A preference step's halves (Executor::select_forward): the selected rows' cross-entropy.
+        .def("select_forward",
+             [](Executor& e, Tokens tokens, std::optional<Tokens> positions, std::optional<Tokens> hidden, Tokens rows,
+                Tokens targets, bool train) {
+                 const auto [B, T] = check_tokens(tokens, "tokens");
+                 const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
+                 const int n = selection(rows, targets);
+                 py::array_t<float> row_loss(n);
+                 float* out = row_loss.mutable_data();
+                 {
+                     py::gil_scoped_release nogil;
+                     e.select_forward(tokens.data(), pos, hid, rows.data(), targets.data(), n, B, T, train, out);
+                 }
+                 return row_loss;
+             },
+             py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
+             py::arg("train"))
+        .def("select_backward",
+             [](Executor& e, py::array_t<float, py::array::c_style | py::array::forcecast> row_weight,
+                float grad_scale) {
+                 if (row_weight.ndim() != 1) throw std::invalid_argument("zoo: row_weight must be 1-D");
+                 py::gil_scoped_release nogil;
+                 e.select_backward(row_weight.data(), grad_scale);
+             },
+             py::arg("row_weight"), py::arg("grad_scale"))
+        .def("set_adapters_enabled", &Executor::set_adapters_enabled)
+        .def("adapters_enabled", &Executor::adapters_enabled)
         // A test instrument (tests/test_no_allocation.py): the C++ heap allocations made by
         // `steps` training steps (zero_grads, forward_backward, adamw_step), counted inside the
         // native calls, where pybind11's own argument handling is not.
@@ -473,7 +523,7 @@ PYBIND11_MODULE(_native, m) {
                  zoo::count_allocations(true);
                  for (int i = 0; i < steps; i++) {
                      e.zero_grads();
-                     e.forward_backward(tokens.data(), targets.data(), nullptr, B, T, 1.0f);
+                     e.forward_backward(tokens.data(), targets.data(), nullptr, nullptr, B, T, 1.0f);
                      e.adamw_step(1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, -1.0);
                  }
                  const long n = zoo::allocations_counted();
@@ -481,6 +531,29 @@ PYBIND11_MODULE(_native, m) {
                  return n;
              },
              py::arg("tokens"), py::arg("targets"), py::arg("steps"))
+        // The same for a preference step: select_forward, select_backward (row weights 1), AdamW.
+        .def("count_select_step_allocations",
+             [](Executor& e, Tokens tokens, Tokens positions, Tokens hidden, Tokens rows, Tokens targets, int steps) {
+                 const auto [B, T] = check_tokens(tokens, "tokens");
+                 same_shape(positions, tokens, "positions");
+                 key_spans(hidden, tokens);
+                 const int n = selection(rows, targets);
+                 std::vector<float> row_loss(n), weight(n, 1.0f);
+                 py::gil_scoped_release nogil;
+                 zoo::count_allocations(true);
+                 for (int i = 0; i < steps; i++) {
+                     e.zero_grads();
+                     e.select_forward(tokens.data(), positions.data(), hidden.data(), rows.data(), targets.data(), n,
+                                      B, T, true, row_loss.data());
+                     e.select_backward(weight.data(), 1.0f);
+                     e.adamw_step(1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, -1.0);
+                 }
+                 const long n_alloc = zoo::allocations_counted();
+                 zoo::count_allocations(false);
+                 return n_alloc;
+             },
+             py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
+             py::arg("steps"))
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
         .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })

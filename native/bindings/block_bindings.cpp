@@ -145,27 +145,34 @@ void bind_blocks(py::module_& parent) {
         rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return dx;
     });
-    m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
+    // positions (B, T) and hidden (B, T, 2), optional: the keys each row sees (block.hpp).
+    m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim, std::optional<I> positions,
+                                  std::optional<I> hidden) {
         const zoo::Attention a{n_head, n_kv_head, head_dim};
         const auto [B, T] = attention_batch(qkv, a);
+        const auto [pos, hid] = key_masks(positions, hidden, B, T);
         F out({B, T, n_head * head_dim}), lse({B, n_head, T});
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.forward(qkv.data(), nullptr, lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
+        a.forward(qkv.data(), pos, hid, lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
         return py::make_tuple(out, lse);
-    });
+    }, py::arg("qkv"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"), py::arg("positions") = py::none(),
+       py::arg("hidden") = py::none());
     // lse: the forward's (B, n_head, T) log-sum-exp of each row's scaled scores.
-    m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim) {
+    m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim,
+                                   std::optional<I> positions, std::optional<I> hidden) {
         const zoo::Attention a{n_head, n_kv_head, head_dim};
         const auto [B, T] = attention_batch(qkv, a);
+        const auto [pos, hid] = key_masks(positions, hidden, B, T);
         if (lse.ndim() != 3 || lse.shape(0) != B || lse.shape(1) != n_head || lse.shape(2) != T)
             throw std::invalid_argument("zoo: attention lse must be (B, n_head, T)");
         if (dout.ndim() != 3 || dout.shape(0) != B || dout.shape(1) != T || dout.shape(2) != n_head * head_dim)
             throw std::invalid_argument("zoo: attention dout must be (B, T, n_head * head_dim)");
         F dqkv(shape_of(qkv));
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.pullback(qkv.data(), nullptr, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        a.pullback(qkv.data(), pos, hid, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
-    });
+    }, py::arg("qkv"), py::arg("lse"), py::arg("dout"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"),
+       py::arg("positions") = py::none(), py::arg("hidden") = py::none());
     // logits (N, V); targets (N,), each in [0, V) or ignore_index.
     auto check_cross_entropy = [](const F& logits, const I& targets) {
         if (logits.ndim() != 2 || targets.ndim() != 1 || targets.shape(0) != logits.shape(0))
@@ -187,17 +194,21 @@ void bind_blocks(py::module_& parent) {
         double loss = zoo::CrossEntropy{V}.forward(work.data(), targets.data(), row_loss.mutable_data(), N, &n_valid);
         return py::make_tuple(loss, n_valid);
     });
-    // The executor's fused training kernel: (mean loss, counted rows, dlogits).
-    m.def("cross_entropy_forward_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
+    // The executor's fused training kernel: (mean loss, counted rows, dlogits). row_weight (N,),
+    // optional: each row's own adjoint (a preference step's), instead of the mean's.
+    m.def("cross_entropy_forward_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale,
+                                                                  std::optional<F> row_weight) {
         check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F d(shape_of(logits)), row_loss({N});
         std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());
         int counted = 0;
         double loss = zoo::CrossEntropy{V}.forward_pullback(d.mutable_data(), targets.data(), row_loss.mutable_data(),
-                                                            N, n_valid, grad_scale, &counted);
+                                                            N, n_valid, grad_scale, &counted,
+                                                            row_weights(row_weight, N));
         return py::make_tuple(loss, counted, d);
-    });
+    }, py::arg("logits"), py::arg("targets"), py::arg("n_valid"), py::arg("grad_scale"),
+       py::arg("row_weight") = py::none());
     m.def("cross_entropy_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
         check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);

@@ -707,22 +707,24 @@ void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) c
     }
 }
 
-// Packed rows: each example's positions count 0, 1, 2, ... from where it starts, and a row
-// starts with one. Anything else would send attention outside the row or outside its example.
-void Executor::check_positions(const int32_t* positions, int B, int T) const {
-    if (!positions) return;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const int32_t p = positions[(size_t)b * T + t], prev = t ? positions[(size_t)b * T + t - 1] : -1;
-            if (p != 0 && p != prev + 1)
-                throw std::invalid_argument("zoo: positions[" + std::to_string(b) + ", " + std::to_string(t) +
-                                            "] = " + std::to_string(p) + " after " + std::to_string(prev) +
-                                            ": positions count up by one from 0, restarting at 0 where a packed "
-                                            "example begins (a row begins with one)");
-        }
+// A preference step's selected rows: n >= 1 increasing indices into the N rows, each with a
+// target in the vocabulary.
+void Executor::check_selection(const int32_t* rows, const int32_t* targets, int n, int N) const {
+    if (n < 1 || n > N)
+        throw std::invalid_argument("zoo: " + std::to_string(n) + " selected rows of " + std::to_string(N) +
+                                    ": select at least one");
+    for (int k = 0; k < n; k++) {
+        if (rows[k] < 0 || rows[k] >= N || (k && rows[k] <= rows[k - 1]))
+            throw std::invalid_argument("zoo: selected rows[" + std::to_string(k) + "] = " + std::to_string(rows[k]) +
+                                        ": the rows are increasing indices into the " + std::to_string(N) + " rows");
+        if (targets[k] < 0 || targets[k] >= d_.vocab_size)
+            throw std::invalid_argument("zoo: target id " + std::to_string(targets[k]) +
+                                        " outside the vocabulary [0, " + std::to_string(d_.vocab_size) + ")");
+    }
 }
 
-// Sets the running step's positions for the kernels, and clears them however the step ends.
+// Sets the running step's positions (or hidden spans) for the kernels, and clears them however
+// the step ends.
 struct PositionsScope {
     const int32_t*& slot;
     PositionsScope(const int32_t*& s, const int32_t* p) : slot(s) { slot = p; }
@@ -731,7 +733,7 @@ struct PositionsScope {
 // Sets a flag for the running step (the adapters' dropout: training passes only).
 struct FlagScope {
     bool& flag;
-    explicit FlagScope(bool& f) : flag(f) { flag = true; }
+    explicit FlagScope(bool& f, bool on = true) : flag(f) { flag = on; }
     ~FlagScope() { flag = false; }
 };
 
@@ -739,7 +741,7 @@ LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPas
     const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
     const bool cached = pass == LayerPass::cached;
     return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
-                     positions_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
+                     positions_, hidden_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
                      cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode,
                      &profile};
 }
@@ -766,7 +768,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
-        TIMED(forward, attention, attn.forward(a.qkv, positions_, a.lse, a.att, a_.attention_scratch, B, T));
+        TIMED(forward, attention, attn.forward(a.qkv, positions_, hidden_, a.lse, a.att, a_.attention_scratch, B, T));
         if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
@@ -799,7 +801,7 @@ static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Preci
 // y += the slot's adapters of x (x dropped first in a training pass).
 void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
-    if (!s.n_seg) return;
+    if (!s.n_seg || !adapters_on_) return;
     const Lora l = slot_lora(d_, slot, s, precision_);
     if (dropout_on_ && d_.lora_dropout > 0) {
         float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
@@ -892,7 +894,8 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     }
     linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
                     g.attn_out_w, g.attn_out_b, N, mode, a);
-    TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
+    TIMED(pullback, attention,
+          pb_.attention(attn, a.qkv, positions_, hidden_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_));
@@ -943,7 +946,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         // The hand-written pullback is fused with the forward: the profile counts it as forward.
         TIMED(forward, cross_entropy,
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
-                                             grad_scale, &counted, a_.head_scratch));
+                                             grad_scale, &counted, nullptr, a_.head_scratch));
         total += chunk_mean * counted;
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
@@ -969,12 +972,14 @@ void Executor::poison_dead_buffers(unsigned phase) {
     if (acts_.size > at) std::fill(acts_.data + at, acts_.data + acts_.size, NAN);
 }
 
-double Executor::forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T) {
+double Executor::forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                         const int32_t* hidden, int B, int T) {
     plan(B, T);
     const int N = B * T;
     check_ids(tokens, targets, N);
-    check_positions(positions, B, T);
-    const PositionsScope scope(positions_, positions);
+    check_visible_keys(positions, hidden, B, T);
+    sel_.pending = false;  // this pass overwrites what a select_backward would read
+    const PositionsScope scope(positions_, positions), hidden_scope(hidden_, hidden);
     poison_dead_buffers(kForward);
     trunk_forward(tokens, B, T);
     poison_dead_buffers(kHead);
@@ -988,15 +993,16 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     return NAN;
 }
 
-double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B,
-                                  int T, float grad_scale) {
+double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                                  const int32_t* hidden, int B, int T, float grad_scale) {
     check_trainable();
     grads();  // mapped at the first training pass
     plan(B, T);
-    const int N = B * T, d = d_.d_model;
+    const int N = B * T;
     check_ids(tokens, targets, N);
-    check_positions(positions, B, T);
-    const PositionsScope scope(positions_, positions);
+    check_visible_keys(positions, hidden, B, T);
+    sel_.pending = false;
+    const PositionsScope scope(positions_, positions), hidden_scope(hidden_, hidden);
     const FlagScope dropout(dropout_on_);
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
@@ -1005,6 +1011,108 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     trunk_forward(tokens, B, T);
     poison_dead_buffers(kHead);
     double loss = head(targets, N, true, grad_scale, mode);
+    trunk_pullback(tokens, B, T, mode, first);
+    return loss;
+}
+
+// Moves the selected rows of lnf to its first n rows (in order: row k comes from rows[k] >= k),
+// where the head reads them.
+static void gather_rows(float* x, const int32_t* rows, int n, int d) {
+    for (int k = 0; k < n; k++)
+        if (rows[k] != k) std::memcpy(x + (size_t)k * d, x + (size_t)rows[k] * d, sizeof(float) * d);
+}
+// The reverse: the first n rows of dx back to rows[k] (last first, so none is overwritten before
+// it moves), and zeros on every row not selected (N rows in all).
+static void scatter_rows(float* dx, const int32_t* rows, int n, int N, int d) {
+    for (int k = n - 1; k >= 0; k--)
+        if (rows[k] != k) std::memcpy(dx + (size_t)rows[k] * d, dx + (size_t)k * d, sizeof(float) * d);
+    for (int r = 0, k = 0; r < N; r++) {
+        if (k < n && rows[k] == r) {
+            k++;
+            continue;
+        }
+        std::memset(dx + (size_t)r * d, 0, sizeof(float) * d);
+    }
+}
+
+void Executor::head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight,
+                             float grad_scale, GradMode mode) {
+    const int d = d_.d_model, V = d_.vocab_size;
+    const CrossEntropy ce{V};
+    const Linear lm = linear(d, V);
+    for (int r0 = 0; r0 < n; r0 += a_.head_rows) {
+        const int rows = std::min(a_.head_rows, n - r0);
+        const float* x = a_.lnf + (size_t)r0 * d;
+        int counted = 0;
+        TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        if (!row_weight) {
+            TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
+            continue;
+        }
+        TIMED(forward, cross_entropy,
+              pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
+                                row_weight + r0, a_.head_scratch));
+        float* dx = a_.d_norm + (size_t)r0 * d;
+        if (d_.frozen)
+            TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
+        else
+            TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, dx, head_grad(), nullptr,
+                                               rows, r0 == 0 ? mode : GradMode::add, nullptr));
+    }
+}
+
+void Executor::select_forward(const int32_t* tokens, const int32_t* positions, const int32_t* hidden,
+                              const int32_t* rows, const int32_t* targets, int n, int B, int T, bool train,
+                              float* row_loss) {
+    if (train) {
+        check_trainable();
+        if (!adapters_on_) throw std::logic_error("zoo: the adapters are off; a training pass needs them on");
+        grads();
+    }
+    plan(B, T);
+    const int N = B * T;
+    check_ids(tokens, nullptr, N);
+    check_visible_keys(positions, hidden, B, T);
+    check_selection(rows, targets, n, N);
+    sel_.pending = false;
+    // Copies (capacity kept from the largest batch: no allocation once a plan is made).
+    sel_.tokens.assign(tokens, tokens + N);
+    sel_.positions.assign(positions, positions ? positions + N : positions);
+    sel_.hidden.assign(hidden, hidden ? hidden + 2 * (size_t)N : hidden);
+    sel_.rows.assign(rows, rows + n);
+    sel_.targets.assign(targets, targets + n);
+    sel_.B = B, sel_.T = T, sel_.n = n;
+    const PositionsScope scope(positions_, positions ? sel_.positions.data() : nullptr),
+        hidden_scope(hidden_, hidden ? sel_.hidden.data() : nullptr);
+    const FlagScope dropout(dropout_on_, train);
+    poison_dead_buffers(kForward);
+    trunk_forward(sel_.tokens.data(), B, T);
+    poison_dead_buffers(kHead);
+    gather_rows(a_.lnf, sel_.rows.data(), n, d_.d_model);
+    head_selected(sel_.targets.data(), n, row_loss, nullptr, 0.0f, GradMode::add);
+    sel_.pending = train;
+}
+
+void Executor::select_backward(const float* row_weight, float grad_scale) {
+    if (!sel_.pending)
+        throw std::logic_error("zoo: select_backward needs a training select_forward just before it (no other pass "
+                               "between)");
+    sel_.pending = false;
+    const int B = sel_.B, T = sel_.T, N = B * T, n = sel_.n;
+    const PositionsScope scope(positions_, sel_.positions.empty() ? nullptr : sel_.positions.data()),
+        hidden_scope(hidden_, sel_.hidden.empty() ? nullptr : sel_.hidden.data());
+    const FlagScope dropout(dropout_on_);
+    const GradMode mode = grads_.pass_mode();
+    const bool first = grads_.pass_is_first();
+    grads_.begin_pass();
+    poison_dead_buffers(kHead);
+    head_selected(sel_.targets.data(), n, a_.row_loss, row_weight, grad_scale, mode);
+    scatter_rows(a_.d_norm, sel_.rows.data(), n, N, d_.d_model);
+    trunk_pullback(sel_.tokens.data(), B, T, mode, first);
+}
+
+void Executor::trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode, bool first) {
+    const int N = B * T, d = d_.d_model;
     poison_dead_buffers(kPullback);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
     TIMED(pullback, norm, norm_pullback(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf_stats, a_.d_norm, nullptr,
@@ -1029,7 +1137,6 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
         TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
         grads_.end_first_pass(sumsq);
     }
-    return loss;
 }
 
 double Executor::grad_sum_squares(size_t begin, size_t end) const {
@@ -1073,6 +1180,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
     step_count++;
     passes_since_step_ = 0;
+    sel_.pending = false;  // the dropout masks of a select_forward before this step are gone
     const AdamW opt{lr, beta1, beta2, eps, weight_decay};
     float *m = adam_m(), *v = adam_v();
     const size_t lo = moment_begin_, hi = moment_end_;

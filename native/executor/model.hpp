@@ -330,14 +330,32 @@ public:
     // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
     // positions (B, T), may be null: each token's position in its example, for rows that pack
     // several examples (each restarting at 0; attention stays within an example). Null: 0..T-1.
-    double forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T);
+    // hidden (B, T, 2), may be null (and needs positions): a span of keys each row does not see
+    // (block.hpp's visible_keys: a preference pair's second answer does not see the first).
+    double forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, const int32_t* hidden,
+                   int B, int T);
     const float* logits() const { return logits_arena_.data; }
     size_t logits_floats() const { return logits_arena_.size; }
     // One training micro-step: forward, then every pullback in reverse, the gradients written
     // or added as the lifecycle says, scaled by grad_scale. Returns the loss.
-    double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T,
-                            float grad_scale);
+    double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                            const int32_t* hidden, int B, int T, float grad_scale);
     void zero_grads() { grads_.zero_grads(); }
+
+    // A preference step's two halves (zoo/train/preference_step.py), whose loss is a function of
+    // sums of target log-probabilities. select_forward runs the forward over tokens (B, T) and
+    // the LM head over the selected rows alone (rows: n increasing indices into the B*T rows,
+    // targets: theirs), writing each one's cross-entropy, minus its log-probability, into
+    // row_loss (n). With train, it keeps what select_backward needs: that call (next, with no
+    // other pass between) runs the pullback with dL/d(row_loss[k]) = grad_scale * row_weight[k]
+    // (k < n), the gradients written or added as forward_backward's are.
+    void select_forward(const int32_t* tokens, const int32_t* positions, const int32_t* hidden, const int32_t* rows,
+                        const int32_t* targets, int n, int B, int T, bool train, float* row_loss);
+    void select_backward(const float* row_weight, float grad_scale);
+    // Off: the LoRA adapters add nothing (the frozen base alone: a preference objective's
+    // reference model); training passes need them on.
+    void set_adapters_enabled(bool on) { adapters_on_ = on; }
+    bool adapters_enabled() const { return adapters_on_; }
 
     // Global gradient norm: the one the last first pass took, or one pass over the gradients.
     double grad_norm() const;
@@ -392,6 +410,15 @@ private:
     bool poison_dead_ = false;
     GradLifecycle grads_;
     const int32_t* positions_ = nullptr;  // the running forward's (B, T) positions; null: 0..T-1
+    const int32_t* hidden_ = nullptr;     // and its rows' hidden key spans (B, T, 2); null: none
+    bool adapters_on_ = true;
+    // What a training select_forward keeps for its select_backward (copies: the caller's arrays
+    // need not outlive the call; they grow with the largest batch, like the plan).
+    struct Selection {
+        std::vector<int32_t> tokens, positions, hidden, rows, targets;
+        int B = 0, T = 0, n = 0;
+        bool pending = false;  // a training select_forward ran and no other pass since
+    } sel_;
     Arena logits_arena_;  // full logits, for inference calls only
 
     // KV cache arena for generation.
@@ -417,10 +444,16 @@ private:
     uint64_t dropout_seed(int i, LoraSlot slot) const;
     double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
-    void check_positions(const int32_t* positions, int B, int T) const;
+    void check_selection(const int32_t* rows, const int32_t* targets, int n, int N) const;
     void check_trainable() const;
     void poison_dead_buffers(unsigned phase);
     void trunk_forward(const int32_t* tokens, int B, int T);
+    // From the LM head's input adjoint (a_.d_norm) back through every layer and the embedding.
+    void trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode, bool first);
+    // The LM head over lnf's first n rows (the selected rows, moved there): their cross-entropy
+    // into row_loss; with row_weight, the pullback too, into d_norm's first n rows.
+    void head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight, float grad_scale,
+                       GradMode mode);
     // The layer, written once: training, the recompute before a checkpointed pullback (which
     // stops before the output projection), and generation against the KV cache from pos0.
     void layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0 = 0);

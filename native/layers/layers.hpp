@@ -38,6 +38,7 @@ struct ZOO_CLAD_OPAQUE LayerCall {
     const ActivationPlan* plan;   // the adjoints and scratch its pullback uses (training only)
     const float *rope_cos, *rope_sin;
     const int32_t* positions;     // the step's packed positions, or null
+    const int32_t* hidden;        // and its rows' hidden key spans, or null (block.hpp)
     float* attention_scratch;
     float *k_cache, *v_cache, *probs;  // generation: this layer's KV cache
     int cache_len;
@@ -152,7 +153,7 @@ inline void layer_attention_call(float* qkv, float* att, const LayerCall* c) {
         return;
     }
     if (a.qkv_bf16) round_and_save_bf16(qkv, a.qkv_bf16, N * d.qkv_dim());
-    c->attention().forward(qkv, c->positions, a.lse, att, c->attention_scratch, c->B, c->T);
+    c->attention().forward(qkv, c->positions, c->hidden, a.lse, att, c->attention_scratch, c->B, c->T);
     if (a.att_bf16) round_and_save_bf16(att, a.att_bf16, N * d.attn_dim());
 }
 
@@ -230,8 +231,8 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
 // zeroes it first either way).
 inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCall* c, float* d_qkv, float* d_att) {
     const ::zoo::LayerTimer timer(c, ::zoo::k_attention, true);
-    c->pb->attention(c->attention(), qkv, c->positions, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch, c->B,
-                     c->T);
+    c->pb->attention(c->attention(), qkv, c->positions, c->hidden, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch,
+                     c->B, c->T);
 }
 
 // The activation pullback writes d_fc: the arrangement's one reader of fc.

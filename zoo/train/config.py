@@ -123,6 +123,16 @@ class TrainConfig(BaseModel):
     train_on_everything: bool = Field(False, description="loss on every token, prompts and user turns included, "
                                                          "not only on completions and assistant turns")
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
+    # --- preference tuning: pairs of a prompt, a chosen and a rejected answer (docs/preference.md)
+    method: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = Field(
+        "sft", description="sft: next-token loss on the data; dpo, ipo, orpo, simpo: preference tuning on JSONL "
+                           "records {prompt, chosen, rejected} (or {chosen, rejected}), losses as TRL defines them")
+    beta: float = Field(0.1, gt=0, description="preference methods: the loss's beta (IPO's tau, ORPO's lambda)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the probability that a pair's "
+                                                                  "preference is flipped (conservative DPO)")
+    simpo_gamma: float = Field(0.5, description="simpo: the target reward margin gamma")
+    cpo_alpha: float = Field(0.0, ge=0, description="simpo: the weight of the chosen answers' NLL added to the "
+                                                   "loss (CPO; 0: SimPO)")
     # --- distributed runs (several processes under mpirun, srun or zoo launch) ------------
     zero: int = Field(0, ge=0, le=1, description="ZeRO stage of a distributed run: 0, every rank keeps all AdamW "
                                                  "moments; 1, each of N ranks keeps 1/N of them")
@@ -174,6 +184,16 @@ class TrainConfig(BaseModel):
                              if getattr(self, f) != TrainConfig.model_fields[f].default)
         if lora_fields and not self.lora:
             raise ValueError(f"{', '.join(flag(f) for f in lora_fields)} apply to a LoRA run: add {flag('lora')}")
+        # Preference settings away from their defaults: each belongs to the methods that use it.
+        for names, methods in ((("beta",), ("dpo", "ipo", "orpo", "simpo")), (("label_smoothing",), ("dpo", "simpo")),
+                               (("simpo_gamma", "cpo_alpha"), ("simpo",))):
+            given = [f for f in names if getattr(self, f) != TrainConfig.model_fields[f].default]
+            if given and self.method not in methods:
+                raise ValueError(f"{', '.join(flag(f) for f in given)} apply to {flag('method')} "
+                                 f"{' or '.join(methods)}, not {self.method}")
+        if self.method != "sft" and self.train_on_everything:
+            raise ValueError(f"{flag('train_on_everything')} is for {flag('method')} sft: a preference method's loss "
+                             "is on the answers")
         if self.lora and self.base_dtype is None:
             self.base_dtype = "bf16"
         if self.precision is None:  # a narrow frozen base runs its products in bf16 where the CPU has them

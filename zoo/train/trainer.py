@@ -67,6 +67,7 @@ from ..arch.memory import available_memory_bytes, describe, human_bytes
 from ..io.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from ..core.gemm import check_precision, products_report
 from .plot import METRICS_FILE, PLOT_FILE, read_records
+from .preference_step import PreferenceRun
 from ..io.safetensors import INDEX_FILE, Pieces, SafetensorsFile, write_file
 from ..text.tokenizers import TOKENIZER_FILES, has_tokenizer
 from .config import BUDGET_FIELDS, TrainConfig
@@ -317,10 +318,17 @@ class Trainer:
             self.model.set_checkpointing(True)
         self._plan_ranks()
 
-        self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self.chat_template,
-                                         vocab_size=self.model.config.vocab_size)
-        self.windows = batches_for(self.token_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction, cfg.eval_batches,
-                                   cfg.seed, f"data {', '.join(cfg.data)}", cfg.train_on_everything)
+        # Preference methods (--method dpo, ipo, orpo, simpo): pairs, their objective and reference
+        # (preference_step.py); its hooks below are the lines that test self.preference.
+        self.preference = PreferenceRun(self, resuming) if cfg.method != "sft" else None
+        if self.preference is not None:
+            self.token_file, self.windows = self.preference.pair_file, self.preference.splits
+        else:
+            self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self.chat_template,
+                                             vocab_size=self.model.config.vocab_size)
+            self.windows = batches_for(self.token_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction,
+                                       cfg.eval_batches, cfg.seed, f"data {', '.join(cfg.data)}",
+                                       cfg.train_on_everything)
         # what a resumed run must find again: the same tokens, masked the same way
         self.data_key = self.token_file.key + (":all-tokens" if cfg.train_on_everything else "")
         if group is not None:
@@ -735,10 +743,14 @@ class Trainer:
                 elapsed = time.perf_counter() - start_time
                 tok_s = (done - start_step) * self.tokens_per_step / max(elapsed, 1e-9)
                 last = done == self.total_steps
+                pref = self.preference.step_metrics() if self.preference is not None else {}
                 if done % cfg.log_every == 0 or last:
                     self._write(metrics, {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                          "tokens": done * self.tokens_per_step, "tokens_per_s": round(tok_s, 1)})
-                bar.set_postfix_str(f"loss {loss:.4f}  {tok_s:,.0f} tok/s"
+                                          "tokens": done * self.tokens_per_step, "tokens_per_s": round(tok_s, 1),
+                                          **pref})
+                shown = (f"  margin {pref['rewards/margins']:.3f}  acc {pref['rewards/accuracies']:.2f}"
+                         if pref else "")
+                bar.set_postfix_str(f"loss {loss:.4f}{shown}  {tok_s:,.0f} tok/s"
                                     + (f"  val {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""),
                                     refresh=False)
                 bar.update(1)
@@ -746,6 +758,8 @@ class Trainer:
                     self._evaluate(metrics)
                 if done % self.print_every == 0 or last:
                     line = (f"step {done}/{self.total_steps}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} tok/s"
+                            + (f", reward margin {pref['rewards/margins']:.4f}, accuracy "
+                               f"{pref['rewards/accuracies']:.3f}" if pref else "")
                             + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""))
                     if cfg.progress:
                         self._record(line)  # the bar shows the same on the console
@@ -775,6 +789,9 @@ class Trainer:
         loss = 0.0
         lo, hi = share.rows
         for micro in share.micros:
+            if self.preference is not None:  # its slice [lo, hi) of the micro-batch's pairs
+                loss += self.preference.micro_step(model, step, micro, lo, hi, 1.0 / cfg.grad_accum)
+                continue
             batch = self.windows.train_batch(step, micro)
             scale = share.scale
             if hi - lo != cfg.batch_size:
@@ -815,7 +832,10 @@ class Trainer:
         # Each rank squares its shard of the summed gradients (all hold the whole sum without
         # ZeRO; a shard each is 1/N of the pass): the parts add up to the global norm's square.
         part = model.grad_sum_squares(*self.my_shard)
-        total_loss, sum_squares, stops = group.sum(f"the loss of step {n}", [loss, part, float(stop)])
+        pref = self.preference.take_sums() if self.preference is not None else []  # its metrics' sums
+        total_loss, sum_squares, stops, *pref = group.sum(f"the loss of step {n}", [loss, part, float(stop), *pref])
+        if self.preference is not None:
+            self.preference.put_sums(pref)
         return float(total_loss), math.sqrt(sum_squares), stops > 0
 
     def _stopped(self, e: BaseException) -> None:
@@ -864,6 +884,14 @@ class Trainer:
                                          "Try a lower --lr, more --warmup-steps or --max-grad-norm."))
 
     def _evaluate(self, metrics) -> None:
+        if self.preference is not None:  # the held-out pairs: loss, rewards and accuracy
+            found = self.preference.evaluate(self.model, self.group)
+            if found is not None:
+                self.last_val_loss, extra = found
+                self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss, **extra})
+                self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}, reward margin "
+                         f"{extra['val_rewards/margins']:.4f}, accuracy {extra['val_rewards/accuracies']:.3f}")
+            return
         batches = list(self.windows.val_batches())
         if not batches:
             return
@@ -918,12 +946,16 @@ class Trainer:
         if m.lora is not None:
             self.say(f"LoRA: rank {m.lora.r}, alpha {m.lora.alpha:g}, dropout {m.lora.dropout:g} on "
                      f"{', '.join(m.lora.targets or ['every linear layer'])}; the {m.base_dtype} base is frozen")
-        formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
-        trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
-                                                                   if self.cfg.train_on_everything else "")
-                   if tf.masked else "")
-        self.say(f"data: {len(tf.files)} file(s) ({formats}), {len(tf.tokens):,} tokens{trained}; "
-                 f"{self.windows.describe()}{' (from cache)' if tf.reused else ''}")
+        if self.preference is not None:  # its data and objective
+            for line in self.preference.describe():
+                self.say(line)
+        else:
+            formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
+            trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
+                                                                       if self.cfg.train_on_everything else "")
+                       if tf.masked else "")
+            self.say(f"data: {len(tf.files)} file(s) ({formats}), {len(tf.tokens):,} tokens{trained}; "
+                     f"{self.windows.describe()}{' (from cache)' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
         evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
                  else "evaluation at start and end")
