@@ -11,7 +11,7 @@ import pytest
 
 import zoo
 from test_model_parity import GPT2_TINY, LLAMA_TINY
-from zoo.core.lora import LoraConfig
+from zoo.arch.lora import LoraConfig
 
 torch = pytest.importorskip("torch")
 nb = zoo._native.blocks

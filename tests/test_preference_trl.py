@@ -18,7 +18,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import zoo  # noqa: E402
-from zoo.core.lora import LoraConfig  # noqa: E402
+from zoo.arch.lora import LoraConfig  # noqa: E402
 from zoo.io.peft import KEY_PREFIX, load_adapter  # noqa: E402
 from zoo.train.preference import PairFile, PairSplits, tokenize_pairs  # noqa: E402
 from zoo.train.preference_loss import PreferenceLoss  # noqa: E402
