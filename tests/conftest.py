@@ -1,14 +1,48 @@
-"""Fixtures every test module may use."""
+"""Fixtures every test module gets: nothing written outside pytest's temporary folder, and the
+thread count each test found given back after it. Shared helpers are in helpers.py."""
+
+import os
+import tempfile
 
 import pytest
 
 import zoo
 
+# Where zoo and the libraries the tests run would write outside a test's own folders: zoo's
+# token cache (~/.cache/zoo), its crash files ($XDG_CACHE_HOME/zoo/crashes), matplotlib's and
+# Hugging Face's caches, temporary files. The tests run with a read-only home (docs/testing.md).
+_REDIRECTED = {"ZOO_CACHE": "zoo-cache", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config",
+               "MPLCONFIGDIR": "matplotlib", "HF_HOME": "huggingface", "TMPDIR": "tmp"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def writes_stay_in_pytests_folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("env")  # short: Open MPI's sockets under TMPDIR have a path limit
+    with pytest.MonkeyPatch.context() as mp:
+        for var, name in _REDIRECTED.items():
+            (root / name).mkdir()
+            mp.setenv(var, str(root / name))
+        mp.setattr(tempfile, "tempdir", str(root / "tmp"))
+        yield root
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """A test (or the trainer it runs) may set the process's thread count: the next gets its own back."""
+    n = zoo.get_threads()
+    yield
+    if zoo.get_threads() != n:
+        zoo.set_threads(n)
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
-    """Runs the test at 1 and at 2 OpenMP threads, restoring the count after."""
-    n = zoo.get_threads()
+    """Runs the test at 1 and at 2 OpenMP threads."""
     zoo.set_threads(request.param)
-    yield request.param
-    zoo.set_threads(n)
+    return request.param
+
+
+def pytest_configure(config):
+    # A run meant to test the Clad build (make test-clad) must not pass by skipping it.
+    if os.environ.get("ZOO_TEST_CLAD") == "1" and not zoo.build_info()["clad"]:
+        raise pytest.UsageError("ZOO_TEST_CLAD=1, but this zoo was built without the Clad backend (docs/clad.md)")

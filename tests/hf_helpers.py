@@ -1,13 +1,22 @@
-"""Tiny random transformers models for the checkpoint tests, and parity checks against them.
-Imported only by tests that have already skipped when torch/transformers are missing."""
+"""Tiny random transformers models and checkpoints, and parity checks against them. Imported
+only by tests that need torch and transformers (helpers.needs("torch", "transformers"), or an
+import inside the test after that mark): everything else is in helpers.py.
+
+gpt2_checkpoint, llama_checkpoint: checkpoints that transformers itself writes, with their
+tokenizers, for end-to-end tests. GPT-2: a byte-level BPE (vocab.json + merges.txt) trained
+here on the start of the data. Llama: the Llama-2 SentencePiece tokenizer from the shared
+data (32000 ids), tied embeddings."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+from helpers import LLAMA2_TOKENIZER, shared
 
 VOCAB = 97
 
@@ -98,3 +107,40 @@ def assert_parity(hf_model, zoo_model, seed=0) -> None:
         err = np.abs(ours - ref).max() / (np.abs(ref).max() + 1e-12)
         assert err <= 1e-3, f"{name}: gradient relative error {err:.2e}"
 
+
+# --- checkpoints with tokenizers, for end-to-end tests ---------------------------------------
+
+
+def gpt2_checkpoint(folder: Path, text: str, vocab_size: int = 384, n_positions: int = 128) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text[:200_000]], trainer)
+    eos = tok.token_to_id("<|endoftext|>")
+    cfg = transformers.GPT2Config(vocab_size=tok.get_vocab_size(), n_positions=n_positions, n_embd=64, n_layer=2,
+                                  n_head=4, bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    tok.model.save(str(folder))  # vocab.json + merges.txt, GPT-2's own files
+    return folder
+
+
+def llama_checkpoint(folder: Path) -> Path:
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    shutil.copy(shared(LLAMA2_TOKENIZER), folder / "tokenizer.model")
+    return folder
+
+
+def folder_logits(folder: Path, tokens: np.ndarray) -> np.ndarray:
+    """The logits transformers computes for `tokens` with the checkpoint in `folder`."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.tools import bench
+from helpers import needs
 from zoo.cli import main
+from zoo.tools import bench
 from zoo.arch.presets import preset
-from zoo.arch.layout import num_parameters, parameter_shapes
+from zoo.arch.layout import num_parameters, parameter_shapes  # noqa: E402
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}
@@ -39,14 +40,15 @@ def check_system(s: dict, tokens: int, steps: int) -> None:
     assert math.isfinite(s["loss_first"]) and s["loss_first"] > 0
 
 
-def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precision: str = "fp32") -> None:
+def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precision: str = "fp32",
+                 rounds: int = 1) -> None:
     tokens = batch * seq_len
     assert r["schema"] == "zoo-bench/2" and r["precision"] == precision
     assert f"--precision {precision}" in r["command"]
     assert r["batch"] == batch and r["seq_len"] == seq_len and r["tokens_per_step"] == tokens
     assert r["threads"] == 1 and r["steps"] == steps
     assert set(r["systems"]) == (BF16_SYSTEMS if precision == "bf16" else FP32_SYSTEMS)
-    check_system(r["systems"]["zoo"], tokens, steps)
+    check_system(r["systems"]["zoo"], tokens, steps * rounds)  # the steps of every round, pooled
     assert r["flops_per_step"] == bench.step_flops(cfg, batch, seq_len)["total"] > 0
     for k in ("sgemm_gflops", "zoo_step_gflops"):
         assert isinstance(r[k], float) and r[k] > 0 and math.isfinite(r[k])
@@ -83,8 +85,10 @@ def check_bf16(r: dict, cfg, batch: int, seq_len: int) -> None:
     check_system(bf16_s, tokens, 2)
     assert zoo_s["precision"] == "fp32" and bf16_s["precision"] == "bf16"
     assert "bf16" in bf16_s["implementation"] and "fp32" in zoo_s["implementation"]
-    # bf16 operands change the loss a little, never much: a zoo_bf16 that ran fp32 fails the first.
-    assert bf16_s["loss_first"] != zoo_s["loss_first"]
+    # bf16 operands change the loss a little, never much: a zoo_bf16 that ran fp32 fails the first
+    # (bf16 moves the first loss of these tiny models by 6e-5 to 7e-5; fp32 in another order of
+    # sums by 1e-7 at most).
+    assert abs(bf16_s["loss_first"] - zoo_s["loss_first"]) > 5e-6
     assert bf16_s["loss_first"] == pytest.approx(zoo_s["loss_first"], abs=1e-2)
     assert bf16_s["loss_last"] < bf16_s["loss_first"]
     g = r["gemm"]
@@ -108,25 +112,18 @@ def check_bf16(r: dict, cfg, batch: int, seq_len: int) -> None:
     assert head and head[0]["calls"] >= 2 and head[0]["kernel"] == g["lm_head_kernel"]["bf16"]
 
 
-@pytest.mark.parametrize("name,batch,seq_len", [("tiny-gpt2", 2, 32), ("tiny-llama", 2, 48)])
-def test_bench_vs_torch(tmp_path, capsys, name, batch, seq_len):
-    pytest.importorskip("torch")
-    out = tmp_path / "bench.json"
-    assert main(["bench", "--preset", name, "--batch-size", str(batch), "--seq-len", str(seq_len),
-                 "--json", str(out), *FAST]) == 0
-    table = capsys.readouterr().out
+def check_vs_torch(r: dict, table: str, name: str, batch: int, seq_len: int, rounds: int = 1) -> None:
+    """A report of zoo against both PyTorch systems: its table, every system, the ratios, the same losses."""
     for row in ("| zoo |", "| torch_fused", "| torch_default", "| linear |", "| attention |", "sgemm"):
         assert row in table, row
     assert ("| rope |" in table) == (name == "tiny-llama")
-
-    r = json.loads(out.read_text())
     cfg = preset(name)
-    check_common(r, cfg, batch, seq_len)
+    check_common(r, cfg, batch, seq_len, rounds=rounds)
     assert r["vs"] == "torch" and r["model"]["preset"] == name
     zoo_s = r["systems"]["zoo"]
     for other in ("torch_fused", "torch_default"):
         s = r["systems"][other]
-        check_system(s, batch * seq_len, 2)
+        check_system(s, batch * seq_len, 2 * rounds)
         ratio = r["ratios"][f"zoo_over_{other}"]
         assert ratio["step_time"] == pytest.approx(zoo_s["step_ms_median"] / s["step_ms_median"], rel=1e-9)
         assert ratio["peak_rss"] == pytest.approx(zoo_s["peak_rss_mib"] / s["peak_rss_mib"], rel=1e-9)
@@ -136,9 +133,16 @@ def test_bench_vs_torch(tmp_path, capsys, name, batch, seq_len):
         assert s["loss_last"] == pytest.approx(zoo_s["loss_last"], rel=1e-3)
     assert zoo_s["loss_last"] < zoo_s["loss_first"]  # the optimizer steps did something
 
+
+@needs("torch")
+def test_bench_vs_torch(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--preset", "tiny-llama", "--batch-size", "2", "--seq-len", "48", "--json", str(out),
+                 *FAST]) == 0
+    check_vs_torch(json.loads(out.read_text()), capsys.readouterr().out, "tiny-llama", 2, 48)
     png = out.with_suffix(".png")  # the chart goes next to the JSON by default
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert r["png"] == str(png)
+    assert json.loads(out.read_text())["png"] == str(png)
 
 
 def test_bench_zoo_alone_from_config_file(tmp_path, capsys):
@@ -162,19 +166,19 @@ def test_bench_zoo_alone_from_config_file(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG" and not out.with_suffix(".png").exists()
 
 
+@needs("torch")
 def test_bench_rounds_pool_the_steps_and_report_each_round(tmp_path, capsys):
-    pytest.importorskip("torch")
-    cfg = preset("tiny-gpt2")
+    """Against PyTorch in 2 rounds (each system in turn, twice): the report of one round, with
+    each round's figures and the steps of both pooled."""
     out = tmp_path / "rounds.json"
-    assert main(["bench", "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "16", "--rounds", "2",
+    assert main(["bench", "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "32", "--rounds", "2",
                  "--json", str(out), *FAST]) == 0
     table = capsys.readouterr().out
-    assert "| round |" in table and "in turn 2 times" in table
     r = json.loads(out.read_text())
+    check_vs_torch(r, table, "tiny-gpt2", 2, 32, rounds=2)
+    assert "| round |" in table and "in turn 2 times" in table
     assert r["rounds"] == 2 and "--rounds 2" in r["command"]
     assert len(r["by_round"]) == 2
-    for name in ("zoo", "torch_fused", "torch_default"):
-        assert len(r["systems"][name]["step_ms"]) == 2 * 2  # steps of both rounds, pooled
     for e in r["by_round"]:
         assert e["sgemm_gflops"] > 0 and e["zoo_step_ms"] > 0
         assert e["zoo_step_fraction_of_sgemm"] == pytest.approx(
@@ -224,9 +228,9 @@ def test_bench_bf16_vs_torch_autocast(tmp_path, capsys):
     zoo_s, bf16_s, torch_bf16 = r["systems"]["zoo"], r["systems"]["zoo_bf16"], r["systems"]["torch_fused_bf16"]
     assert torch_bf16["precision"] == "bf16" and "autocast bf16" in torch_bf16["implementation"]
     # Same weights and data: PyTorch's autocast and zoo's bf16 products agree to bf16's precision,
-    # and autocast really ran (the fp32 PyTorch loss is another number).
+    # and autocast really ran (the fp32 PyTorch loss is another number, as for zoo: check_bf16).
     assert torch_bf16["loss_first"] == pytest.approx(bf16_s["loss_first"], abs=1e-2)
-    assert torch_bf16["loss_first"] != r["systems"]["torch_fused"]["loss_first"]
+    assert abs(torch_bf16["loss_first"] - r["systems"]["torch_fused"]["loss_first"]) > 5e-6
     assert r["systems"]["torch_fused"]["loss_first"] == pytest.approx(zoo_s["loss_first"], rel=1e-4)
     ratio = r["ratios"]["zoo_bf16_over_torch_fused_bf16"]
     assert ratio["step_time"] == pytest.approx(bf16_s["step_ms_median"] / torch_bf16["step_ms_median"], rel=1e-9)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import zoo
-from test_model_parity import GPT2_TINY, LLAMA_TINY, _randomize
+from helpers import GPT2_TINY, LLAMA_TINY
+from helpers import randomize_norms as _randomize
 
 torch = pytest.importorskip("torch")
 from zoo.tools.torch_reference import Reference  # noqa: E402

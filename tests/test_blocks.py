@@ -25,6 +25,7 @@ from typing import Callable, Optional
 import numpy as np
 import pytest
 
+from helpers import rel_err
 from zoo import ModelConfig, RopeScaling
 from zoo.core import blocks
 from zoo.core.native import _native
@@ -44,15 +45,6 @@ PULL_TOL = 1e-4  # fp32 pullback vs float64 autograd (the issue's per-block boun
 @pytest.fixture
 def needs_torch():
     return pytest.importorskip("torch")
-
-
-def rel_err(got, ref) -> float:
-    """max |got - ref| / max |ref|, in float64."""
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    scale = np.max(np.abs(ref)) if ref.size else 0.0
-    return float(np.max(np.abs(got - ref)) / scale) if scale > 0 else float(np.max(np.abs(got), initial=0.0))
 
 
 def f32(rng, shape, scale=1.0, shift=0.0):

@@ -8,24 +8,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import zoo
+from helpers import STORIES, gemm_rounding, greedy_agrees, installed, needs, needs_shared, random_batch
+from zoo.core.errors import CheckpointError
+from zoo import Model
+from zoo.io.checkpoints import save_pretrained
+from zoo.io.inspect import format_inspection, inspect_checkpoint
+from zoo.io.safetensors import CheckpointReader
+from zoo.text.tokenizers import Tokenizer
+from zoo.arch.layout import parameter_shapes
 
-import zoo  # noqa: E402
-from hf_helpers import (assert_parity, hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2,  # noqa: E402
-                        tiny_llama, tokens)
-from zoo import Model  # noqa: E402
-from zoo.io.checkpoints import save_pretrained  # noqa: E402
-from zoo.io.inspect import format_inspection, inspect_checkpoint  # noqa: E402
-from zoo.core.errors import CheckpointError  # noqa: E402
-from zoo.io.safetensors import CheckpointReader  # noqa: E402
-from zoo.text.tokenizers import Tokenizer  # noqa: E402
-from zoo.arch.layout import num_parameters, parameter_shapes
-
-STORIES = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "stories260K-hf"
-if not STORIES.is_dir():
-    STORIES = Path("/work/shared/data/stories260K-hf")
+# Most tests here compare with transformers; those that do not run without it.
+hf = needs("torch", "transformers")
+if installed("torch") and installed("transformers"):
+    import safetensors.torch as safetensors_torch
+    import torch
+    from hf_helpers import assert_parity, hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llama, tokens
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
@@ -56,38 +54,41 @@ def _old_rope_form(folder: Path) -> None:
 CASES = {
     "gpt2-prefixed-ninner-unset": dict(make=lambda: tiny_gpt2()),
     "gpt2-unprefixed-ninner-set-buffers": dict(make=lambda: tiny_gpt2(n_inner=48), edit=_unprefix_gpt2),
-    "gpt2-untied-bf16-sharded": dict(make=lambda: tiny_gpt2(tie=False), dtype=torch.bfloat16, shard="20KB"),
+    "gpt2-untied-bf16-sharded": dict(make=lambda: tiny_gpt2(tie=False), dtype="bfloat16", shard="20KB"),
     "llama-mha-tied": dict(make=lambda: tiny_llama(n_kv_head=4, tie=True)),
     "llama-gqa-untied-head_dim-biases": dict(make=lambda: tiny_llama(n_kv_head=2, head_dim=16, attention_bias=True,
                                                                       mlp_bias=True)),
     "llama3-rope_parameters-sharded": dict(make=lambda: tiny_llama(n_kv_head=2, rope_parameters=dict(LLAMA3_ROPE)),
                                            shard="20KB"),
     "llama3-rope_scaling-old-form-bf16": dict(make=lambda: tiny_llama(n_kv_head=1, rope_parameters=dict(LLAMA3_ROPE)),
-                                              edit=_old_rope_form, dtype=torch.bfloat16),
+                                              edit=_old_rope_form, dtype="bfloat16"),
 }
 
 
 def _saved(case: str, folder: Path) -> Path:
     spec = CASES[case]
-    save_hf_as(spec["make"](), folder, dtype=spec.get("dtype", torch.float32), max_shard_size=spec.get("shard"))
+    save_hf_as(spec["make"](), folder, dtype=getattr(torch, spec.get("dtype", "float32")),
+               max_shard_size=spec.get("shard"))
     if "edit" in spec:
         spec["edit"](folder)
     return folder
 
 
+@hf
 @pytest.mark.parametrize("case", list(CASES))
 def test_parity_with_transformers(tmp_path, case):
     folder = _saved(case, tmp_path)
     spec = CASES[case]
     if "shard" in spec:
         assert (folder / "model.safetensors.index.json").is_file()
-    if spec.get("dtype") is torch.bfloat16:
+    if spec.get("dtype") == "bfloat16":
         with CheckpointReader(folder) as r:
             assert {r.info(n).dtype for n in r.names} == {"BF16"}
     model = Model.from_pretrained(folder)
     assert_parity(load_hf_fp32(folder), model)
 
 
+@hf
 def test_llama3_rope_forms_read_the_same(tmp_path):
     new = _saved("llama3-rope_parameters-sharded", tmp_path / "new")
     old = _saved("llama3-rope_parameters-sharded", tmp_path / "old")
@@ -96,6 +97,7 @@ def test_llama3_rope_forms_read_the_same(tmp_path):
     assert Model.from_pretrained(old).config.rope_scaling.factor == 8.0
 
 
+@hf
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
 def test_zoo_save_loads_in_transformers_with_same_logits(tmp_path, preset):
     model = zoo.Model(zoo.preset(preset), seed=3)
@@ -118,11 +120,12 @@ def test_config_transformers_cannot_express_round_trips_in_zoo_form(tmp_path):
         save_pretrained(model, tmp_path, tokenizer=Tokenizer.byte_level())
     again = Model.from_pretrained(tmp_path)
     assert again.config == mixed
-    tok, _ = tokens(vocab=300)
+    tok, _ = random_batch(mixed, B=2, T=12)
     np.testing.assert_array_equal(again.logits(tok), model.logits(tok))
     assert "zoo model, llama names" in format_inspection(inspect_checkpoint(tmp_path))
 
 
+@hf
 @pytest.mark.parametrize("case", ["gpt2-prefixed-ninner-unset", "llama-gqa-untied-head_dim-biases"])
 def test_transformers_save_zoo_load_zoo_save_identical_tensors(tmp_path, case):
     src = _saved(case, tmp_path / "hf")
@@ -139,6 +142,7 @@ def test_transformers_save_zoo_load_zoo_save_identical_tensors(tmp_path, case):
         assert hf_out[key] == hf_src[key], key
 
 
+@hf
 def test_save_sharded_and_bf16(tmp_path):
     src = _saved("llama3-rope_parameters-sharded", tmp_path / "hf")
     model = Model.from_pretrained(src)
@@ -158,6 +162,7 @@ def test_save_sharded_and_bf16(tmp_path):
     assert sorted(p.name for p in (tmp_path / "bf16").glob("model*")) == ["model.safetensors"]
 
 
+@hf
 def test_tokenizer_files_follow_the_model(tmp_path):
     from tokenizers import ByteLevelBPETokenizer
 
@@ -175,21 +180,27 @@ def test_tokenizer_files_follow_the_model(tmp_path):
     assert Tokenizer.from_pretrained(tmp_path / "out").encode(text) == Tokenizer.from_pretrained(src).encode(text)
 
 
+@needs_shared(STORIES)
+@gemm_rounding
 def test_stories260k_greedy_matches_known_answer():
-    if not STORIES.is_dir():
-        pytest.skip("shared/data/stories260K-hf not present")
+    """The README's 80 greedy ids (from the model's authors' run): each is zoo's top choice
+    given the ones before (one forward over the whole answer, so a choice cannot steer the
+    next), and KV-cache generation gives them all. The smallest gap between the first and
+    second logit is 3e-3 here, far above any GEMM library's rounding (1e-5); a position
+    closer than 1e-4 would count as a tie either way."""
+    from zoo.generate import generate
+
     readme = (STORIES / "README.md").read_text()
     answer = readme.split("gives these 80 ids", 1)[1].split(":", 1)[1]  # the ids follow the colon
     expected = [int(x) for x in re.findall(r"\d+", answer)][:80]
     assert len(expected) == 80
     model = Model.from_pretrained(STORIES)
     assert model.config.n_kv_head == 4 and model.config.tied_embeddings
-    ids = [1]
-    for _ in range(80):  # full forward each step: fine at 260K parameters
-        ids.append(int(model.logits(np.asarray([ids]))[0, -1].argmax()))
-    assert ids[1:] == expected
+    free = greedy_agrees(model.logits(np.asarray([[1] + expected[:-1]]))[0], expected)
+    assert generate(model, [1], 80, temperature=0.0)[:free] == expected[:free]
 
 
+@hf
 def test_inspect_reports_without_loading(tmp_path, capsys):
     src = _saved("llama-gqa-untied-head_dim-biases", tmp_path)
     report = inspect_checkpoint(src, batch=2, seq_len=16)
@@ -210,6 +221,7 @@ def test_inspect_reports_without_loading(tmp_path, capsys):
     assert "LlamaForCausalLM" in capsys.readouterr().out
 
 
+@hf
 def test_convert_to_bf16(tmp_path):
     from zoo.cli import main
 
@@ -240,6 +252,7 @@ def _error(folder: Path) -> str:
     return str(e.value)
 
 
+@hf
 def test_truncated_file(tmp_path):
     folder = _saved("llama-mha-tied", tmp_path)
     path = folder / "model.safetensors"
@@ -251,6 +264,7 @@ def test_truncated_file(tmp_path):
     assert "model.safetensors" in _error(folder)
 
 
+@hf
 def test_header_offsets_outside_file(tmp_path):
     folder = _saved("gpt2-prefixed-ninner-unset", tmp_path)
 
@@ -262,6 +276,7 @@ def test_header_offsets_outside_file(tmp_path):
     assert "model.safetensors" in msg and "transformer.ln_f.bias" in msg and "outside" in msg
 
 
+@hf
 def test_missing_tensor(tmp_path):
     folder = _saved("llama-mha-tied", tmp_path)
     tensors = safetensors_torch.load_file(folder / "model.safetensors")
@@ -271,6 +286,7 @@ def test_missing_tensor(tmp_path):
     assert "model.safetensors" in msg and "model.layers.1.mlp.up_proj.weight" in msg and "missing" in msg
 
 
+@hf
 def test_missing_shard_tensor_names_the_index(tmp_path):
     folder = _saved("llama3-rope_parameters-sharded", tmp_path)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -280,6 +296,7 @@ def test_missing_shard_tensor_names_the_index(tmp_path):
     assert "model.safetensors.index.json" in msg and "model.norm.weight" in msg
 
 
+@hf
 def test_wrong_shape(tmp_path):
     folder = _saved("gpt2-prefixed-ninner-unset", tmp_path)
     tensors = safetensors_torch.load_file(folder / "model.safetensors")
@@ -289,6 +306,7 @@ def test_wrong_shape(tmp_path):
     assert "model.safetensors" in msg and "transformer.h.0.mlp.c_fc.weight" in msg and "[32, 100]" in msg
 
 
+@hf
 def test_unexpected_tensor(tmp_path):
     folder = _saved("llama-mha-tied", tmp_path)
     tensors = safetensors_torch.load_file(folder / "model.safetensors")
@@ -305,6 +323,7 @@ def test_unexpected_tensor(tmp_path):
     (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
     (lambda c: c.update(hidden_size="big"), "hidden_size"),
 ])
+@hf
 def test_bad_config_values(tmp_path, edit, key):
     folder = _saved("llama-mha-tied", tmp_path)
     cfg = json.loads((folder / "config.json").read_text())
@@ -314,6 +333,7 @@ def test_bad_config_values(tmp_path, edit, key):
     assert "config.json" in msg and key in msg
 
 
+@hf
 def test_config_not_json(tmp_path):
     folder = _saved("gpt2-prefixed-ninner-unset", tmp_path)
     (folder / "config.json").write_text('{"model_type": "gpt2", n_embd: 32')
@@ -321,6 +341,7 @@ def test_config_not_json(tmp_path):
     assert "config.json" in msg and "JSON" in msg
 
 
+@hf
 def test_pickled_weights_are_not_read(tmp_path):
     folder = _saved("gpt2-prefixed-ninner-unset", tmp_path)
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
@@ -346,14 +367,3 @@ def test_loading_streams_from_the_map(tmp_path, dtype):
     finally:
         tracemalloc.stop()
     assert peak <= (1.25 if dtype == "bfloat16" else 0.25) * largest, peak
-
-
-@pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama"])
-def test_finetune_memory_is_what_a_model_allocates(preset):
-    from zoo.arch.memory import finetune_memory_bytes
-
-    cfg = zoo.preset(preset)
-    mem = finetune_memory_bytes(cfg, 4, 128)
-    assert mem.activations == zoo.Model(cfg, seed=None).activation_bytes(4, 128)
-    assert mem.total == 16 * num_parameters(cfg) + mem.activations
-    assert finetune_memory_bytes(cfg, 4, 128, checkpointing=True).activations < mem.activations

@@ -4,7 +4,9 @@ forward, chosen per model with zoo.Model(ad=...).
 Where zoo was built with Clad: every block's Clad pullback equals the hand-written one, whole
 models train to the same gradients on either backend or a mix, and relu2 (a block written as
 its forward only) trains. Where it was not: asking for Clad says how to build it, and relu2
-runs forward but refuses to train, naming the block. Each group skips in the other build."""
+runs forward but refuses to train, naming the block. Each group skips in the other build
+(`make test-clad` runs the suite on a Clad build); relu2's training runs wherever relu2 has a
+pullback, whichever backend gives it."""
 
 import json
 
@@ -12,48 +14,15 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo import ModelConfig, RopeScaling
-from zoo.core._native import blocks as B
+from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad, random_batch, randomize_norms,
+                     rel_err, without_clad)
+from zoo import ModelConfig
 from zoo.core import blocks
+from zoo.core._native import blocks as B
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
-CLAD = bool(zoo.build_info().get("clad"))
-needs_clad = pytest.mark.skipif(
-    not CLAD, reason="this zoo was built without the Clad backend (zoo.build_info()['clad'] is False); "
-                     "build with ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> pip install . to run it")
-without_clad = pytest.mark.skipif(
-    CLAD, reason="this zoo has the Clad backend; what a build without it does is tested in a default build")
-
-GPT2_TINY = ModelConfig(vocab_size=97, max_seq_len=32, d_model=48, n_layer=2, n_head=4, d_ff=96)
-LLAMA_TINY = ModelConfig(
-    vocab_size=101, max_seq_len=80, d_model=48, n_layer=2, n_head=6, n_kv_head=2, head_dim=12, d_ff=80,
-    norm="rmsnorm", mlp="swiglu", positions="rope", rope_theta=500000.0, attention_bias=False,
-    mlp_bias=False, tied_embeddings=False,
-    rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=16),
-)
-RELU2_TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=4, d_ff=72, mlp="relu2")
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
-
-
-def randomize(model: zoo.Model, seed: int) -> None:
-    """Non-trivial norms and biases so every gradient path is exercised."""
-    rng = np.random.default_rng(seed)
-    for name, v in model.parameters().items():
-        if v.ndim == 1:
-            v[...] = (1.0 if "norm" in name or "ln" in name else 0.0) + 0.1 * rng.standard_normal(v.shape)
-
-
-def batch(cfg, B=3, T=20, seed=3):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, cfg.vocab_size, (B, T))
-    targets = rng.integers(0, cfg.vocab_size, (B, T))
-    targets[0, :3] = -100
-    return tokens, targets
+BACKENDS = ["manual"] + (["clad"] if CLAD else [])
+RELU2_TRAINS = CLAD or "relu2" in zoo.build_info()["manual_blocks"]
 
 
 # --- both builds ------------------------------------------------------------------------
@@ -78,15 +47,15 @@ def test_ad_choices_are_validated():
                                                 "cross_entropy")}
 
 
+@needs("torch")
 def test_relu2_forward_runs_in_any_build():
-    pytest.importorskip("torch")
     from zoo.tools.torch_reference import Reference
 
     x = np.random.default_rng(0).standard_normal((5, 33)).astype(np.float32)
     np.testing.assert_array_equal(B.activation_forward("relu2", x), np.square(np.maximum(x, 0)))
     model = zoo.Model(RELU2_TINY, seed=1)
-    randomize(model, 2)
-    tokens, targets = batch(RELU2_TINY)
+    randomize_norms(model, 2)
+    tokens, targets = random_batch(RELU2_TINY)
     ref = Reference(RELU2_TINY, model.parameters())
     assert np.abs(model.logits(tokens) - ref.logits(tokens).detach().numpy()).max() <= 1e-4
     assert abs(model.loss(tokens, targets) - float(ref.loss(tokens, targets).detach())) <= 1e-5
@@ -105,14 +74,14 @@ def test_asking_for_clad_says_it_was_not_built(ad):
         zoo.Model(GPT2_TINY, seed=0, ad=ad)
 
 
-@without_clad
+@pytest.mark.skipif(RELU2_TRAINS, reason="relu2 has a pullback in this build")
 def test_relu2_does_not_train_without_clad_and_names_the_block(tmp_path):
     from zoo.train.config import TrainConfig
     from zoo.train.trainer import Trainer
 
     model = zoo.Model(RELU2_TINY, seed=0)
     assert model.ad["relu2"] is None
-    tokens, targets = batch(RELU2_TINY)
+    tokens, targets = random_batch(RELU2_TINY)
     with pytest.raises(ADError, match=r"block 'relu2' .*no hand-written pullback.*Clad backend"):
         model.loss_and_grads(tokens, targets)
     with pytest.raises(RuntimeError, match="relu2"):  # the native core refuses too
@@ -174,6 +143,7 @@ def test_activations(threads, name, width):
 
 
 @needs_clad
+@pytest.mark.skipif("relu2" in zoo.build_info()["manual_blocks"], reason="relu2 has a hand-written pullback")
 def test_relu2_has_only_the_generated_pullback(threads):
     x, dy = rnd(9, 300), rnd(9, 300)
     x[0, :4] = 0.0  # the kink: relu2's derivative there is 0 from either side
@@ -268,8 +238,8 @@ def test_residual(threads):
 
 def grads_on(cfg, ad, checkpointing=False, seed=1, precision="fp32"):
     model = zoo.Model(cfg, seed=seed, ad=ad, checkpointing=checkpointing, precision=precision)
-    randomize(model, 2)
-    loss, grads = model.loss_and_grads(*batch(cfg))
+    randomize_norms(model, 2)
+    loss, grads = model.loss_and_grads(*random_batch(cfg))
     return model, loss, grads
 
 
@@ -338,18 +308,23 @@ def test_mixed_mode(ad):
     assert_same_grads(mixed, manual)
 
 
-@needs_clad
-def test_relu2_trains_with_clad():
-    pytest.importorskip("torch")
+@pytest.mark.skipif(not RELU2_TRAINS, reason="relu2 has no pullback in this build (no hand-written one; a Clad "
+                                                 "build generates one: `make test-clad`, docs/clad.md)")
+@needs("torch")
+@pytest.mark.parametrize("ad", BACKENDS)
+def test_relu2_trains(ad):
+    """Its gradients against PyTorch's, and 30 AdamW steps halve the loss, on every backend the
+    build has; where relu2's only pullback is Clad's, a model on the hand-written backend
+    takes it too, and asking for a hand-written one is refused."""
     from zoo.tools.torch_reference import Reference
 
-    for ad in ("manual", "clad"):  # relu2's only pullback is Clad's, whatever the rest uses
-        model = zoo.Model(RELU2_TINY, seed=1, ad=ad)
+    model = zoo.Model(RELU2_TINY, seed=1, ad=ad)
+    if "relu2" not in zoo.build_info()["manual_blocks"]:
         assert model.ad["relu2"] == "clad"
-    with pytest.raises(ADError, match="'relu2' has no hand-written pullback"):
-        zoo.Model(RELU2_TINY, seed=1, ad={"relu2": "manual"})
-    randomize(model, 2)
-    tokens, targets = batch(RELU2_TINY)
+        with pytest.raises(ADError, match="'relu2' has no hand-written pullback"):
+            zoo.Model(RELU2_TINY, seed=1, ad={"relu2": "manual"})
+    randomize_norms(model, 2)
+    tokens, targets = random_batch(RELU2_TINY)
     loss, grads = model.loss_and_grads(tokens, targets)
     ref_loss, ref_grads = Reference(RELU2_TINY, model.parameters()).loss_and_grads(tokens, targets)
     assert abs(loss - ref_loss) <= 1e-5

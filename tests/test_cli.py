@@ -12,21 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hf_tiny import LLAMA2_TOKENIZER, SHAKESPEARE, gpt2_checkpoint, hf_logits, llama_checkpoint
+from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, STORIES, needs, needs_shared
 from zoo.cli import main
 from zoo.train.config import DEMO_DATA
 
 FAST = ["--threads", "1", "--no-progress", "--sample-tokens", "0"]
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """Runs here set one thread for the process; give later tests back what they had."""
-    import zoo
-
-    n = zoo.get_threads()
-    yield
-    zoo.set_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +32,6 @@ def train_losses(out):
     return [(r["step"], r["loss"]) for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if "loss" in r]
 
 
-def need_shared():
-    if not SHAKESPEARE.is_file() or not LLAMA2_TOKENIZER.is_file():
-        pytest.skip("shared/data (tinyshakespeare.txt, llama2-tokenizer.model) not present")
-
-
 def run(capsys, *argv):
     rc = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -56,10 +41,12 @@ def run(capsys, *argv):
 # --- finetune both families; the result loads in transformers ---------------------------
 
 
+@needs("torch", "transformers")
+@needs_shared(SHAKESPEARE, LLAMA2_TOKENIZER)
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_finetune_end_to_end(tmp_path, capsys, cache, family):
-    pytest.importorskip("transformers")
-    need_shared()
+    from hf_helpers import folder_logits, gpt2_checkpoint, llama_checkpoint
+
     src = tmp_path / "src"
     if family == "gpt2":
         gpt2_checkpoint(src, SHAKESPEARE.read_text())
@@ -79,7 +66,7 @@ def test_finetune_end_to_end(tmp_path, capsys, cache, family):
     from zoo import Model
 
     ours = Model.from_pretrained(out).logits(tokens)
-    np.testing.assert_allclose(hf_logits(out, tokens), ours, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(folder_logits(out, tokens), ours, atol=1e-4, rtol=0)
     assert (out / "loss.png").is_file()
 
     # The tokenizer hands over (AutoTokenizer gives zoo's ids, BOS where zoo puts one) and
@@ -124,6 +111,7 @@ def test_demo_generate_and_plot(tmp_path, capsys, cache):
     assert rc == 0 and Path(stdout.strip()) == out / "loss.png" and (out / "loss.png").stat().st_size > 1000
 
 
+@needs_shared(STORIES)
 def test_generate_from_token_ids(tmp_path, capsys):
     """--prompt-ids: a checkpoint without tokenizer files generates (stopping at its config's
     EOS), printing ids; with a tokenizer, their text follows; bad ids are refused by name."""
@@ -132,9 +120,7 @@ def test_generate_from_token_ids(tmp_path, capsys):
     from zoo.io.checkpoints import save_pretrained
     from zoo.generate import generate
 
-    stories = SHAKESPEARE.parent / "stories260K-hf"  # a Llama that transformers wrote, with no tokenizer files
-    if not stories.is_dir():
-        pytest.skip("shared/data/stories260K-hf not present")
+    stories = STORIES  # a Llama that transformers wrote, with no tokenizer files
     greedy = ["--temperature", 0, "--threads", 1]
     rc, stdout, err = run(capsys, "generate", "--from", stories, "--prompt-ids", "1,403, 407", "--max-new-tokens", 40,
                           *greedy)
@@ -241,9 +227,11 @@ def test_missing_empty_short_and_non_utf8_data(tmp_path, capsys):
     assert rc == 1 and "bad.txt: not UTF-8" in err and "byte offset 100" in err
 
 
+@needs("torch", "transformers")
+@needs_shared(LLAMA2_TOKENIZER)
 def test_bad_checkpoint_arguments(tmp_path, capsys):
-    pytest.importorskip("transformers")
-    need_shared()
+    from hf_helpers import gpt2_checkpoint
+
     rc, _, err = run(capsys, "finetune", "--from", tmp_path / "nowhere", "--data", DEMO_DATA, "--out", tmp_path / "o")
     assert rc == 1 and "nowhere" in err and "no such file or folder (--from takes" in err
     rc, _, err = run(capsys, "finetune", "--data", DEMO_DATA, "--out", tmp_path / "o")

@@ -1,7 +1,7 @@
 """Fuzz cases of the files zoo reads: safetensors headers and byte ranges, the sharded index,
 config.json, tokenizer files, non-finite weights, `zoo inspect`'s verdict against loading's, and
 data files that are not regular files. Every corruption is made here, at test time, from a valid
-checkpoint that zoo saved; each case runs in its own subprocess through tests/fuzz.py (a timeout
+checkpoint that zoo saved; each case runs in its own subprocess through tests/helpers.py (a timeout
 catches a hang, a memory cap an unbounded allocation) and must end in one `zoo: error:` line that
 names the file and the tensor, key or field, or be handled correctly."""
 
@@ -13,7 +13,7 @@ import shutil
 import textwrap
 from pathlib import Path
 
-import fuzz
+import helpers
 import numpy as np
 import pytest
 
@@ -75,33 +75,33 @@ def in_order(header: dict) -> list[str]:
     return sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
 
 
-def generate(folder: Path, *extra: str) -> fuzz.Result:
-    return fuzz.zoo("generate", "--from", folder, "--max-new-tokens", "1", "--prompt", "a", *extra)
+def generate(folder: Path, *extra: str) -> helpers.Result:
+    return helpers.cli("generate", "--from", folder, "--max-new-tokens", "1", "--prompt", "a", *extra)
 
 
-def api(code: str) -> fuzz.Result:
+def api(code: str) -> helpers.Result:
     """Library calls in a subprocess; a ValueError (CheckpointError's kind) is printed as the one
     line the CLI's boundary prints, anything else escapes as a traceback (and fails assert_error)."""
     body = textwrap.indent(textwrap.dedent(code), "    ")
-    return fuzz.python(f"import sys\ntry:\n{body}\nexcept ValueError as e:\n"
+    return helpers.python(f"import sys\ntry:\n{body}\nexcept ValueError as e:\n"
                        "    print(f'zoo: error: {e}', file=sys.stderr)\n    sys.exit(1)\n")
 
 
 def assert_same_verdict(folder: Path) -> str:
     """Loading fails; `zoo inspect` then fails with the same error or says "no: <that error>"."""
-    loading = fuzz.assert_error(generate(folder), status=EXIT_INPUT).removeprefix("zoo: error: ")
-    r = fuzz.zoo("inspect", folder)
+    loading = helpers.assert_error(generate(folder), status=EXIT_INPUT).removeprefix("zoo: error: ")
+    r = helpers.cli("inspect", folder)
     if r.returncode == 0:
         assert f"zoo can load   no: {loading}" in r.stdout, r.stdout
     else:
-        assert fuzz.assert_error(r) == f"zoo: error: {loading}"
+        assert helpers.assert_error(r) == f"zoo: error: {loading}"
     return loading
 
 
 def test_the_valid_checkpoints_load_and_inspect_says_so(saved, saved_sharded):
     for folder in (saved, saved_sharded):
         assert generate(folder).returncode == 0
-        r = fuzz.zoo("inspect", folder)
+        r = helpers.cli("inspect", folder)
         assert r.returncode == 0 and "zoo can load   yes, if its weights are finite (not scanned" in r.stdout, r
 
 
@@ -114,7 +114,7 @@ def test_overlapping_ranges_two_tensors_sharing_bytes(ckpt):
     a, b = "model.layers.0.input_layernorm.weight", "model.layers.1.input_layernorm.weight"
     header[b]["data_offsets"] = header[a]["data_offsets"]  # b would alias a
     write_st(path, header, data)
-    fuzz.assert_error(generate(ckpt), str(path), repr(b), repr(a), "overlap", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(b), repr(a), "overlap", status=EXIT_INPUT)
 
 
 def test_gap_between_tensors(ckpt):
@@ -124,7 +124,7 @@ def test_gap_between_tensors(ckpt):
     begin, end = header[last]["data_offsets"]
     header[last]["data_offsets"] = [begin + 4, end + 4]
     write_st(path, header, data[:begin] + b"\0" * 4 + data[begin:])
-    fuzz.assert_error(generate(ckpt), str(path), repr(last), "gap of 4 bytes", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(last), "gap of 4 bytes", status=EXIT_INPUT)
 
 
 def test_range_past_the_end_of_the_data(ckpt):
@@ -134,14 +134,14 @@ def test_range_past_the_end_of_the_data(ckpt):
     begin, end = header[last]["data_offsets"]
     header[last]["data_offsets"] = [begin + 8, end + 8]
     write_st(path, header, data)
-    fuzz.assert_error(generate(ckpt), str(path), repr(last), "outside the file", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(last), "outside the file", status=EXIT_INPUT)
 
 
 def test_data_section_longer_than_the_tensors(ckpt):
     path = ckpt / SINGLE_FILE
     header, data = read_st(path)
     write_st(path, header, data + b"\0" * 16)
-    fuzz.assert_error(generate(ckpt), str(path), repr(in_order(header)[-1]), "16 bytes after the last tensor",
+    helpers.assert_error(generate(ckpt), str(path), repr(in_order(header)[-1]), "16 bytes after the last tensor",
                       status=EXIT_INPUT)
 
 
@@ -149,28 +149,28 @@ def test_header_length_beyond_the_file(ckpt):
     path = ckpt / SINGLE_FILE
     header, data = read_st(path)
     write_st(path, header, data, length=10**12)
-    fuzz.assert_error(generate(ckpt), str(path), "header length 1000000000000 runs past the end", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), "header length 1000000000000 runs past the end", status=EXIT_INPUT)
 
 
 def test_header_length_zero(ckpt):
     path = ckpt / SINGLE_FILE
     header, data = read_st(path)
     write_st(path, header, data, length=0)
-    fuzz.assert_error(generate(ckpt), str(path), "header length 0", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), "header length 0", status=EXIT_INPUT)
 
 
 def test_header_not_json(ckpt):
     path = ckpt / SINGLE_FILE
     _, data = read_st(path)
     write_st(path, b"{not json at all", data)
-    fuzz.assert_error(generate(ckpt), str(path), "header is not valid JSON", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), "header is not valid JSON", status=EXIT_INPUT)
 
 
 def test_header_a_list(ckpt):
     path = ckpt / SINGLE_FILE
     _, data = read_st(path)
     write_st(path, b"[1, 2, 3]", data)
-    fuzz.assert_error(generate(ckpt), str(path), "header is not a JSON object", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), "header is not a JSON object", status=EXIT_INPUT)
 
 
 @pytest.mark.parametrize("dtype", ["F7", ["F32"], None])
@@ -180,7 +180,7 @@ def test_dtype_unknown_or_not_a_string(ckpt, dtype):
     name = in_order(header)[3]
     header[name]["dtype"] = dtype
     write_st(path, header, data)
-    fuzz.assert_error(generate(ckpt), str(path), repr(name), f"unknown dtype {dtype!r}", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(name), f"unknown dtype {dtype!r}", status=EXIT_INPUT)
 
 
 def test_shape_disagrees_with_byte_count(ckpt):
@@ -189,25 +189,25 @@ def test_shape_disagrees_with_byte_count(ckpt):
     name = "model.norm.weight"
     header[name]["shape"] = [header[name]["shape"][0] + 1]
     write_st(path, header, data)
-    fuzz.assert_error(generate(ckpt), str(path), repr(name), "bytes but F32", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(name), "bytes but F32", status=EXIT_INPUT)
 
 
 def test_truncated_file(ckpt):
     path = ckpt / SINGLE_FILE
     header, _ = read_st(path)
     path.write_bytes(path.read_bytes()[:-100])
-    fuzz.assert_error(generate(ckpt), str(path), repr(in_order(header)[-1]), "truncated", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(path), repr(in_order(header)[-1]), "truncated", status=EXIT_INPUT)
 
 
 def test_zero_length_file(ckpt):
     (ckpt / SINGLE_FILE).write_bytes(b"")
-    fuzz.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "0 bytes, too short", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "0 bytes, too short", status=EXIT_INPUT)
 
 
 def test_weights_file_a_fifo(ckpt):
     (ckpt / SINGLE_FILE).unlink()
     os.mkfifo(ckpt / SINGLE_FILE)
-    fuzz.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "FIFO", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "FIFO", status=EXIT_INPUT)
 
 
 # --- the sharded index ---------------------------------------------------------------------
@@ -223,21 +223,21 @@ def _write_index(folder: Path, index) -> None:
 
 def test_index_not_json(sharded):
     (sharded / INDEX_FILE).write_text('{"weight_map": {')
-    fuzz.assert_error(generate(sharded), str(sharded / INDEX_FILE), "not valid JSON (line 1", status=EXIT_INPUT)
+    helpers.assert_error(generate(sharded), str(sharded / INDEX_FILE), "not valid JSON (line 1", status=EXIT_INPUT)
 
 
 def test_index_weight_map_a_list(sharded):
     index = _index(sharded)
     index["weight_map"] = list(index["weight_map"].items())
     _write_index(sharded, index)
-    fuzz.assert_error(generate(sharded), str(sharded / INDEX_FILE), "weight_map", "dictionary", status=EXIT_INPUT)
+    helpers.assert_error(generate(sharded), str(sharded / INDEX_FILE), "weight_map", "dictionary", status=EXIT_INPUT)
 
 
 def test_index_metadata_not_an_object(sharded):
     index = _index(sharded)
     index["metadata"] = "total_size"
     _write_index(sharded, index)
-    fuzz.assert_error(generate(sharded), str(sharded / INDEX_FILE), "metadata", status=EXIT_INPUT)
+    helpers.assert_error(generate(sharded), str(sharded / INDEX_FILE), "metadata", status=EXIT_INPUT)
 
 
 @pytest.mark.parametrize("shard", ["../x.safetensors", "/etc/passwd", "sub/model.safetensors"])
@@ -246,21 +246,21 @@ def test_index_shard_outside_the_folder(sharded, shard):
     name = next(iter(index["weight_map"]))
     index["weight_map"][name] = shard
     _write_index(sharded, index)
-    fuzz.assert_error(generate(sharded), str(sharded / INDEX_FILE), repr(name), repr(shard), "not a file name",
+    helpers.assert_error(generate(sharded), str(sharded / INDEX_FILE), repr(name), repr(shard), "not a file name",
                       status=EXIT_INPUT)
 
 
 def test_index_missing_shard(sharded):
     shard = sorted(set(_index(sharded)["weight_map"].values()))[1]
     (sharded / shard).unlink()
-    fuzz.assert_error(generate(sharded), str(sharded / INDEX_FILE), repr(shard), "does not exist", status=EXIT_INPUT)
+    helpers.assert_error(generate(sharded), str(sharded / INDEX_FILE), repr(shard), "does not exist", status=EXIT_INPUT)
 
 
 def test_index_shard_a_fifo(sharded):
     shard = sorted(set(_index(sharded)["weight_map"].values()))[1]
     (sharded / shard).unlink()
     os.mkfifo(sharded / shard)
-    fuzz.assert_error(generate(sharded), str(sharded / shard), "FIFO", status=EXIT_INPUT)
+    helpers.assert_error(generate(sharded), str(sharded / shard), "FIFO", status=EXIT_INPUT)
 
 
 def test_index_tensor_in_two_shards(sharded):
@@ -272,7 +272,7 @@ def test_index_tensor_in_two_shards(sharded):
     with SafetensorsFile(sharded / second) as f:
         tensors = [(n, f.read(n)) for n in f.tensors]
     write_file(sharded / second, tensors + [(name, extra)])  # a second copy the index does not mention
-    fuzz.assert_error(generate(sharded), str(sharded / second), repr(name), f"also in shard {first!r}",
+    helpers.assert_error(generate(sharded), str(sharded / second), repr(name), f"also in shard {first!r}",
                       status=EXIT_INPUT)
 
 
@@ -281,14 +281,14 @@ def test_index_tensor_in_two_shards(sharded):
 
 def test_config_a_list(ckpt):
     (ckpt / "config.json").write_text(json.dumps([json.loads((ckpt / "config.json").read_text())]))
-    fuzz.assert_error(generate(ckpt), str(ckpt / "config.json"), "not a JSON object", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / "config.json"), "not a JSON object", status=EXIT_INPUT)
 
 
 def test_config_string_where_an_int_belongs(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     config["num_hidden_layers"] = "2"
     (ckpt / "config.json").write_text(json.dumps(config))
-    fuzz.assert_error(generate(ckpt), str(ckpt / "config.json"), "'num_hidden_layers'", "expected int",
+    helpers.assert_error(generate(ckpt), str(ckpt / "config.json"), "'num_hidden_layers'", "expected int",
                       status=EXIT_INPUT)
 
 
@@ -296,28 +296,28 @@ def test_config_model_type_a_list(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     config["model_type"] = ["llama"]
     (ckpt / "config.json").write_text(json.dumps(config))
-    fuzz.assert_error(fuzz.zoo("inspect", ckpt), str(ckpt / "config.json"), "'model_type'", "expected a string",
+    helpers.assert_error(helpers.cli("inspect", ckpt), str(ckpt / "config.json"), "'model_type'", "expected a string",
                       status=EXIT_INPUT)
 
 
 def test_config_100_mb_of_garbage(ckpt):
     (ckpt / "config.json").write_bytes(b"\x7f" * (100 << 20))
-    fuzz.assert_error(fuzz.zoo("inspect", ckpt), str(ckpt / "config.json"), "not valid JSON", status=EXIT_INPUT)
+    helpers.assert_error(helpers.cli("inspect", ckpt), str(ckpt / "config.json"), "not valid JSON", status=EXIT_INPUT)
 
 
 @pytest.mark.parametrize("how", ["inspect", "generate", "from_pretrained"])
 def test_config_a_fifo_does_not_hang(ckpt, how):
     (ckpt / "config.json").unlink()
     os.mkfifo(ckpt / "config.json")
-    r = {"inspect": lambda: fuzz.zoo("inspect", ckpt), "generate": lambda: generate(ckpt),
+    r = {"inspect": lambda: helpers.cli("inspect", ckpt), "generate": lambda: generate(ckpt),
          "from_pretrained": lambda: api(f"import zoo\nzoo.Model.from_pretrained({str(ckpt)!r})")}[how]()
-    fuzz.assert_error(r, str(ckpt / "config.json"), "FIFO, not a regular file")
+    helpers.assert_error(r, str(ckpt / "config.json"), "FIFO, not a regular file")
 
 
 def test_config_a_folder(ckpt):
     (ckpt / "config.json").unlink()
     (ckpt / "config.json").mkdir()
-    fuzz.assert_error(generate(ckpt), str(ckpt / "config.json"), "a folder, not a regular file", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / "config.json"), "a folder, not a regular file", status=EXIT_INPUT)
 
 
 # --- tokenizer files -------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def _edit_json(path: Path, edit) -> None:
 ])
 def test_tokenizer_json_fields_of_the_wrong_type(ckpt, tok, field, edit):
     _edit_json(tok / "tokenizer.json", edit)
-    fuzz.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), field, status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), field, status=EXIT_INPUT)
 
 
 @pytest.mark.parametrize("file, field, value", [
@@ -387,19 +387,19 @@ def test_tokenizer_json_fields_of_the_wrong_type(ckpt, tok, field, edit):
 ])
 def test_tokenizer_side_files_of_the_wrong_type(ckpt, tok, file, field, value):
     (tok / file).write_text(json.dumps({field: value}))
-    fuzz.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / file), field, status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / file), field, status=EXIT_INPUT)
 
 
 def test_tokenizer_json_a_fifo(ckpt, tok):
     (tok / "tokenizer.json").unlink()
     os.mkfifo(tok / "tokenizer.json")
-    fuzz.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), "FIFO", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), "FIFO", status=EXIT_INPUT)
 
 
 def test_tokenizer_config_a_fifo(ckpt, tok):
     (tok / "tokenizer_config.json").unlink()
     os.mkfifo(tok / "tokenizer_config.json")
-    fuzz.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer_config.json"), "FIFO",
+    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer_config.json"), "FIFO",
                       status=EXIT_INPUT)
 
 
@@ -407,12 +407,12 @@ def test_tokenizer_config_a_fifo(ckpt, tok):
                                           ("special_tokens", {"<|eos|>": 7})])
 def test_zoo_tokenizer_fields_of_the_wrong_type(ckpt, field, value):
     _edit_json(ckpt / "zoo_tokenizer.json", lambda d: d.update({field: value}))
-    fuzz.assert_error(generate(ckpt), str(ckpt / "zoo_tokenizer.json"), field, status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / "zoo_tokenizer.json"), field, status=EXIT_INPUT)
 
 
 def test_zoo_tokenizer_a_list(ckpt):
     (ckpt / "zoo_tokenizer.json").write_text("[]")
-    fuzz.assert_error(generate(ckpt), str(ckpt / "zoo_tokenizer.json"), status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt), str(ckpt / "zoo_tokenizer.json"), status=EXIT_INPUT)
 
 
 # --- non-finite weights ----------------------------------------------------------------------
@@ -437,14 +437,14 @@ POISON = {"model.layers.1.mlp.up_proj.weight": [NAN, NAN, 1.0, NAN], "model.norm
 
 def test_nonfinite_weights_refused_naming_file_counts_and_tensors(ckpt):
     _poison(ckpt, POISON)
-    fuzz.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "4 non-finite values (NaN or Inf) in 2 of 21 tensors",
+    helpers.assert_error(generate(ckpt), str(ckpt / SINGLE_FILE), "4 non-finite values (NaN or Inf) in 2 of 21 tensors",
                       "'model.layers.1.mlp.up_proj.weight' (3)", "'model.norm.weight' (1)", "allow_nonfinite=True",
                       status=EXIT_INPUT)
 
 
 def test_nonfinite_weights_allowed_with_the_flag_say_how_many_and_where(ckpt):
     _poison(ckpt, POISON)
-    r = fuzz.python(textwrap.dedent(f"""
+    r = helpers.python(textwrap.dedent(f"""
         import warnings, numpy as np, zoo
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -463,7 +463,7 @@ def test_nonfinite_bf16_weights_and_inspect_scan_agrees_with_loading(tmp_path):
     folder = tmp_path / "bf16"
     _tiny_llama().save_pretrained(folder, tokenizer=Tokenizer.byte_level(), dtype="bfloat16")
     _poison(folder, POISON, dtype="bf16")
-    loading = fuzz.assert_error(generate(folder), "4 non-finite values", status=EXIT_INPUT)
+    loading = helpers.assert_error(generate(folder), "4 non-finite values", status=EXIT_INPUT)
     r = api(f"""
         from zoo.io.inspect import format_inspection, inspect_checkpoint
         print(format_inspection(inspect_checkpoint({str(folder)!r}, scan=True)))
@@ -528,18 +528,18 @@ def test_verdict_truncated(ckpt):
 # --- data files ------------------------------------------------------------------------------
 
 
-def _train(tmp_path: Path, data: str | Path) -> fuzz.Result:
-    return fuzz.zoo("train", "--data", data, "--steps", "1", "--out", tmp_path / "run", "--cache-dir",
+def _train(tmp_path: Path, data: str | Path) -> helpers.Result:
+    return helpers.cli("train", "--data", data, "--steps", "1", "--out", tmp_path / "run", "--cache-dir",
                     tmp_path / "cache", "--batch-size", "1", "--seq-len", "8", "--no-progress")
 
 
 def test_data_file_a_fifo(tmp_path):
     os.mkfifo(tmp_path / "data.txt")
-    fuzz.assert_error(_train(tmp_path, tmp_path / "data.txt"), str(tmp_path / "data.txt"), "FIFO", status=EXIT_INPUT)
+    helpers.assert_error(_train(tmp_path, tmp_path / "data.txt"), str(tmp_path / "data.txt"), "FIFO", status=EXIT_INPUT)
 
 
 def test_data_file_a_device(tmp_path):
-    fuzz.assert_error(_train(tmp_path, "/dev/zero"), "/dev/zero", "a device", status=EXIT_INPUT)
+    helpers.assert_error(_train(tmp_path, "/dev/zero"), "/dev/zero", "a device", status=EXIT_INPUT)
 
 
 def test_token_cache_meta_a_fifo_is_rebuilt(tmp_path):
@@ -563,5 +563,5 @@ def test_token_cache_meta_a_fifo_is_rebuilt(tmp_path):
 def test_json_nested_too_deeply_is_one_clear_error(tmp_path):
     folder = tmp_path / "deep"
     folder.mkdir()
-    fuzz.write(folder / "config.json", "[" * 100000)
-    fuzz.assert_error(fuzz.zoo("inspect", folder), "config.json", "nested too deeply", status=1)
+    helpers.write(folder / "config.json", "[" * 100000)
+    helpers.assert_error(helpers.cli("inspect", folder), "config.json", "nested too deeply", status=1)

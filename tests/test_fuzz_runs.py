@@ -2,7 +2,7 @@
 metrics.jsonl, what a killed run left, a second run on a folder in use, a full disk. Each ends
 in one `zoo: error: ...` line naming the file (and the field, or the line), or is handled (the
 run goes on, and says what it dropped or removed); the last good checkpoint stays loadable.
-Each case runs in its own subprocess through tests/fuzz.py, on a copy of one short run made
+Each case runs in its own subprocess through tests/helpers.py, on a copy of one short run made
 here; a full disk is forced by a snippet that makes one write site fail with ENOSPC."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import fuzz
+import helpers
 import pytest
 
 import zoo
@@ -38,7 +38,7 @@ def made(tmp_path_factory) -> tuple[Path, Path]:
     """(run folder, token cache) of a complete 3-step run, checkpoints at steps 2 and 3."""
     root = tmp_path_factory.mktemp("fuzz_runs")
     out, cache = root / "run", root / "cache"
-    r = fuzz.zoo(*train_args(out, cache))
+    r = helpers.cli(*train_args(out, cache))
     assert r.returncode == 0, r.stderr
     return out, cache
 
@@ -51,10 +51,10 @@ def run(made, tmp_path) -> Path:
     return out
 
 
-def resume(run: Path, cache: Path, *extra, patch: str = "") -> fuzz.Result:
+def resume(run: Path, cache: Path, *extra, patch: str = "") -> helpers.Result:
     """`zoo train ... --resume` on `run` (after the Python lines `patch`, which force a fault)."""
     argv = [str(a) for a in train_args(run, cache, "--resume", *extra)]
-    return fuzz.python(f"import sys\n{patch}\nfrom zoo.cli import main\nsys.exit(main({argv!r}))")
+    return helpers.python(f"import sys\n{patch}\nfrom zoo.cli import main\nsys.exit(main({argv!r}))")
 
 
 def edit_state(run: Path, change) -> Path:
@@ -76,38 +76,38 @@ def dead_pid() -> int:
 
 def test_state_that_is_a_list(run, made):
     (run / STATE).write_text("[1, 2, 3]\n")
-    fuzz.assert_error(resume(run, made[1]), str(run / STATE), "(top level)", "valid dictionary", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(run / STATE), "(top level)", "valid dictionary", status=EXIT_INPUT)
 
 
 def test_state_without_config(run, made):
     path = edit_state(run, lambda s: {k: v for k, v in s.items() if k != "config"})
-    fuzz.assert_error(resume(run, made[1]), str(path), "config: Field required", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(path), "config: Field required", status=EXIT_INPUT)
 
 
 def test_state_without_step(run, made):
     path = edit_state(run, lambda s: {k: v for k, v in s.items() if k != "step"})
-    fuzz.assert_error(resume(run, made[1]), str(path), "step: Field required", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(path), "step: Field required", status=EXIT_INPUT)
 
 
 def test_state_with_a_string_step(run, made):
     path = edit_state(run, lambda s: {**s, "step": "3"})
-    fuzz.assert_error(resume(run, made[1]), str(path), "step: Input should be a valid integer", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(path), "step: Input should be a valid integer", status=EXIT_INPUT)
 
 
 def test_state_with_a_wrong_config_field(run, made):
     path = edit_state(run, lambda s: {**s, "config": {**s["config"], "lr": "fast"}})
-    fuzz.assert_error(resume(run, made[1]), str(path), "config.lr", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(path), "config.lr", status=EXIT_INPUT)
 
 
 def test_state_cut_short(run, made):
     path = run / STATE
     path.write_bytes(path.read_bytes()[:100])
-    fuzz.assert_error(resume(run, made[1]), str(path), "not valid JSON (line", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(path), "not valid JSON (line", status=EXIT_INPUT)
 
 
 def test_checkpoint_without_its_state(run, made):
     (run / STATE).unlink()
-    fuzz.assert_error(resume(run, made[1]), str(run / STATE), "not a zoo training checkpoint", status=EXIT_INPUT)
+    helpers.assert_error(resume(run, made[1]), str(run / STATE), "not a zoo training checkpoint", status=EXIT_INPUT)
 
 
 # --- metrics.jsonl --------------------------------------------------------------------------
@@ -135,11 +135,11 @@ def test_plot_names_the_line_that_is_no_record_and_skips_an_unfinished_last_line
     metrics = run / "metrics.jsonl"
     good = metrics.read_text()
     metrics.write_text(good + '{"step": 9, "lo')  # a run writing (or killed while writing) its last line
-    r = fuzz.zoo("plot", run)
+    r = helpers.cli("plot", run)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     metrics.write_text(good + "[1, 2]\n")
     n = len(good.splitlines()) + 1
-    fuzz.assert_error(fuzz.zoo("plot", run), str(metrics), f"line {n} does not hold what zoo expects",
+    helpers.assert_error(helpers.cli("plot", run), str(metrics), f"line {n} does not hold what zoo expects",
                       status=EXIT_INPUT)
 
 
@@ -152,14 +152,14 @@ def test_the_leftovers_of_dead_runs_are_removed_at_start_and_a_live_writers_kept
     left = [ckpts / f".tmp-step-00000004-{dead}", ckpts / f".trash-step-00000001-{dead}",
             run / f".trash-checkpoints-{dead}"]
     for folder in left:
-        fuzz.write(folder / "model.safetensors", b"partial")
-    left += [fuzz.write(run / f".config.json.{dead}.tmp", "{"),
-             fuzz.write(run / f".loss.png.{dead}.0a1b2c3d.tmp", b"partial")]
+        helpers.write(folder / "model.safetensors", b"partial")
+    left += [helpers.write(run / f".config.json.{dead}.tmp", "{"),
+             helpers.write(run / f".loss.png.{dead}.0a1b2c3d.tmp", b"partial")]
     # A file being replaced by a live process (`zoo plot` takes no lock): this one's, with a
     # random part of digits only, which must not be read as the (dead) pid.
-    live = fuzz.write(run / f".loss.png.{os.getpid()}.0a1b2c3d.tmp", b"being written")
-    live_digits = fuzz.write(run / f".metrics.png.{os.getpid()}.{dead:08d}.tmp", b"being written")
-    mine = fuzz.write(ckpts / "notes.txt", "the user's")  # no name of zoo's: never touched
+    live = helpers.write(run / f".loss.png.{os.getpid()}.0a1b2c3d.tmp", b"being written")
+    live_digits = helpers.write(run / f".metrics.png.{os.getpid()}.{dead:08d}.tmp", b"being written")
+    mine = helpers.write(ckpts / "notes.txt", "the user's")  # no name of zoo's: never touched
     r = resume(run, made[1], "--steps", 4)
     assert r.returncode == 0, r.stderr
     assert [p for p in left if p.exists()] == []
@@ -169,17 +169,17 @@ def test_the_leftovers_of_dead_runs_are_removed_at_start_and_a_live_writers_kept
 
 
 def test_a_folder_in_use_by_a_live_run_is_refused_and_left_alone(run, made):
-    left = fuzz.write(run / "checkpoints" / f".tmp-step-00000004-{os.getpid()}" / "model.safetensors", b"partial")
+    left = helpers.write(run / "checkpoints" / f".tmp-step-00000004-{os.getpid()}" / "model.safetensors", b"partial")
     with open(run / ".zoo-run.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a live run holds
         lock.truncate(0)
         lock.write(f"{os.getpid()}\n")
         lock.flush()
         r = resume(run, made[1], "--steps", 4)
-        fuzz.assert_error(r, f"another zoo run is using {run} (pid {os.getpid()})", status=EXIT_INPUT)
+        helpers.assert_error(r, f"another zoo run is using {run} (pid {os.getpid()})", status=EXIT_INPUT)
         assert left.exists()  # the live run's checkpoint being written
-        r = fuzz.zoo(*train_args(run, made[1], "--overwrite"))
-        fuzz.assert_error(r, f"another zoo run is using {run}", status=EXIT_INPUT)
+        r = helpers.cli(*train_args(run, made[1], "--overwrite"))
+        helpers.assert_error(r, f"another zoo run is using {run}", status=EXIT_INPUT)
         assert (run / "checkpoints" / "step-00000003").is_dir() and (run / "metrics.jsonl").exists()
     r = resume(run, made[1], "--steps", 4)  # the lock given up: the folder is free again
     assert r.returncode == 0, r.stderr
@@ -213,7 +213,7 @@ builtins.open = lambda file, mode="r", *a, **k: _full(_open(file, mode, *a, **k)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the snippet finds a file's path in /proc")
 def test_full_disk_while_writing_a_checkpoint_names_the_file_and_keeps_the_last_one(run, made):
     r = resume(run, made[1], "--steps", 5, patch=disk_full_at(".tmp-step-00000005-"))
-    line = fuzz.assert_error(r, "cannot write checkpoint", str(run / "checkpoints" / "step-00000005"),
+    line = helpers.assert_error(r, "cannot write checkpoint", str(run / "checkpoints" / "step-00000005"),
                              "no space left on the device writing", "model.safetensors",
                              f"the previous checkpoint {run / 'checkpoints' / 'step-00000004'} is intact",
                              status=EXIT_RESOURCES)
@@ -228,13 +228,13 @@ def test_full_disk_while_writing_a_checkpoint_names_the_file_and_keeps_the_last_
 @pytest.mark.parametrize("name", ["metrics.jsonl", "train.log"])
 def test_full_disk_while_appending_to_a_run_file_names_it(run, made, name):
     r = resume(run, made[1], "--steps", 4, patch=disk_full_at(str(run / name)))
-    fuzz.assert_error(r, str(run / name), "not enough disk space", status=EXIT_RESOURCES)
+    helpers.assert_error(r, str(run / name), "not enough disk space", status=EXIT_RESOURCES)
     zoo.Model.from_pretrained(run / "checkpoints" / "step-00000003")
 
 
 def test_full_disk_while_writing_the_plot_names_it(run):
-    r = fuzz.python(disk_full_at("loss.png") + f"import sys\nfrom zoo.cli import main\nsys.exit(main(['plot', {str(run)!r}]))")
-    fuzz.assert_error(r, str(run / "loss.png"), "not enough disk space", status=EXIT_RESOURCES)
+    r = helpers.python(disk_full_at("loss.png") + f"import sys\nfrom zoo.cli import main\nsys.exit(main(['plot', {str(run)!r}]))")
+    helpers.assert_error(r, str(run / "loss.png"), "not enough disk space", status=EXIT_RESOURCES)
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -282,7 +282,7 @@ os.replace = _replace_then_die
     assert r.returncode == -9, r.stderr
     assert not (run / "config.json").exists()
     assert [p.name for p in run.glob(".model.safetensors.*.tmp")]
-    fuzz.assert_error(fuzz.zoo("generate", "--from", run, "--prompt", "a", "--max-new-tokens", 2),
+    helpers.assert_error(helpers.cli("generate", "--from", run, "--prompt", "a", "--max-new-tokens", 2),
                       str(run), "config.json")
     for _ in range(2):  # published whole; then published again, onto the same files
         r = resume(run, made[1], "--steps", 4)

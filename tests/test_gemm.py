@@ -155,7 +155,7 @@ def test_zoo_gemm_in_the_environment_chooses_the_library():
     assert r.returncode != 0 and "ZOO_GEMM=blis: GEMM library 'blis' is unknown" in r.stderr
 
 
-def test_bf16_without_bf16_dot_products_is_refused_with_the_reason():
+def test_bf16_without_bf16_dot_products_is_refused_with_the_reason(tmp_path):
     # DNNL_MAX_CPU_ISA hides the CPU's bf16 instructions from oneDNN: the path of a CPU without them.
     code = ("import zoo\n"
             "try:\n    zoo.Model(zoo.preset('tiny-gpt2'), precision='bf16')\n"
@@ -170,10 +170,10 @@ def test_bf16_without_bf16_dot_products_is_refused_with_the_reason():
     # The command line: one line, no traceback, before any weights or data are read.
     r = subprocess.run([sys.executable, "-m", "zoo.cli", "train", "--preset", "tiny-gpt2", "--steps", "2",
                         "--out", "unused-run", "--precision", "bf16"], capture_output=True, text=True, timeout=120,
-                       env=dict(os.environ, DNNL_MAX_CPU_ISA="AVX2"), cwd=os.path.dirname(__file__))
+                       env=dict(os.environ, DNNL_MAX_CPU_ISA="AVX2"), cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "zoo: error: precision bf16 needs" in r.stderr
-    assert not os.path.exists(os.path.join(os.path.dirname(__file__), "unused-run"))
+    assert not (tmp_path / "unused-run").exists()
 
 
 def test_an_unknown_precision_is_refused():

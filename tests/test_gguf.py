@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import fuzz
+import helpers
 import zoo
+from helpers import LLAMA2_TOKENIZER, installed, needs, shared
 from zoo.cli import main
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
@@ -26,9 +27,6 @@ from zoo.arch.layout import parameter_shapes
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-LLAMA2_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "llama2-tokenizer.model"
-if not LLAMA2_MODEL.is_file():
-    LLAMA2_MODEL = Path("/work/shared/data/llama2-tokenizer.model")
 SAMPLE = ("Hello   world!! It's 12345 or 3.14159, isn't it?\n\n\tTabs\t\there  \n"
           "Grüße aus Köln — Ünïcödé; 日本語のテキスト; русский текст; العربية; हिन्दी; 한국어\n"
           "emoji 🙂🚀👍🏽 and 🇫🇷 flags   trailing   ")
@@ -291,8 +289,11 @@ def test_export_types_and_metadata_as_gguf_reads_them(tmp_path):
 
 # --- the q/k permutation and Llama 3 rope_freqs, against transformers --------------------------------
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# The tests against transformers skip one by one without it; the rest need gguf alone.
+hf = needs("torch", "transformers")
+if installed("torch") and installed("transformers"):
+    import torch
+    import transformers
 
 
 def hf_llama(hidden: int, heads: int, kv_heads: int, rope_parameters=None, seed=0):
@@ -364,6 +365,7 @@ PERMUTATION_CASES = {
 }
 
 
+@hf
 @pytest.mark.parametrize("case", PERMUTATION_CASES)
 def test_qk_permutation_and_rope_match_transformers(tmp_path, case):
     model = hf_llama(**PERMUTATION_CASES[case])
@@ -385,6 +387,7 @@ def test_qk_permutation_and_rope_match_transformers(tmp_path, case):
             assert s.low_freq_factor == pytest.approx(1.0, rel=1e-4) and s.high_freq_factor == pytest.approx(4.0, rel=1e-4)
 
 
+@hf
 def test_without_the_permutation_the_logits_differ(tmp_path):
     """The check above can fail: the same weights written without llama.cpp's permutation give
     other logits once loaded."""
@@ -396,6 +399,7 @@ def test_without_the_permutation_the_logits_differ(tmp_path):
     assert np.abs(zoo.Model.from_pretrained(tmp_path / "m.gguf").logits(tok) - expected).max() > 1e-2
 
 
+@hf
 def test_gpt2_as_llama_cpp_converts_it_matches_transformers(tmp_path):
     """GPT-2's Conv1D weights transposed and the tied head written out, as convert_hf_to_gguf.py does."""
     cfg = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4)
@@ -463,13 +467,12 @@ def tiny_llama_with_vocab(path: Path, vocab: int, tokenizer_keys: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def spm_gguf(tmp_path_factory):
-    if not LLAMA2_MODEL.is_file():
-        pytest.skip("shared/data/llama2-tokenizer.model not present")
-    return tiny_llama_with_vocab(tmp_path_factory.mktemp("spm") / "m.gguf", 32000, spm_vocab_keys(LLAMA2_MODEL))
+    shared(LLAMA2_TOKENIZER)
+    return tiny_llama_with_vocab(tmp_path_factory.mktemp("spm") / "m.gguf", 32000, spm_vocab_keys(LLAMA2_TOKENIZER))
 
 
 def test_sentencepiece_vocabulary_encodes_as_the_original(spm_gguf, tmp_path):
-    original = Tokenizer.from_pretrained(LLAMA2_MODEL)
+    original = Tokenizer.from_pretrained(LLAMA2_TOKENIZER)
     assert main(["convert", str(spm_gguf), str(tmp_path / "out")]) == 0
     tok = Tokenizer.from_pretrained(tmp_path / "out")
     assert tok.kind == "sentencepiece"
@@ -491,7 +494,7 @@ def test_sentencepiece_tokenizer_exports_as_llama_cpp_converts_it(spm_gguf, tmp_
     zoo.Model.from_pretrained(spm_gguf).save_pretrained(folder)
     assert main(["convert", str(folder), str(tmp_path / "again.gguf")]) == 0
     r = gguf.GGUFReader(tmp_path / "again.gguf")
-    expected = spm_vocab_keys(LLAMA2_MODEL)
+    expected = spm_vocab_keys(LLAMA2_TOKENIZER)
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template"):
         assert r.fields[key].contents() == expected[key][0], key
@@ -501,7 +504,7 @@ def test_sentencepiece_tokenizer_exports_as_llama_cpp_converts_it(spm_gguf, tmp_
 
 def bpe_tokenizer(pre: str):
     """A byte-level BPE trained here with `tokenizers`, with llama.cpp's pre-tokenizer `pre`."""
-    tokenizers = pytest.importorskip("tokenizers")
+    import tokenizers
     from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 
     tok = tokenizers.Tokenizer(models.BPE())
@@ -533,6 +536,7 @@ def bpe_vocab_keys(tok, pre: str) -> dict:
             "tokenizer.ggml.bos_token_id": (0, T.UINT32)}
 
 
+@needs("tokenizers", "transformers")
 @pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "smollm"])
 def test_bpe_vocabulary_encodes_as_the_original(tmp_path, pre):
     tok = bpe_tokenizer(pre)
@@ -697,7 +701,7 @@ def test_array_length_past_the_end_is_refused_at_once(tmp_path):
     key = b"tokenizer.ggml.scores"
     header += struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", 9, 6, 1 << 60) + b"\0" * 64
     path.write_bytes(header)
-    r = fuzz.python(f"import zoo; zoo.Model.from_pretrained({str(path)!r})", timeout=30)
+    r = helpers.python(f"import zoo; zoo.Model.from_pretrained({str(path)!r})", timeout=30)
     assert "truncated or corrupt" in r.stderr and "'tokenizer.ggml.scores'" in r.stderr, r.stderr
 
 
@@ -738,6 +742,6 @@ def test_bad_tokenizer_metadata_names_the_key(tmp_path):
 
 def test_cli_error_is_one_line_naming_the_file(tmp_path):
     path = small_llama(tmp_path / "m.gguf", arch="falcon")
-    r = fuzz.zoo("convert", path, tmp_path / "out")
-    fuzz.assert_error(r, str(path), "general.architecture", status=1)
+    r = helpers.cli("convert", path, tmp_path / "out")
+    helpers.assert_error(r, str(path), "general.architecture", status=1)
     assert not (tmp_path / "out").exists()

@@ -4,17 +4,17 @@ and an end-to-end instruction finetune that answers held-out questions."""
 import json
 import random
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import zoo
+from helpers import gemm_rounding, needs, zoo_command
 from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
 from zoo.train.data import IGNORE, DataError, PackedWindows, Windows, batches_for, tokenize_files
 from zoo.text.tokenizers import Tokenizer
 
-ZOO = [sys.executable, "-m", "zoo.cli"]
+ZOO = zoo_command()
 
 
 def _jsonl(path, records):
@@ -89,6 +89,11 @@ def test_short_examples_are_packed_with_positions_restarting(tmp_path, tok):
         assert len(starts) >= 2 and starts[0] == 0
         for a in starts[1:]:  # no target crosses into the next example
             assert y[r, a - 1] in (tok.eos_id, IGNORE)
+        # Every example (it begins with BOS) starts at position 0, and counts up from there.
+        bos = np.flatnonzero(x[r] == tok.bos_id)
+        assert len(bos) >= 2 and (positions[r, bos] == 0).all(), (bos, positions[r])
+        following = positions[r, 1:]
+        assert ((following == 0) | (following == positions[r, :-1] + 1)).all(), positions[r]
     # --train-on-everything: one stream again, every token a target
     assert isinstance(batches_for(tf, 4, 32, 0.0, 1, 0, "data", train_on_everything=True), Windows)
 
@@ -148,9 +153,28 @@ COLORS = {"apple": "red", "banana": "yellow", "cherry": "red", "date": "brown", 
 FORMS = ["What color is the {}?", "Tell me the color of the {}.", "Color of the {}?", "Name the color of the {}."]
 
 
+def _answer_log_likelihood(model, tok, template, question: str, answer: str) -> float:
+    """log p(answer | the question rendered as the chat template renders it for a reply)."""
+    prompt = tok.encode(template.render([{"role": "user", "content": question}], add_generation_prompt=True))
+    ids = prompt + tok.encode(answer)
+    logits = model.logits(np.asarray([ids[:-1]]))[0].astype(np.float64)
+    logp = logits - logits.max(axis=1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(axis=1, keepdims=True))
+    return float(sum(logp[t - 1, ids[t]] for t in range(len(prompt), len(ids))))
+
+
+@gemm_rounding
 def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
     """A tiny Llama trained on a few hundred chats of one form answers questions of that form it
-    never saw (other phrasing and fruit combinations); eval reproduces the trainer's val loss."""
+    never saw (other phrasing and fruit combinations): for each, "It is <its color>." is the
+    likeliest answer of that form over every color. The exact replies depend on the GEMM
+    library's rounding over 300 steps, so `zoo chat` is compared with this process's greedy
+    reply from the same folder; eval reproduces the trainer's val loss."""
+    import io
+
+    from zoo.chat import ChatSession
+    from zoo import Model
+
     pairs = [(form, fruit) for form in FORMS for fruit in COLORS]
     random.Random(0).shuffle(pairs)
     held, train = pairs[:4], pairs[4:]
@@ -166,12 +190,21 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "(1 chat)" in out.stderr + out.stdout and "packed rows" in out.stderr + out.stdout
+
+    model, tok, template = Model.from_pretrained(run), Tokenizer.from_pretrained(run), ChatTemplate.for_folder(run)
     for form, fruit in held:
+        question = form.format(fruit)
+        scores = {c: _answer_log_likelihood(model, tok, template, question, f"It is {c}.") for c in set(COLORS.values())}
+        assert max(scores, key=scores.get) == COLORS[fruit], (question, scores)
+    greedy = {}
+    for form, fruit in held[:2]:
+        session = ChatSession(model, tok, template, temperature=0.0, max_new_tokens=40)
+        greedy[form, fruit] = session.reply(form.format(fruit), file=io.StringIO())
         reply = subprocess.run(ZOO + ["chat", "--from", str(run), "--prompt", form.format(fruit),
                                       "--temperature", "0", "--max-new-tokens", "40"],
                                capture_output=True, text=True, timeout=120)
         assert reply.returncode == 0, reply.stderr
-        assert reply.stdout.strip() == f"It is {COLORS[fruit]}.", (form, fruit, reply.stdout)
+        assert reply.stdout.strip() == greedy[form, fruit], (form, fruit, reply.stdout)
     # interactive: one reply per line read (blank lines skipped), the conversation carried along
     # (a second turn is beyond what one-turn training data teaches: only that it comes)
     (form1, fruit1), (form2, fruit2) = held[:2]
@@ -180,7 +213,7 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
                           timeout=120)
     assert talk.returncode == 0, talk.stderr
     lines = talk.stdout.strip().split("\n")
-    assert lines[0] == f"It is {COLORS[fruit1]}." and len(lines) >= 2
+    assert lines[0] == greedy[form1, fruit1] and len(lines) >= 2
 
     result = tmp_path / "eval.json"
     ev = subprocess.run(ZOO + ["eval", "--from", str(run), "--split", "val", "--json", str(result), *env_cache],
@@ -227,9 +260,11 @@ SYSTEM_BRANCH = ("{% if messages[0]['role'] == 'system' %}{% set system = messag
 @pytest.mark.parametrize("source", [FALLBACK_TEMPLATE, LLAMA3_STYLE, SYSTEM_BRANCH], ids=["chatml", "llama3", "system"])
 @pytest.mark.parametrize("generation_prompt", [False, True])
 @pytest.mark.parametrize("system", [False, True])
+@needs("tokenizers", "transformers")
 def test_rendering_equals_transformers_apply_chat_template(source, generation_prompt, system):
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
+    import tokenizers
+    import transformers
+
     hf = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
         bos_token="<s>", eos_token="</s>")

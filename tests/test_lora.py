@@ -3,26 +3,18 @@ products, what a LoRA model and a forward-only model allocate, dropout, the memo
 LoRA runs through the CLI. Parity with PEFT itself is in test_lora_peft.py."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import zoo
+from helpers import BF16, GPT2_TINY, SHAKESPEARE, STORIES, cli, needs_clad, needs_shared, rel_err, shared
 from zoo import LoraConfig, ModelConfig
-from zoo.train.trainer import Trainer, TrainInterrupted
 from zoo.train.config import TrainConfig
-from zoo.arch.layout import num_parameters
+from zoo.train.trainer import Trainer, TrainInterrupted
+from zoo.arch.layout import num_parameters  # noqa: E402
 
-CLAD = bool(zoo.build_info().get("clad"))
-BF16 = zoo.gemm_info()["bf16_native"]
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-STORIES = SHARED / "stories260K-hf"
-
-GPT2_TINY = ModelConfig(vocab_size=97, max_seq_len=32, d_model=48, n_layer=2, n_head=4, d_ff=96)
+# Heads of 10 (no power of two), and adapters over every module of the Llama family.
 LLAMA_TINY = ModelConfig(vocab_size=101, max_seq_len=32, d_model=40, n_layer=2, n_head=4, n_kv_head=2, head_dim=10,
                          d_ff=72, norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False,
                          mlp_bias=False, tied_embeddings=False)
@@ -35,11 +27,6 @@ WIDE_VOCAB = ModelConfig(vocab_size=20000, max_seq_len=16, d_model=96, n_layer=1
 def batch(cfg, B=2, T=12, seed=0):
     rng = np.random.default_rng(seed)
     return rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T))
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
 def randomize_adapters(model, seed=1, scale=1.0):
@@ -57,14 +44,15 @@ def fp32_copy(model) -> zoo.Model:
 
 
 def merged(model) -> zoo.Model:
-    """fp32_copy with every adapter merged into its module's weight: W + scaling B A."""
+    """fp32_copy with every adapter merged into its module's weight: W + (alpha / r) B A (LoRA's
+    scaling, written here from its definition)."""
     from zoo.arch.lora import adapters
 
     full = fp32_copy(model)
     p = model.parameters()
     for a in adapters(model.config, model.lora):
         w = a.module + ".weight"
-        full.set_base_tensor(w, full.base_tensor(w) + model.lora.scaling * p[a.module + ".lora_B.weight"]
+        full.set_base_tensor(w, full.base_tensor(w) + model.lora.alpha / model.lora.r * p[a.module + ".lora_B.weight"]
                              @ p[a.module + ".lora_A.weight"])
     return full
 
@@ -97,7 +85,7 @@ def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
     _, full_grads = full.loss_and_grads(tok, tgt)
     from zoo.arch.lora import adapters
 
-    s, p = model.lora.scaling, model.parameters()
+    s, p = model.lora.alpha / model.lora.r, model.parameters()
     for a in adapters(cfg, model.lora):
         G = full_grads[a.module + ".weight"]
         A, B = p[a.module + ".lora_A.weight"], p[a.module + ".lora_B.weight"]
@@ -228,25 +216,20 @@ def test_a_lora_step_allocates_training_state_for_the_adapters_alone():
 # --- runs ------------------------------------------------------------------------------------
 
 
-def zoo_cli(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "zoo.cli", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=600)
-
-
 def test_a_run_that_cannot_fit_is_refused_up_front_with_what_would(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("hello world " * 200)
-    r = zoo_cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "run",
-                "--batch-size", "4", "--seq-len", "256", env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
+    r = cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "run",
+            "--batch-size", "4", "--seq-len", "256", env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
     assert r.returncode == 3, r.stderr
     line = r.stderr.strip().splitlines()[-1]
     assert "needs" in line and "weights" in line and "AdamW moments" in line and "1.40 GiB (1,500,000,000 bytes) is available" in line
     assert "would fit: --lora (" in line and "--lora --base-dtype int8 (" in line
     assert not (tmp_path / "run" / "train.log").exists()  # refused before anything was made
     # A LoRA run fits where the full one did not.
-    ok = zoo_cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "lora",
-                 "--batch-size", "1", "--seq-len", "32", "--lora", "--no-progress", "--sample-tokens", "0",
-                 env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)})
+    ok = cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "lora",
+             "--batch-size", "1", "--seq-len", "32", "--lora", "--no-progress", "--sample-tokens", "0",
+             env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)}, timeout=300)
     assert ok.returncode == 0, ok.stderr
 
 
@@ -254,25 +237,25 @@ def test_a_run_that_cannot_fit_is_refused_up_front_with_what_would(tmp_path):
 def shakespeare_ids(tmp_path_factory):
     """tinyshakespeare as stories260K's byte tokens (its vocabulary's ids 3..258 are bytes)."""
     path = tmp_path_factory.mktemp("data") / "shakespeare.npy"
-    raw = (SHARED / "tinyshakespeare.txt").read_bytes()[:150_000]
+    raw = shared(SHAKESPEARE).read_bytes()[:150_000]
     np.save(path, np.frombuffer(raw, np.uint8).astype(np.int32) + 3)
     return path
 
 
-@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/data/stories260K-hf is not here")
+@needs_shared(STORIES)
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
 def test_lora_on_a_quantized_base_lowers_the_loss(tmp_path, shakespeare_ids, fmt):
     out = tmp_path / "run"
-    r = zoo_cli("finetune", "--from", STORIES, "--lora", "--lora-r", "16", "--base-dtype", fmt, "--data",
-                shakespeare_ids, "--steps", "40", "--batch-size", "8", "--seq-len", "128", "--lr", "1e-2",
-                "--eval-every", "40", "--out", out, "--no-progress", "--sample-tokens", "0")
+    r = cli("finetune", "--from", STORIES, "--lora", "--lora-r", "16", "--base-dtype", fmt, "--data",
+            shakespeare_ids, "--steps", "40", "--batch-size", "8", "--seq-len", "128", "--lr", "1e-2",
+            "--eval-every", "40", "--out", out, "--no-progress", "--sample-tokens", "0", timeout=300)
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [x["val_loss"] for x in records if x.get("val_loss") is not None]
     assert val[-1] < val[0] - 0.3, val
     assert f"the {fmt} base is frozen" in (out / "train.log").read_text()
     # The run folder is a PEFT adapter on its base: eval gives the run's last validation loss.
-    e = zoo_cli("eval", "--from", out, "--split", "val", "--json", tmp_path / "eval.json")
+    e = cli("eval", "--from", out, "--split", "val", "--json", tmp_path / "eval.json", timeout=300)
     assert e.returncode == 0, e.stderr
     assert abs(json.loads((tmp_path / "eval.json").read_text())["loss"] - val[-1]) < 1e-6
 
@@ -307,7 +290,7 @@ def test_a_resumed_lora_run_is_exact(tmp_path):
     assert np.array_equal(full.model.optimizer_state()["v"], resumed.model.optimizer_state()["v"])
 
 
-@pytest.mark.skipif(not CLAD, reason="this zoo was built without the Clad backend")
+@needs_clad
 @pytest.mark.parametrize("cfg", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
 def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
     tok, tgt = batch(cfg)

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 import zoo
-
-CLAD = bool(zoo.build_info().get("clad"))
+from helpers import CLAD
 
 # Rows longer than a Clad tape's inline buffer (64 values): a kernel that taped per element
 # or per key would allocate here.
@@ -27,7 +26,7 @@ def test_a_training_step_allocates_nothing(cfg, ad, threads):
     tokens = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
     targets = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
     targets[0, :5] = -100
-    assert model._exec.count_step_allocations(tokens, targets, 1) >= 0  # the warm-up step plans
+    assert model._exec.count_step_allocations(tokens, targets, 1) > 0  # the warm-up step plans: it allocates
     assert model._exec.count_step_allocations(tokens, targets, 3) == 0
 
 

@@ -9,9 +9,9 @@ import shutil
 import pytest
 
 import zoo
-from hf_tiny import LLAMA2_TOKENIZER, llama_checkpoint
-from zoo.io.checkpoints import save_pretrained
+from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs, needs_shared
 from zoo.cli import main
+from zoo.io.checkpoints import save_pretrained
 from zoo.text.tokenizers import Tokenizer
 from zoo.train.config import DEMO_DATA
 
@@ -110,7 +110,7 @@ def test_byte_level_from_a_training_run(tmp_path, capsys):
         assert_hands_over(folder, tok)
 
 
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.is_file(), reason="shared/data/llama2-tokenizer.model not present")
+@needs_shared(LLAMA2_TOKENIZER)
 def test_sentencepiece_hands_over_with_bos(tmp_path):
     tok = Tokenizer.from_pretrained(LLAMA2_TOKENIZER)
     folder = tmp_path / "saved"
@@ -121,16 +121,19 @@ def test_sentencepiece_hands_over_with_bos(tmp_path):
     ref = assert_hands_over(folder, tok)
     assert ref.encode("Hello")[0] == 1  # the BOS transformers used to lose
     lib = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    long_text = (LLAMA2_TOKENIZER.parent / "tinyshakespeare.txt")
+    long_text = SHAKESPEARE
     long_text = long_text.read_text()[:200_000] if long_text.is_file() else " ".join(SAMPLES) * 500
     assert lib.encode(long_text, add_special_tokens=False).ids == tok.encode(long_text)
 
 
-@pytest.mark.skipif(not LLAMA2_TOKENIZER.is_file(), reason="shared/data/llama2-tokenizer.model not present")
+@needs_shared(LLAMA2_TOKENIZER)
+@needs("torch")
 def test_convert_of_a_llama_checkpoint(tmp_path, capsys):
     """`zoo convert` of a folder transformers wrote (tokenizer.model only): the copy has its
     generation_config.json unchanged, and the tokenizer files hand over with config.json beside
     them (model_type llama must not make transformers pick its own Llama class)."""
+    from hf_helpers import llama_checkpoint
+
     src = llama_checkpoint(tmp_path / "src")
     dst = tmp_path / "dst"
     assert main(["convert", str(src), str(dst)]) == 0, capsys.readouterr().err

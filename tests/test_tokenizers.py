@@ -4,17 +4,12 @@ tokenizer.model), bos/eos from the checkpoint's files, zoo's byte-level tokenize
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
+from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs, needs_shared
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
-
-LLAMA2_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "llama2-tokenizer.model"
-if not LLAMA2_MODEL.is_file():
-    LLAMA2_MODEL = Path("/work/shared/data/llama2-tokenizer.model")
-SHAKESPEARE = LLAMA2_MODEL.parent / "tinyshakespeare.txt"
 
 # Several scripts, whitespace runs (spaces, tabs, newlines, trailing), digits, emoji, contractions.
 SAMPLE = ("Hello   world!! It's 12345 or 3.14159, isn't it?\n\n\tTabs\t\there  \n"
@@ -129,18 +124,16 @@ def test_llama3_bos_from_template_alone(llama3_style, tmp_path):
     assert tok.bos_id == ref.token_to_id("<|begin_of_text|>")
 
 
+@needs_shared(LLAMA2_TOKENIZER)
+@needs("sentencepiece", "transformers")
 def test_llama2_sentencepiece_matches_transformers():
-    if not LLAMA2_MODEL.is_file():
-        pytest.skip("shared/data/llama2-tokenizer.model not present")
-    pytest.importorskip("sentencepiece")
-    pytest.importorskip("transformers")
     from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
     # transformers' sentencepiece-based tokenizer with Llama-2's special tokens (legacy behaviour,
     # as Llama-2's own tokenizer.json: each stretch between special tokens gets the "▁" prefix).
-    ref = SentencePieceBackend(vocab_file=str(LLAMA2_MODEL), bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+    ref = SentencePieceBackend(vocab_file=str(LLAMA2_TOKENIZER), bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                legacy=True)
-    tok = Tokenizer.from_pretrained(LLAMA2_MODEL)
+    tok = Tokenizer.from_pretrained(LLAMA2_TOKENIZER)
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (1, 2, 32000)
     for text in (SAMPLE, SAMPLE + "</s> next<s>doc<unk>x", "<s>", "  two leading", ""):
         assert tok.encode(text) == ref.encode(text, add_special_tokens=False), text
@@ -149,10 +142,9 @@ def test_llama2_sentencepiece_matches_transformers():
     assert tok.decode([1] + tok.encode("Hi") + [2], skip_special=True) == "Hi"
 
 
+@needs_shared(LLAMA2_TOKENIZER)
 def test_llama2_folder_with_config_files(tmp_path):
-    if not LLAMA2_MODEL.is_file():
-        pytest.skip("shared/data/llama2-tokenizer.model not present")
-    shutil.copy(LLAMA2_MODEL, tmp_path / "tokenizer.model")
+    shutil.copy(LLAMA2_TOKENIZER, tmp_path / "tokenizer.model")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>", "add_bos_token": True,
          "added_tokens_decoder": {"32000": {"content": "<pad>", "special": True}}}))

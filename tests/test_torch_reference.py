@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import zoo
+from helpers import RELU2_TINY
 from zoo import ModelConfig
 from zoo.core import blocks
 from zoo.tools import bench
@@ -22,7 +23,6 @@ from zoo.tools import torch_reference as tr  # noqa: E402
 from zoo.tools.torch_reference import Reference  # noqa: E402
 
 TOOLS = Path(tr.__file__).parent
-RELU2_TINY = ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=4, d_ff=72, mlp="relu2")
 
 
 def tokens_and_targets(cfg, B=2, T=12, seed=0):

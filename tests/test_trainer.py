@@ -19,16 +19,6 @@ from zoo.io.run_folder import checkpoint_dirs
 from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, lr_at, read_state
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """Runs here set one thread for the process; give later tests back what they had."""
-    import zoo
-
-    n = zoo.get_threads()
-    yield
-    zoo.set_threads(n)
-
-
 def config(tmp_path, name="run", **kw):
     base = dict(preset="tiny-llama", data=[str(DEMO_DATA)], out=str(tmp_path / name), cache_dir=str(tmp_path / "cache"),
                 batch_size=4, seq_len=32, steps=12, lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=2,
