@@ -551,8 +551,8 @@ class Model:
     # --- generation ---------------------------------------------------------------
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
-        """A KV cache for up to batch_size sequences of max_len tokens (prompt and new tokens),
-        checked against the memory available before it is allocated."""
+        """A KV cache for up to batch_size sequences (its slots, empty) of max_len tokens each
+        (prompt and new tokens), checked against the memory available before it is allocated."""
         B, T = int(batch_size), int(max_len)
         check_memory(FLOAT_BYTES * int(self._exec.cache_floats(B, T)),
                      f"generation of {B} x {T} tokens (the KV cache and its buffers)",
@@ -560,10 +560,42 @@ class Model:
         self._exec.reset_cache(B, T)
 
     def forward_cached(self, tokens, start_pos: int) -> np.ndarray:
-        """Runs new tokens (B, T) at positions start_pos.. through the KV cache; returns the
-        last position's logits (B, V)."""
+        """Runs new tokens (B, T) at positions start_pos.. through the KV cache, row b in its slot b
+        (start_pos at most what each slot holds); returns the last position's logits (B, V)."""
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         return self._exec.forward_cached(tok, int(start_pos))
+
+    def forward_segments(self, slots, token_lists, starts) -> np.ndarray:
+        """Runs several sequences through the KV cache in one call, sharing each read of the
+        weights: token_lists[i] (ids) go into cache slot slots[i] at positions starts[i].. A
+        start is at most the positions its slot holds (slot_length): the ones before it are read
+        from the cache, the ones from it on are replaced. Each slot at most once per call.
+        Returns the logits of each list's last token, (len(slots), V): a prompt's first
+        prediction, or a sequence's next one."""
+        lists = [np.asarray(t) for t in token_lists]
+        if not (len(slots) == len(lists) == len(starts)) or not lists:
+            raise ValueError(f"forward_segments: {len(slots)} slots, {len(lists)} token lists and {len(starts)} "
+                             "starts: one of each per sequence, at least one")
+        for i, t in enumerate(lists):
+            if t.ndim != 1 or t.size == 0:
+                raise ValueError(f"forward_segments: token list {i} must be a non-empty 1-D list of ids, "
+                                 f"got shape {t.shape}")
+        tok = _as_tokens(np.concatenate(lists)[None, :], "tokens", self.config.vocab_size)[0]
+
+        def int32s(values, what: str) -> np.ndarray:  # refused, not wrapped, outside int32
+            arr = np.asarray(values)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"forward_segments: {what} must be a list of integers")
+            if arr.size and (arr.min() < 0 or arr.max() >= 2**31):
+                raise ValueError(f"forward_segments: {what} hold {int(arr[(arr < 0) | (arr >= 2**31)][0])}")
+            return arr.astype(np.int32)
+
+        return self._exec.forward_segments(tok, int32s(slots, "slots"), int32s(starts, "starts"),
+                                           np.asarray([t.size for t in lists], dtype=np.int32))
+
+    def slot_length(self, slot: int) -> int:
+        """The positions the KV cache holds for its slot `slot`."""
+        return int(self._exec.slot_length(int(slot)))
 
     # --- profiling ----------------------------------------------------------------
 

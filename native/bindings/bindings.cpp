@@ -7,6 +7,7 @@
 
 #include "executor/alloc_count.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemv.hpp"
 #include "layers/layers.hpp"
 
 namespace py = pybind11;
@@ -251,6 +252,47 @@ PYBIND11_MODULE(_native, m) {
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
        py::arg("repeats") = 1);
+    // One decode product (gemv.hpp) with W stored in format first: x (M <= 8, cols) W^T + bias +
+    // residual on the instruction set named, repeated `repeats` times (parallel: over the
+    // threads, as generation runs it); returns the result and the seconds of the fastest repeat.
+    m.def("decode_product", [](F32 x, F32 w, const std::string& format, const std::string& precision,
+                               const std::string& isa, std::optional<F32> bias, std::optional<F32> residual,
+                               int repeats, bool parallel) {
+        if (x.ndim() != 2 || w.ndim() != 2) throw std::invalid_argument("zoo: 2-D operands");
+        const int rows = (int)w.shape(0), cols = (int)w.shape(1), M = (int)x.shape(0);
+        if (x.shape(1) != cols) throw std::invalid_argument("zoo: operands do not match");
+        if (bias && (bias->ndim() != 1 || bias->shape(0) != rows)) throw std::invalid_argument("zoo: bias of rows");
+        if (residual && (residual->ndim() != 2 || residual->shape(0) != M || residual->shape(1) != rows))
+            throw std::invalid_argument("zoo: residual of (M, rows)");
+        const zoo::DType t = zoo::dtype_named(format);
+        const zoo::Precision p = zoo::precision_named(precision);
+        const zoo::gemv::Isa set = zoo::gemv::isa_named(isa);
+        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
+        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
+        const zoo::Matrix W(data, t, rows, cols);
+        std::vector<float> scratch(zoo::gemv::scratch_floats(std::max(1, M), cols));
+        F32 out({M, rows});
+        double best = 1e30;
+        {
+            py::gil_scoped_release nogil;
+            for (int r = 0; r < std::max(1, repeats); r++) {
+                const double t0 = omp_get_wtime();
+                zoo::gemv::product(p, M, x.data(), cols, W, bias ? bias->data() : nullptr,
+                                   residual ? residual->data() : nullptr, rows, out.mutable_data(), rows,
+                                   scratch.data(), set, parallel);
+                best = std::min(best, omp_get_wtime() - t0);
+            }
+        }
+        return py::make_tuple(out, best);
+    }, py::arg("x"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("isa") = "scalar",
+       py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("repeats") = 1,
+       py::arg("parallel") = true);
+    m.def("decode_isas", []() {
+        std::vector<std::string> out;
+        for (zoo::gemv::Isa isa : zoo::gemv::isas()) out.push_back(zoo::gemv::isa_name(isa));
+        return out;
+    }, "The instruction sets the decode products can run on here (built in and supported), scalar first.");
     m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K,
                             bool bf16_operands) {
         return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K, bf16_operands);
@@ -605,5 +647,28 @@ PYBIND11_MODULE(_native, m) {
             py::array_t<float> logits({B, e.dims().vocab_size});
             std::memcpy(logits.mutable_data(), out, sizeof(float) * B * e.dims().vocab_size);  // size_t first
             return logits;
-        });
+        })
+        .def("forward_segments", [](Executor& e, Tokens tokens, Tokens slots, Tokens starts, Tokens lengths) {
+            if (tokens.ndim() != 1 || slots.ndim() != 1 || starts.ndim() != 1 || lengths.ndim() != 1)
+                throw std::invalid_argument("zoo: forward_segments takes 1-D tokens, slots, starts and lengths");
+            const py::ssize_t S = slots.shape(0);
+            if (starts.shape(0) != S || lengths.shape(0) != S)
+                throw std::invalid_argument("zoo: one slot, start and length per segment");
+            int64_t total = 0;
+            for (py::ssize_t s = 0; s < S; s++) total += std::max<int32_t>(0, lengths.data()[s]);
+            if (total != tokens.shape(0))
+                throw std::invalid_argument("zoo: the segments' lengths add up to " + std::to_string(total) + ", not " +
+                                            std::to_string(tokens.shape(0)) + " tokens");
+            const float* out;
+            {
+                py::gil_scoped_release nogil;
+                out = e.forward_segments(tokens.data(), slots.data(), starts.data(), lengths.data(), (int)S);
+            }
+            py::array_t<float> logits({(int64_t)S, (int64_t)e.dims().vocab_size});
+            std::memcpy(logits.mutable_data(), out, sizeof(float) * S * e.dims().vocab_size);
+            return logits;
+        }, py::arg("tokens"), py::arg("slots"), py::arg("starts"), py::arg("lengths"))
+        .def("slot_length", &Executor::slot_length)
+        .def("cache_slots", &Executor::cache_slots)
+        .def("cache_length", &Executor::cache_length);
 }

@@ -270,6 +270,12 @@ inline void attention_forward_rows(const float* q, const float* k, const float* 
     attention_weighted_values(p, v, vt, o, R, t0 + R, hd, stride, ldo, Tp);
 }
 
+// Generation: rows row..row+len-1 of a call hold positions start..start+len-1 of one sequence,
+// the KV cache's slot (Attention::forward_cached).
+struct CacheRun {
+    int slot, start, len, row;
+};
+
 struct Attention {
     int n_head, n_kv_head, head_dim;
     static constexpr int kBlockRows = kAttentionBlockRows;
@@ -344,23 +350,80 @@ struct Attention {
         tile_weighted_rows<R>(block, Tp, v, stride, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
-    // Queries at positions pos0..pos0+Tq-1 against a KV cache laid out (B, n_kv_head, max_len,
-    // hd). scratch: (B, n_head, Tq, pos0+Tq) probabilities, discarded.
-    void forward_cached(const float* qkv, const float* k_cache, const float* v_cache,
-                        float* scratch, float* out, int B, int Tq, int pos0, int max_len) const {
-        const int stride = qkv_dim(), group = n_head / n_kv_head, Tk = pos0 + Tq;
-        const float scale = 1.0f / std::sqrt((float)head_dim);
-#pragma omp parallel for collapse(3) schedule(static)
-        for (int b = 0; b < B; b++)
-            for (int h = 0; h < n_head; h++)
-                for (int t = 0; t < Tq; t++) {
-                    const size_t cache_at = ((size_t)b * n_kv_head + h / group) * max_len * head_dim;
-                    attention_forward_row(
-                        qkv + ((size_t)b * Tq + t) * stride + h * head_dim, k_cache + cache_at,
-                        v_cache + cache_at, scratch + (((size_t)b * n_head + h) * Tq + t) * Tk,
-                        out + ((size_t)b * Tq + t) * n_head * head_dim + h * head_dim, head_dim,
-                        pos0 + t + 1, head_dim, scale);
+    // Generation against a KV cache laid out (slots, n_kv_head, max_len, hd): each run's rows
+    // of qkv (RoPE applied) put their keys and values into its slot's cache at their positions,
+    // then their queries attend to the slot's keys up to their own position. A run of at least
+    // kBlockRows rows (a prompt) takes the training kernels' tiles against the slot's keys
+    // transposed; shorter ones (new tokens) one row at a time. out: (rows, n_head*hd). scratch:
+    // cached_scratch_floats(threads, max_len); the work runs on at most `threads` threads.
+    size_t cached_thread_floats(int max_len) const { return ((size_t)head_dim + kBlockRows) * padded(max_len); }
+    size_t cached_scratch_floats(int threads, int max_len) const {
+        return (size_t)threads * cached_thread_floats(max_len);
+    }
+    void forward_cached(const float* qkv, const CacheRun* runs, int n_runs, float* k_cache, float* v_cache,
+                        int max_len, float* out, float* scratch, int threads) const {
+        const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
+        const float scale = 1.0f / std::sqrt((float)hd);
+        auto cache_at = [&](int slot, int g) { return ((size_t)slot * n_kv_head + g) * max_len * hd; };
+        double work = 0;  // multiply-adds, to decide whether threads pay
+        for (int r = 0; r < n_runs; r++) {
+            const CacheRun& run = runs[r];
+            for (int t = 0; t < run.len; t++) {
+                const float* row = qkv + (size_t)(run.row + t) * stride;
+                for (int g = 0; g < n_kv_head; g++) {
+                    const size_t at = cache_at(run.slot, g) + (size_t)(run.start + t) * hd;
+                    std::memcpy(k_cache + at, row + (n_head + g) * hd, sizeof(float) * hd);
+                    std::memcpy(v_cache + at, row + (n_head + n_kv_head + g) * hd, sizeof(float) * hd);
                 }
+            }
+            work += 2.0 * run.len * (run.start + run.len) * hd * n_head;
+        }
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (work > 1e5)
+        for (int r = 0; r < n_runs; r++)
+            for (int h = 0; h < n_head; h++) {
+                const CacheRun& run = runs[r];
+                const size_t at = cache_at(run.slot, h / group);
+                const float *kc = k_cache + at, *vc = v_cache + at;
+                const float* q = qkv + (size_t)run.row * stride + h * hd;
+                float* o = out + (size_t)run.row * n_head * hd + h * hd;
+                float* mine = scratch + (size_t)omp_get_thread_num() * cached_thread_floats(max_len);
+                if (run.len < kBlockRows) {
+                    for (int t = 0; t < run.len; t++)
+                        attention_forward_row(q + (size_t)t * stride, kc, vc, mine, o + (size_t)t * n_head * hd, hd,
+                                              run.start + t + 1, hd, scale);
+                    continue;
+                }
+                const int keys = run.start + run.len, Tp = padded(keys);
+                float *kt = mine, *block = mine + (size_t)hd * Tp;
+                transpose_rows(kc, hd, keys, hd, kt, Tp);
+                int t0 = 0;
+                for (; t0 + kBlockRows <= run.len; t0 += kBlockRows)
+                    cached_rows<kBlockRows>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
+                for (; t0 < run.len; t0++) cached_rows<1>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
+            }
+    }
+
+    // Rows t0..t0+R-1 of a run starting at position start: scores against keys 0..start+t0+R-1
+    // (kt, transposed, Tp apart), each row's causal softmax over its keys 0..start+t, output.
+    template <int R>
+    void cached_rows(const float* q, int stride, const float* kt, const float* v, float* o, float* block, int start,
+                     int t0, int Tp, float scale) const {
+        const int hd = head_dim, n = start + t0 + R;
+        tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
+        for (int r = 0; r < R; r++) {
+            float* s = block + (size_t)r * Tp;
+            const int keys = start + t0 + r + 1;
+            const float mx = row_max(s, keys);
+            float sum = 0.0f;
+            for (int j = 0; j < keys; j++) {
+                s[j] = fast_exp(scale * (s[j] - mx));
+                sum += s[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int j = 0; j < keys; j++) s[j] *= inv;
+            for (int j = keys; j < n; j++) s[j] = 0.0f;
+        }
+        tile_weighted_rows<R>(block, Tp, v, hd, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
     // Writes d_qkv (all three parts), the probabilities rebuilt from the scores and the saved

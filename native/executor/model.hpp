@@ -269,7 +269,11 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision pre
                                 int T, float* base, size_t* total_floats);
 size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad);
 // The generation arena (KV cache and buffers) for up to (B, max_len): what reset_cache maps.
+// A call's rows go through the layers at most this many at a time (prompts are chunked).
+constexpr int cache_chunk_rows = 512;
 size_t cache_floats(const Dims& d, int B, int max_len);
+// Each thread's scratch in the fused decode step (decode.cpp).
+size_t decode_thread_floats(const Dims& d);
 
 class Executor {
 public:
@@ -371,9 +375,21 @@ public:
     Profile profile;
     void set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed);  // [begin, end)
 
-    // Generation: KV cache for up to (B, max_len); forward_cached returns last-position logits.
+    // Generation: a KV cache of B sequences (its slots) of up to max_len tokens each, empty.
     void reset_cache(int B, int max_len);
     size_t cache_floats(int B, int max_len) const;  // what reset_cache(B, max_len) allocates
+    int cache_slots() const { return cache_B_; }
+    int cache_length() const { return cache_len_; }
+    int slot_length(int slot) const;  // positions of the slot the cache holds
+    // Runs S segments through the cache: segment s is lengths[s] tokens (the next ones of
+    // tokens) of slot slots[s] at positions starts[s].., each slot at most once, each start at
+    // most what the slot holds (the positions before it are in the cache; those from it on are
+    // replaced). Returns the logits of each segment's last token, (S, V), valid until the next
+    // call. A few rows at a time (new tokens) take the decode kernels (gemv.hpp); prompts go
+    // through the GEMM path in chunks of at most cache_chunk_rows rows.
+    const float* forward_segments(const int32_t* tokens, const int32_t* slots, const int32_t* starts,
+                                  const int32_t* lengths, int S);
+    // Every slot, T tokens each from pos0: (B, T) tokens; the logits of each slot's last token.
     const float* forward_cached(const int32_t* tokens, int B, int T, int pos0);
 
 private:
@@ -421,11 +437,26 @@ private:
     } sel_;
     Arena logits_arena_;  // full logits, for inference calls only
 
-    // KV cache arena for generation.
+    // KV cache arena for generation, and the running call's chunk: its rows' positions and runs.
     Arena cache_;
-    int cache_B_ = 0, cache_len_ = 0;
-    float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_probs_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
+    int cache_B_ = 0, cache_len_ = 0, cache_rows_ = 0, cache_threads_ = 0;
+    float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
+    float *c_attention_scratch_ = nullptr, *c_decode_scratch_ = nullptr;
     LayerActs cached_;  // the generation pass's buffers, the same for every layer
+    // (All sized by reset_cache: a call allocates nothing.)
+    std::vector<int32_t> slot_len_, slot_seen_, chunk_tokens_, chunk_positions_;
+    std::vector<int32_t> all_slots_, all_starts_, all_lengths_;  // forward_cached's segments
+    std::vector<CacheRun> chunk_runs_;
+    std::vector<std::pair<int, int>> chunk_ends_;  // (segment, row) of the segments a chunk ends
+    int chunk_n_runs_ = 0;
+    void cached_chunk(int rows);  // the layers over the chunk's rows, one block call at a time
+    // The same in one parallel region (decode.cpp), where fused_decode(rows) says it applies.
+    bool fused_decode(int rows) const;
+    void decode_chunk(int rows);
+    bool has_adapters_ = false;
+    // A linear layer's forward: in generation (cached), a few rows on the decode kernels.
+    void linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,
+                        int N, const float* residual, float* scratch);
 
     void bind(ModelTensors& t, float* base, const std::vector<ParamBinding>& layout) const;
     void bind_frozen(const std::vector<FrozenBinding>& frozen);

@@ -1,0 +1,715 @@
+#include "kernels/gemv.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+
+#include "kernels/bf16.hpp"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// The kernels this build has: each instruction set's intrinsics are compiled only where the
+// compiler's flags allow them (a build without -march=native, or on ARM, has the plain ones).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define ZOO_GEMV_AVX512 1
+#if defined(__AVX512BF16__)
+#define ZOO_GEMV_AVX512_BF16 1
+#endif
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define ZOO_GEMV_AVX2 1
+#endif
+
+// The loops over the rows of a block and of x have a few iterations known at compile time:
+// unrolled, their accumulators stay in registers (an array indexed in a loop lives in memory).
+#define ZOO_UNROLL _Pragma("GCC unroll 8")
+
+namespace zoo {
+namespace gemv {
+
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::avx2: return "avx2";
+        case Isa::avx512: return "avx512";
+        case Isa::avx512_bf16: return "avx512_bf16";
+        default: return "scalar";
+    }
+}
+
+Isa isa_named(const std::string& name) {
+    for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::avx512_bf16})
+        if (name == isa_name(isa)) return isa;
+    throw std::invalid_argument("zoo: instruction set '" + name + "' is unknown (scalar, avx2, avx512, avx512_bf16)");
+}
+
+std::vector<Isa> isas() {
+    std::vector<Isa> out{Isa::scalar};
+#if defined(ZOO_GEMV_AVX2) && (defined(__x86_64__) || defined(__i386__))
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(Isa::avx2);
+#endif
+#if defined(ZOO_GEMV_AVX512)
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        out.push_back(Isa::avx512);
+#endif
+#if defined(ZOO_GEMV_AVX512_BF16)
+    if (out.back() == Isa::avx512 && __builtin_cpu_supports("avx512bf16")) out.push_back(Isa::avx512_bf16);
+#endif
+    return out;
+}
+
+Isa best_isa() {
+    static const Isa best = isas().back();
+    return best;
+}
+
+namespace {
+
+// x is copied once per product into the order and format the kernels read, zero-padded to whole
+// blocks of 64 (an nf4 row's last block is padded with the level 0.0 in storage: quant.hpp), so
+// the kernels need no tail on the x side.
+//   f32:          fp32 values in their order
+//   bf16:         bf16 bits in their order (the AVX512_BF16 dot products of bf16 and int8 W)
+//   nf4_f32_g32:  each group of 32 values as its 16 even ones, then its 16 odd ones: an nf4
+//                 byte holds values 2i (low nibble) and 2i + 1 (high), and the kernels split the
+//                 nibbles of 16 bytes into one vector of each (AVX-512)
+//   nf4_bf16_g64: the same by groups of 64, in bf16 (AVX512_BF16: 32 bytes a step)
+//   nf4_f32_g16:  the same by groups of 16 (AVX2: 8 bytes a step)
+enum class Layout { f32, bf16, nf4_f32_g32, nf4_bf16_g64, nf4_f32_g16 };
+
+size_t padded(int K) { return ((size_t)K + 63) / 64 * 64; }
+
+bool rounds_operands(Precision p, DType t) { return p == Precision::bf16 && t != DType::f32; }
+
+Layout layout_for(DType t, Precision p, Isa isa) {
+    const bool nf4 = t == DType::nf4;
+    switch (isa) {
+        case Isa::avx512_bf16:
+            if (rounds_operands(p, t)) return nf4 ? Layout::nf4_bf16_g64 : Layout::bf16;
+            return nf4 ? Layout::nf4_f32_g32 : Layout::f32;
+        case Isa::avx512: return nf4 ? Layout::nf4_f32_g32 : Layout::f32;
+        case Isa::avx2: return nf4 ? Layout::nf4_f32_g16 : Layout::f32;
+        default: return Layout::f32;
+    }
+}
+
+int group_of(Layout l) {
+    switch (l) {
+        case Layout::nf4_f32_g32: return 32;
+        case Layout::nf4_bf16_g64: return 64;
+        case Layout::nf4_f32_g16: return 16;
+        default: return 0;  // in order
+    }
+}
+
+// Row m of x into row m of out (Kp values, or Kp bf16 bits in the bf16 layouts).
+void prepare(Layout layout, bool round, int M, const float* x, int ldx, int K, void* out) {
+    const size_t Kp = padded(K);
+    const int G = group_of(layout);
+    const bool bits = layout == Layout::bf16 || layout == Layout::nf4_bf16_g64;
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        const float* xr = x + (size_t)m * ldx;
+        // Where value c goes in the row: its own place, or its group's even or odd half.
+        auto place = [&](size_t c) {
+            if (!G) return c;
+            const size_t g0 = c / G * G, i = c - g0;
+            return g0 + (i & 1) * (G / 2) + i / 2;
+        };
+        if (bits) {
+            uint16_t* o = static_cast<uint16_t*>(out) + (size_t)m * Kp;
+            if (!G) {
+                to_bf16_row(xr, o, K);
+            } else {
+                for (size_t c = 0; c < (size_t)K; c++) o[place(c)] = to_bf16(xr[c]);
+            }
+            for (size_t c = K; c < Kp; c++) o[place(c)] = 0;
+        } else {
+            float* o = static_cast<float*>(out) + (size_t)m * Kp;
+            for (size_t c = 0; c < (size_t)K; c++) o[place(c)] = round ? from_bf16(to_bf16(xr[c])) : xr[c];
+            for (size_t c = K; c < Kp; c++) o[place(c)] = 0.0f;
+        }
+    }
+}
+
+// Where the sums go: y = residual + bias + sum.
+struct Out {
+    float* y;
+    int ldy;
+    const float* bias;
+    const float* residual;
+    int ldr;
+    void put(int m, int r, float sum) const {
+        float base = residual ? residual[(size_t)m * ldr + r] : 0.0f;
+        if (bias) base += bias[r];
+        y[(size_t)m * ldy + r] = base + sum;
+    }
+};
+
+// What every kernel reads: the matrix, x prepared (xop, rows Kp apart in its own units), the
+// NF4 levels as this product uses them, and where the sums go.
+struct Job {
+    const Matrix* W;
+    int M, K;
+    size_t Kp;
+    const void* xop;
+    float levels[16];
+    uint16_t levels_bf16[16];
+    Out out;
+    const float* xf(int m) const { return static_cast<const float*>(xop) + (size_t)m * Kp; }
+    const uint16_t* xb(int m) const { return static_cast<const uint16_t*>(xop) + (size_t)m * Kp; }
+    size_t nf4_row_bytes() const { return nf4_blocks(K) * (nf4_block / 2); }
+};
+
+// --- plain C++: every format, every machine --------------------------------------------
+
+void rows_scalar(const Job& j, int r0, int r1) {
+    const Matrix& W = *j.W;
+    const int K = j.K;
+    for (int r = r0; r < r1; r++)
+        for (int m = 0; m < j.M; m++) {
+            const float* x = j.xf(m);
+            float sum = 0.0f;
+            switch (W.dtype) {
+                case DType::f32: {
+                    const float* w = W.f32() + (size_t)r * K;
+                    for (int c = 0; c < K; c++) sum += w[c] * x[c];
+                    break;
+                }
+                case DType::bf16: {
+                    const uint16_t* w = static_cast<const uint16_t*>(W.data) + (size_t)r * K;
+                    for (int c = 0; c < K; c++) sum += from_bf16(w[c]) * x[c];
+                    break;
+                }
+                case DType::int8: {
+                    const int8_t* w = static_cast<const int8_t*>(W.data) + (size_t)r * K;
+                    for (int c = 0; c < K; c++) sum += (float)w[c] * x[c];
+                    sum *= W.scales()[r];
+                    break;
+                }
+                case DType::nf4: {
+                    const size_t nb = nf4_blocks(K);
+                    const uint8_t* v = static_cast<const uint8_t*>(W.data) + r * j.nf4_row_bytes();
+                    const float* s = W.scales() + (size_t)r * nb;
+                    for (size_t b = 0; b < nb; b++) {
+                        float block = 0.0f;
+                        for (int i = 0; i < nf4_block; i += 2) {
+                            const uint8_t byte = v[(b * nf4_block + i) / 2];
+                            block += j.levels[byte & 15] * x[b * nf4_block + i] + j.levels[byte >> 4] * x[b * nf4_block + i + 1];
+                        }
+                        sum += s[b] * block;
+                    }
+                    break;
+                }
+            }
+            j.out.put(m, r, sum);
+        }
+}
+
+// Rows of W a kernel takes together (each value of x loaded then feeds them all), by M: enough
+// independent sums to keep the multiply-adds busy, few enough to stay in registers.
+constexpr int rows_at_once(int M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+
+// --- AVX2 --------------------------------------------------------------------------------
+#if defined(ZOO_GEMV_AVX2)
+namespace avx2 {
+
+inline float hsum(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// 16 values of row r from column k, as two vectors of 8 that pair with x[k..k+8) and
+// x[k+8..k+16) of the prepared operand (nf4: its group's even and odd values).
+struct F32 {
+    const float* w;
+    int K;
+    void load(int r, int k, __m256& a, __m256& b) const {
+        const float* p = w + (size_t)r * K + k;
+        a = _mm256_loadu_ps(p);
+        b = _mm256_loadu_ps(p + 8);
+    }
+    float value(int r, int c) const { return w[(size_t)r * K + c]; }
+};
+struct BF16 {
+    const uint16_t* w;
+    int K;
+    static __m256 widen(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+    void load(int r, int k, __m256& a, __m256& b) const {
+        const uint16_t* p = w + (size_t)r * K + k;
+        a = widen(_mm_loadu_si128((const __m128i*)p));
+        b = widen(_mm_loadu_si128((const __m128i*)(p + 8)));
+    }
+    float value(int r, int c) const { return from_bf16(w[(size_t)r * K + c]); }
+};
+struct Int8 {
+    const int8_t* w;
+    int K;
+    static __m256 widen(const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+    }
+    void load(int r, int k, __m256& a, __m256& b) const {
+        const int8_t* p = w + (size_t)r * K + k;
+        a = widen(p);
+        b = widen(p + 8);
+    }
+    float value(int r, int c) const { return (float)w[(size_t)r * K + c]; }
+};
+struct NF4 {
+    const uint8_t* v;
+    const float* scales;
+    size_t row_bytes, blocks;
+    __m256 low_levels, high_levels;  // levels 0-7 and 8-15
+    __m256 lookup(__m256i idx) const {
+        const __m256 a = _mm256_permutevar8x32_ps(low_levels, idx), b = _mm256_permutevar8x32_ps(high_levels, idx);
+        return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));  // bit 3 picks the half
+    }
+    void load(int r, int k, __m256& a, __m256& b) const {
+        const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(v + r * row_bytes + k / 2)));
+        const __m256 s = _mm256_set1_ps(scales[r * blocks + k / nf4_block]);
+        a = _mm256_mul_ps(lookup(_mm256_and_si256(codes, _mm256_set1_epi32(15))), s);
+        b = _mm256_mul_ps(lookup(_mm256_srli_epi32(codes, 4)), s);
+    }
+};
+
+// RB rows of W from row r against the M rows of x; columns [0, kv) by vectors, [kv, K) one at
+// a time (value(r, c)); row_scale: int8's per-row scale.
+template <int M, int RB, class F>
+inline void block(const Job& j, const F& f, int r, int kv, bool int8) {
+    __m256 acc[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) acc[i][m] = _mm256_setzero_ps();
+    for (int k = 0; k < kv; k += 16) {
+        __m256 a[RB], b[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) f.load(r + i, k, a[i], b[i]);
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            const float* x = j.xf(m) + k;
+            const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) acc[i][m] = _mm256_fmadd_ps(b[i], x1, _mm256_fmadd_ps(a[i], x0, acc[i][m]));
+        }
+    }
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            float sum = hsum(acc[i][m]);
+            if constexpr (!std::is_same_v<F, NF4>)
+                for (int c = kv; c < j.K; c++) sum += f.value(r + i, c) * j.xf(m)[c];
+            if (int8) sum *= j.W->scales()[r + i];
+            j.out.put(m, r + i, sum);
+        }
+}
+
+template <int M, class F>
+void rows(const Job& j, const F& f, int r0, int r1, int kv, bool int8) {
+    constexpr int RB = rows_at_once(M);
+    int r = r0;
+    for (; r + RB <= r1; r += RB) block<M, RB>(j, f, r, kv, int8);
+    for (; r < r1; r++) block<M, 1>(j, f, r, kv, int8);
+}
+
+template <int M>
+void rows_m(const Job& j, int r0, int r1) {
+    const Matrix& W = *j.W;
+    const int K = j.K, kv = K / 16 * 16;
+    switch (W.dtype) {
+        case DType::f32: return rows<M>(j, F32{W.f32(), K}, r0, r1, kv, false);
+        case DType::bf16: return rows<M>(j, BF16{static_cast<const uint16_t*>(W.data), K}, r0, r1, kv, false);
+        case DType::int8: return rows<M>(j, Int8{static_cast<const int8_t*>(W.data), K}, r0, r1, kv, true);
+        case DType::nf4:
+            return rows<M>(j,
+                           NF4{static_cast<const uint8_t*>(W.data), W.scales(), j.nf4_row_bytes(), nf4_blocks(K),
+                               _mm256_loadu_ps(j.levels), _mm256_loadu_ps(j.levels + 8)},
+                           r0, r1, (int)j.Kp, false);
+    }
+}
+
+}  // namespace avx2
+#endif
+
+// --- AVX-512 -------------------------------------------------------------------------------
+#if defined(ZOO_GEMV_AVX512)
+namespace avx512 {
+
+inline __mmask16 tail16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+inline __mmask32 tail32(int n) { return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
+
+// Four sums at once: {sum a, sum b, sum c, sum d}.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    auto half = [](__m512 v) {
+        return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    };
+    const __m256 ab = _mm256_hadd_ps(half(a), half(b)), cd = _mm256_hadd_ps(half(c), half(d));
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // {a, b, c, d} sums of each 128-bit half
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// 32 values of row r from column k as two fp32 vectors pairing with x[k..k+16) and
+// x[k+16..k+32) of the prepared operand; load_tail the same for the n < 32 left in the row.
+struct F32 {
+    const float* w;
+    int K;
+    void load(int r, int k, __m512& a, __m512& b) const {
+        const float* p = w + (size_t)r * K + k;
+        a = _mm512_loadu_ps(p);
+        b = _mm512_loadu_ps(p + 16);
+    }
+    void load_tail(int r, int k, int n, __m512& a, __m512& b) const {
+        const float* p = w + (size_t)r * K + k;
+        a = _mm512_maskz_loadu_ps(tail16(n), p);
+        b = _mm512_maskz_loadu_ps(tail16(n - 16), p + 16);
+    }
+};
+struct BF16 {
+    const uint16_t* w;
+    int K;
+    static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+    void load(int r, int k, __m512& a, __m512& b) const {
+        const uint16_t* p = w + (size_t)r * K + k;
+        a = widen(_mm256_loadu_si256((const __m256i*)p));
+        b = widen(_mm256_loadu_si256((const __m256i*)(p + 16)));
+    }
+    void load_tail(int r, int k, int n, __m512& a, __m512& b) const {
+        const uint16_t* p = w + (size_t)r * K + k;
+        a = widen(_mm256_maskz_loadu_epi16(tail16(n), p));
+        b = widen(_mm256_maskz_loadu_epi16(tail16(n - 16), p + 16));
+    }
+};
+struct Int8 {
+    const int8_t* w;
+    int K;
+    static __m512 widen(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
+    void load(int r, int k, __m512& a, __m512& b) const {
+        const int8_t* p = w + (size_t)r * K + k;
+        a = widen(_mm_loadu_si128((const __m128i*)p));
+        b = widen(_mm_loadu_si128((const __m128i*)(p + 16)));
+    }
+    void load_tail(int r, int k, int n, __m512& a, __m512& b) const {
+        const int8_t* p = w + (size_t)r * K + k;
+        a = widen(_mm_maskz_loadu_epi8(tail16(n), p));
+        b = widen(_mm_maskz_loadu_epi8(tail16(n - 16), p + 16));
+    }
+};
+struct NF4 {  // 16 bytes: the group's 16 even values (low nibbles), then its 16 odd ones
+    const uint8_t* v;
+    const float* scales;
+    size_t row_bytes, blocks;
+    __m512 levels;
+    void load(int r, int k, __m512& a, __m512& b) const {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(v + r * row_bytes + k / 2)));
+        const __m512 s = _mm512_set1_ps(scales[r * blocks + k / nf4_block]);
+        a = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(codes, _mm512_set1_epi32(15)), levels), s);
+        b = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), levels), s);
+    }
+    void load_tail(int, int, int, __m512&, __m512&) const {}  // rows are whole blocks: never called
+};
+
+// fp32 multiply-adds: RB rows from r against the M rows of x. With few sums (RB * M <= 4)
+// each keeps two accumulators, so that enough multiply-adds are in flight.
+template <int M, int RB, class F>
+inline void block_fma(const Job& j, const F& f, int r, int kv, bool int8) {
+    constexpr bool two = RB * M <= 4;
+    __m512 acc[RB][M], acc2[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) acc[i][m] = acc2[i][m] = _mm512_setzero_ps();
+    auto step = [&](const __m512* a, const __m512* b, int k) {
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            const float* x = j.xf(m) + k;
+            const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) {
+                acc[i][m] = _mm512_fmadd_ps(a[i], x0, acc[i][m]);
+                if (two) acc2[i][m] = _mm512_fmadd_ps(b[i], x1, acc2[i][m]);
+                else acc[i][m] = _mm512_fmadd_ps(b[i], x1, acc[i][m]);
+            }
+        }
+    };
+    int k = 0;
+    for (; k < kv; k += 32) {
+        __m512 a[RB], b[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) f.load(r + i, k, a[i], b[i]);
+        step(a, b, k);
+    }
+    if (k < j.K && !std::is_same_v<F, NF4>) {
+        __m512 a[RB], b[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) f.load_tail(r + i, k, j.K - k, a[i], b[i]);
+        step(a, b, k);
+    }
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        float sums[RB];
+        if constexpr (RB == 4) {
+            _mm_storeu_ps(sums, sum4(_mm512_add_ps(acc[0][m], acc2[0][m]), _mm512_add_ps(acc[1][m], acc2[1][m]),
+                                     _mm512_add_ps(acc[2][m], acc2[2][m]), _mm512_add_ps(acc[3][m], acc2[3][m])));
+        } else {
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) sums[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][m], acc2[i][m]));
+        }
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) j.out.put(m, r + i, int8 ? sums[i] * j.W->scales()[r + i] : sums[i]);
+    }
+}
+
+template <int M, class F>
+void rows_fma(const Job& j, const F& f, int r0, int r1, int kv, bool int8) {
+    constexpr int RB = rows_at_once(M);
+    int r = r0;
+    for (; r + RB <= r1; r += RB) block_fma<M, RB>(j, f, r, kv, int8);
+    for (; r < r1; r++) block_fma<M, 1>(j, f, r, kv, int8);
+}
+
+template <int M>
+void rows_m(const Job& j, int r0, int r1) {
+    const Matrix& W = *j.W;
+    const int K = j.K, kv = K / 32 * 32;
+    switch (W.dtype) {
+        case DType::f32: return rows_fma<M>(j, F32{W.f32(), K}, r0, r1, kv, false);
+        case DType::bf16: return rows_fma<M>(j, BF16{static_cast<const uint16_t*>(W.data), K}, r0, r1, kv, false);
+        case DType::int8: return rows_fma<M>(j, Int8{static_cast<const int8_t*>(W.data), K}, r0, r1, kv, true);
+        case DType::nf4:
+            return rows_fma<M>(j,
+                               NF4{static_cast<const uint8_t*>(W.data), W.scales(), j.nf4_row_bytes(), nf4_blocks(K),
+                                   _mm512_loadu_ps(j.levels)},
+                               r0, r1, (int)j.Kp, false);
+    }
+}
+
+#if defined(ZOO_GEMV_AVX512_BF16)
+// bf16 dot products (a bf16 product of a matrix stored narrower than fp32): 32 values of a row
+// as bf16 against 32 of x, pairs summed into 16 fp32 lanes.
+struct BF16Dot {
+    const uint16_t* w;
+    int K;
+    __m512bh load(int r, int k) const { return (__m512bh)_mm512_loadu_si512(w + (size_t)r * K + k); }
+    __m512bh load_tail(int r, int k, int n) const {
+        return (__m512bh)_mm512_maskz_loadu_epi16(tail32(n), w + (size_t)r * K + k);
+    }
+};
+struct Int8Dot {  // int8 values are exact in bf16 (8 significant bits)
+    const int8_t* w;
+    int K;
+    static __m512bh widen(__m256i q) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+        return _mm512_cvtne2ps_pbh(hi, lo);
+    }
+    __m512bh load(int r, int k) const { return widen(_mm256_loadu_si256((const __m256i*)(w + (size_t)r * K + k))); }
+    __m512bh load_tail(int r, int k, int n) const {
+        return widen(_mm256_maskz_loadu_epi8(tail32(n), w + (size_t)r * K + k));
+    }
+};
+
+template <int M, int RB, class F>
+inline void block_dot(const Job& j, const F& f, int r, int kv, bool int8) {
+    __m512 acc[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
+    auto step = [&](const __m512bh* w, int k) {
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            const __m512bh x = (__m512bh)_mm512_loadu_si512(j.xb(m) + k);
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) acc[i][m] = _mm512_dpbf16_ps(acc[i][m], w[i], x);
+        }
+    };
+    int k = 0;
+    for (; k < kv; k += 32) {
+        __m512bh w[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) w[i] = f.load(r + i, k);
+        step(w, k);
+    }
+    if (k < j.K) {
+        __m512bh w[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) w[i] = f.load_tail(r + i, k, j.K - k);
+        step(w, k);
+    }
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        float sums[RB];
+        if constexpr (RB == 4) _mm_storeu_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+        else
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) sums[i] = _mm512_reduce_add_ps(acc[i][m]);
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) j.out.put(m, r + i, int8 ? sums[i] * j.W->scales()[r + i] : sums[i]);
+    }
+}
+
+// nf4 by blocks of 64: 32 bytes, their low nibbles (the even values) and high nibbles (the odd
+// ones) looked up among the 16 levels in bf16, two dot products, then the block's scale.
+template <int M, int RB>
+inline void block_nf4_dot(const Job& j, int r, __m512i table) {
+    const uint8_t* v = static_cast<const uint8_t*>(j.W->data);
+    const float* scales = j.W->scales();
+    const size_t row_bytes = j.nf4_row_bytes(), blocks = nf4_blocks(j.K);
+    __m512 acc[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) acc[i][m] = _mm512_setzero_ps();
+    for (size_t b = 0; b < blocks; b++) {
+        const size_t k = b * nf4_block;
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) {
+            const __m512i codes =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(v + (r + i) * row_bytes + k / 2)));
+            const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(15)), table);
+            const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+            const __m512 s = _mm512_set1_ps(scales[(r + i) * blocks + b]);
+            ZOO_UNROLL
+            for (int m = 0; m < M; m++) {
+                const uint16_t* x = j.xb(m) + k;
+                __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), even, (__m512bh)_mm512_loadu_si512(x));
+                t = _mm512_dpbf16_ps(t, odd, (__m512bh)_mm512_loadu_si512(x + 32));
+                acc[i][m] = _mm512_fmadd_ps(t, s, acc[i][m]);
+            }
+        }
+    }
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        float sums[RB];
+        if constexpr (RB == 4) _mm_storeu_ps(sums, sum4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
+        else
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) sums[i] = _mm512_reduce_add_ps(acc[i][m]);
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) j.out.put(m, r + i, sums[i]);
+    }
+}
+
+template <int M>
+void rows_dot_m(const Job& j, int r0, int r1) {
+    constexpr int RB = rows_at_once(M);
+    const Matrix& W = *j.W;
+    const int K = j.K, kv = K / 32 * 32;
+    int r = r0;
+    if (W.dtype == DType::nf4) {
+        const __m512i table = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)j.levels_bf16));
+        for (; r + RB <= r1; r += RB) block_nf4_dot<M, RB>(j, r, table);
+        for (; r < r1; r++) block_nf4_dot<M, 1>(j, r, table);
+    } else if (W.dtype == DType::int8) {
+        const Int8Dot f{static_cast<const int8_t*>(W.data), K};
+        for (; r + RB <= r1; r += RB) block_dot<M, RB>(j, f, r, kv, true);
+        for (; r < r1; r++) block_dot<M, 1>(j, f, r, kv, true);
+    } else {
+        const BF16Dot f{static_cast<const uint16_t*>(W.data), K};
+        for (; r + RB <= r1; r += RB) block_dot<M, RB>(j, f, r, kv, false);
+        for (; r < r1; r++) block_dot<M, 1>(j, f, r, kv, false);
+    }
+}
+#endif  // ZOO_GEMV_AVX512_BF16
+
+}  // namespace avx512
+#endif  // ZOO_GEMV_AVX512
+
+using RowsFn = void (*)(const Job&, int, int);
+
+template <template <int> class Table>
+RowsFn by_m(int M) {
+    switch (M) {
+        case 1: return Table<1>::fn;
+        case 2: return Table<2>::fn;
+        case 3: return Table<3>::fn;
+        case 4: return Table<4>::fn;
+        case 5: return Table<5>::fn;
+        case 6: return Table<6>::fn;
+        case 7: return Table<7>::fn;
+        default: return Table<8>::fn;
+    }
+}
+#if defined(ZOO_GEMV_AVX2)
+template <int M> struct Avx2Rows { static constexpr RowsFn fn = avx2::rows_m<M>; };
+#endif
+#if defined(ZOO_GEMV_AVX512)
+template <int M> struct Avx512Rows { static constexpr RowsFn fn = avx512::rows_m<M>; };
+#endif
+#if defined(ZOO_GEMV_AVX512_BF16)
+template <int M> struct Avx512DotRows { static constexpr RowsFn fn = avx512::rows_dot_m<M>; };
+#endif
+
+RowsFn kernel_for(Layout layout, Isa isa, int M) {
+    switch (isa) {
+#if defined(ZOO_GEMV_AVX512_BF16)
+        case Isa::avx512_bf16:
+            if (layout == Layout::bf16 || layout == Layout::nf4_bf16_g64) return by_m<Avx512DotRows>(M);
+            return by_m<Avx512Rows>(M);
+#endif
+#if defined(ZOO_GEMV_AVX512)
+        case Isa::avx512: return by_m<Avx512Rows>(M);
+#endif
+#if defined(ZOO_GEMV_AVX2)
+        case Isa::avx2: return by_m<Avx2Rows>(M);
+#endif
+        default: return rows_scalar;
+    }
+}
+
+// Products smaller than this run on the calling thread: waking the others costs more.
+constexpr size_t parallel_bytes = 128 << 10;
+
+}  // namespace
+
+size_t scratch_floats(int M, int K) { return (size_t)M * padded(K); }
+
+Operand prepare(Precision p, int M, const float* x, int ldx, const Matrix& W, float* scratch, Isa isa) {
+    if (M < 1 || M > max_rows)
+        throw std::invalid_argument("zoo: a decode product takes 1 to " + std::to_string(max_rows) + " rows, not " +
+                                    std::to_string(M));
+    static const std::vector<Isa> have = isas();
+    if (std::find(have.begin(), have.end(), isa) == have.end())
+        throw std::invalid_argument(std::string("zoo: instruction set ") + isa_name(isa) +
+                                    " is not built into this zoo or not supported by this CPU");
+    const Layout layout = layout_for(W.dtype, p, isa);
+    const bool round = rounds_operands(p, W.dtype);
+    prepare(layout, round, M, x, ldx, W.cols, scratch);
+    Operand op{isa, W.dtype, (int)layout, M, W.cols, padded(W.cols), scratch, {}, {}};
+    for (int l = 0; l < 16; l++) {
+        op.levels_bf16[l] = to_bf16(nf4_levels[l]);
+        op.levels[l] = round ? from_bf16(op.levels_bf16[l]) : nf4_levels[l];
+    }
+    return op;
+}
+
+void rows(const Operand& x, const Matrix& W, int r0, int r1, const float* bias, const float* residual, int ldr,
+          float* y, int ldy) {
+    if (r0 >= r1) return;
+    Job j{&W, x.M, x.K, x.Kp, x.data, {}, {}, Out{y, ldy, bias, residual, ldr}};
+    std::memcpy(j.levels, x.levels, sizeof(j.levels));
+    std::memcpy(j.levels_bf16, x.levels_bf16, sizeof(j.levels_bf16));
+    kernel_for((Layout)x.layout, x.isa, x.M)(j, r0, r1);
+}
+
+bool worth_threads(const Matrix& W) { return value_bytes(W.dtype, W.rows, W.cols) >= parallel_bytes; }
+
+void product(Precision p, int M, const float* x, int ldx, const Matrix& W, const float* bias, const float* residual,
+             int ldr, float* y, int ldy, float* scratch, Isa isa, bool parallel) {
+    const Operand op = prepare(p, M, x, ldx, W, scratch, isa);
+#pragma omp parallel if (parallel && worth_threads(W))
+    {
+        const int n = omp_get_num_threads(), t = omp_get_thread_num();
+        rows(op, W, share(W.rows, n, t), share(W.rows, n, t + 1), bias, residual, ldr, y, ldy);
+    }
+}
+
+}  // namespace gemv
+}  // namespace zoo
