@@ -306,7 +306,7 @@ def test_greedy_generation_matches_transformers_on_the_stored_weights(tmp_path, 
     the top two logits are further apart than that (a nearer tie may break either way)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from zoo.io.checkpoints import load_pretrained
+    from zoo import Model
 
     if family == "llama":
         hf_cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=192,
@@ -321,7 +321,7 @@ def test_greedy_generation_matches_transformers_on_the_stored_weights(tmp_path, 
     torch.manual_seed(0)
     hf_class(hf_cfg).eval().save_pretrained(tmp_path / "fp32")
     precision = "bf16" if fmt != "fp32" and zoo.gemm_info()["bf16_native"] else "fp32"
-    model = load_pretrained(tmp_path / "fp32", base_dtype=fmt, precision=precision)
+    model = Model.from_pretrained(tmp_path / "fp32", base_dtype=fmt, precision=precision)
     model.save_pretrained(tmp_path / "stored")  # the stored weights, widened: what transformers runs
     hf = hf_class.from_pretrained(tmp_path / "stored", torch_dtype=torch.float32).eval()
     prompt = [0, 17, 42, 99, 7, 250, 3]

@@ -311,7 +311,7 @@ def test_two_ranks_train_as_one_process(tmp_path, lora):
     if lora:
         run.update(lora=True, lora_r=4, base_dtype="fp32")
     _one_process(tmp_path / "one", **run)
-    status, console, _ = _launch(2, tmp_path / "two", cache_dir=str(tmp_path / "cache2"), **run)
+    status, console = _launch(2, tmp_path / "two", cache_dir=str(tmp_path / "cache2"), **run)
     assert status == 0, console
     assert "distributed: 2 ranks" in console and console.count("done: step 6") == 1
     _assert_same_run(tmp_path / "two", tmp_path / "one")
