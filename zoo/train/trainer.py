@@ -977,7 +977,9 @@ class Trainer:
         what = f"resuming at step {self.step}" if self.step else "starting"
         evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
                  else "evaluation at start and end")
-        self.say(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens, {evals}; "
+        size = (f"{cfg.batch_size * cfg.grad_accum:,} pairs" if self.preference is not None
+                else f"{self.tokens_per_step:,} tokens")
+        self.say(f"{what}: {self.total_steps} steps of {size}, {evals}; "
                  f"run folder {self.out}")
 
     # --- checkpoints ------------------------------------------------------------------
