@@ -333,3 +333,17 @@ def test_lora_over_a_narrow_base(tmp_path, base):
     train, val = records(tmp_path / base)
     assert val[0]["val_rewards/margins"] == 0 and val[0]["val_loss"] == pytest.approx(np.log(2))
     assert all(np.isfinite(r["loss"]) for r in train) and val[-1]["val_rewards/margins"] > 0
+
+
+def test_a_diverged_preference_run_stops_at_its_step(tmp_path):
+    from zoo.train.trainer import TrainError
+
+    rule_task(tmp_path)
+    trainer = Trainer(settings(tmp_path, "nan"))
+
+    def poison(done, loss):
+        if done == 5:
+            trainer.model.parameters()["model.norm.weight"][0] = np.nan
+
+    with pytest.raises(TrainError, match=r"loss became nan at step 6.*last good checkpoint is .*step-00000004"):
+        trainer.run(on_step=poison)
