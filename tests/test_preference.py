@@ -321,3 +321,29 @@ def test_two_ranks_train_as_one_process(tmp_path, lora):
         for k in a:  # accuracies count rewards above a tie, where the last bits decide: not compared
             if not k.endswith("accuracies"):
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (a["step"], k)
+
+
+@pytest.mark.parametrize("base", ["bf16", "int8", "nf4"])
+def test_lora_over_a_narrow_base(tmp_path, base):
+    """DPO with LoRA over a bf16, int8 or nf4 base (products in bf16 where the CPU has them): the
+    reference is that base with the adapters off, so at step 0 every reward is exactly 0, and the
+    margin grows."""
+    rule_task(tmp_path)
+    Trainer(settings(tmp_path, base, lora=True, lora_r=4, base_dtype=base, lr=3e-3)).run()
+    train, val = records(tmp_path / base)
+    assert val[0]["val_rewards/margins"] == 0 and val[0]["val_loss"] == pytest.approx(np.log(2))
+    assert all(np.isfinite(r["loss"]) for r in train) and val[-1]["val_rewards/margins"] > 0
+
+
+def test_a_diverged_preference_run_stops_at_its_step(tmp_path):
+    from zoo.train.trainer import TrainError
+
+    rule_task(tmp_path)
+    trainer = Trainer(settings(tmp_path, "nan"))
+
+    def poison(done, loss):
+        if done == 5:
+            trainer.model.parameters()["model.norm.weight"][0] = np.nan
+
+    with pytest.raises(TrainError, match=r"loss became nan at step 6.*last good checkpoint is .*step-00000004"):
+        trainer.run(on_step=poison)

@@ -159,8 +159,17 @@ def _packed(pairs, T):
     return pack_pairs(pairs, T)
 
 
+def _configs():
+    out = [("gpt2", GPT2_TINY), ("llama", LLAMA_TINY)]
+    if CLAD:  # the parallel-residual layer trains where Clad chains its pullback
+        from test_parallel_layer import LLAMA_PARALLEL
+
+        out.append(("llama-parallel", LLAMA_PARALLEL))
+    return out
+
+
 @pytest.mark.parametrize("ad", BACKENDS)
-@pytest.mark.parametrize("name,cfg", [("gpt2", GPT2_TINY), ("llama", LLAMA_TINY)])
+@pytest.mark.parametrize("name,cfg", _configs())
 def test_a_packed_pair_gives_what_its_two_sequences_give(name, cfg, ad):
     """Two pairs packed in a row (each prompt computed once) against their four sequences run one
     by one: every answer token's log-probability, and the gradients of a weighted sum of them."""

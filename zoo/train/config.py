@@ -80,7 +80,8 @@ class TrainConfig(BaseModel):
 
     # --- batch shape ------------------------------------------------------------------
     # Bounded by the native core's limits (zoo/arch/config.py); batch_size x seq_len too (_check).
-    batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch")
+    batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch (pairs under a preference "
+                                                                   "--method)")
     seq_len: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step")
 

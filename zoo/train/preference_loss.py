@@ -97,7 +97,12 @@ class PreferenceLoss:
 
     def pairs(self, pc, pr, nc, nr, rc=None, rr=None) -> PairTerms:
         """The terms of pairs with policy sums pc, pr over nc, nr answer tokens (and the reference's
-        sums rc, rr where the loss needs them), all arrays of one length."""
+        sums rc, rr where the loss needs them), all arrays of one length. A NaN in (a diverged
+        model's) gives NaN terms, quietly: the trainer names the step."""
+        with np.errstate(all="ignore"):
+            return self._pairs(pc, pr, nc, nr, rc, rr)
+
+    def _pairs(self, pc, pr, nc, nr, rc, rr) -> PairTerms:
         pc, pr = np.asarray(pc, np.float64), np.asarray(pr, np.float64)
         nc, nr = np.maximum(np.asarray(nc, np.float64), 1.0), np.maximum(np.asarray(nr, np.float64), 1.0)
         b, eps = self.beta, self.label_smoothing

@@ -146,6 +146,9 @@ class PreferenceObjective:
             nll_sum, nll_count = -float(lp[rows].astype(np.float64).sum()), int(rows.sum())
             loss += self.loss.nll_weight * nll_sum / nll_all
             weights[rows] -= self.loss.nll_weight / nll_all
+        if not (np.isfinite(loss) and np.isfinite(weights).all()):
+            # no pullback: the trainer stops on the non-finite loss, naming the step
+            return float("nan"), self.sums(terms, nll_sum, nll_count)
         model.backward_logprobs(weights, grad_scale=grad_scale)
         return loss, self.sums(terms, nll_sum, nll_count)
 

@@ -748,8 +748,8 @@ class Trainer:
                     self._write(metrics, {"step": done, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                           "tokens": done * self.tokens_per_step, "tokens_per_s": round(tok_s, 1),
                                           **pref})
-                shown = (f"  margin {pref['rewards/margins']:.3f}  acc {pref['rewards/accuracies']:.2f}"
-                         if pref else "")
+                shown = (f"  rewards/margins {pref['rewards/margins']:.3f}  rewards/accuracies "
+                         f"{pref['rewards/accuracies']:.2f}" if pref else "")
                 bar.set_postfix_str(f"loss {loss:.4f}{shown}  {tok_s:,.0f} tok/s"
                                     + (f"  val {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""),
                                     refresh=False)
@@ -758,7 +758,7 @@ class Trainer:
                     self._evaluate(metrics)
                 if done % self.print_every == 0 or last:
                     line = (f"step {done}/{self.total_steps}: loss {loss:.4f}, lr {lr:.3g}, {tok_s:,.0f} tok/s"
-                            + (f", reward margin {pref['rewards/margins']:.4f}, accuracy "
+                            + (f", rewards/margins {pref['rewards/margins']:.4f}, rewards/accuracies "
                                f"{pref['rewards/accuracies']:.3f}" if pref else "")
                             + (f", val loss {self.last_val_loss:.4f}" if self.last_val_loss is not None else ""))
                     if cfg.progress:
@@ -889,8 +889,9 @@ class Trainer:
             if found is not None:
                 self.last_val_loss, extra = found
                 self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss, **extra})
-                self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}, reward margin "
-                         f"{extra['val_rewards/margins']:.4f}, accuracy {extra['val_rewards/accuracies']:.3f}")
+                self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}, val_rewards/margins "
+                         f"{extra['val_rewards/margins']:.4f}, val_rewards/accuracies "
+                         f"{extra['val_rewards/accuracies']:.3f}")
             return
         batches = list(self.windows.val_batches())
         if not batches:
@@ -959,7 +960,9 @@ class Trainer:
         what = f"resuming at step {self.step}" if self.step else "starting"
         evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
                  else "evaluation at start and end")
-        self.say(f"{what}: {self.total_steps} steps of {self.tokens_per_step:,} tokens, {evals}; "
+        size = (f"{cfg.batch_size * cfg.grad_accum:,} pairs" if self.preference is not None
+                else f"{self.tokens_per_step:,} tokens")
+        self.say(f"{what}: {self.total_steps} steps of {size}, {evals}; "
                  f"run folder {self.out}")
 
     # --- checkpoints ------------------------------------------------------------------
