@@ -468,6 +468,8 @@ void set_fp32_library(const std::string& lib) {
                                 (lib == "onednn" ? ": install onednn-devel-cpu-gomp and rebuild zoo" : ""));
 }
 
+std::string openblas_core() { return scipy_openblas_get_corename(); }
+
 bool bf16_built() {
 #ifdef ZOO_GEMM_ONEDNN
     return true;
