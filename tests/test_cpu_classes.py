@@ -106,8 +106,8 @@ def test_the_vector_path_follows_the_class_forced(cls, path):
 # What zoo should do in each class: oneDNN's ISA name, zoo's vector path, whether bf16 products
 # run (and on which kernel), and the precision a LoRA run over a stored base takes by default.
 CLASSES = {
-    "AVX2": dict(onednn_isa="avx2", vector_isa="avx2", bf16=None),
-    "AVX512_CORE": dict(onednn_isa="avx512_core", vector_isa="avx512", bf16=None),
+    "AVX2": dict(onednn_isa="avx2", vector_isa="avx2", bf16=None, openblas="Haswell"),
+    "AVX512_CORE": dict(onednn_isa="avx512_core", vector_isa="avx512", bf16=None, openblas="SkylakeX"),
     "AVX512_CORE_BF16": dict(onednn_isa="avx512_core_bf16", vector_isa="avx512_bf16",
                              bf16="brg:avx512_core_bf16 (operands rounded by zoo)"),
     "AVX512_CORE_AMX": dict(onednn_isa="avx512_core_amx", vector_isa="avx512_bf16", bf16="amx"),
@@ -125,7 +125,7 @@ PROBE = r"""
 import json, numpy as np, zoo
 from zoo.core.native import _native
 g = zoo.gemm_info()
-out = {k: g[k] for k in ("onednn_isa", "vector_isa", "bf16_native")}
+out = {k: g[k] for k in ("onednn_isa", "vector_isa", "bf16_native", "openblas_core")}
 rng = np.random.default_rng(0)
 x = rng.standard_normal((256, 768), dtype=np.float32)
 w = (0.05 * rng.standard_normal((2304, 768))).astype(np.float32)
@@ -164,12 +164,16 @@ def test_each_cpu_class_forced_picks_its_kernels_and_stays_within_its_bounds(cls
     if cls not in REACHABLE:
         pytest.skip(f"this CPU ({GEMM['onednn_isa']}) cannot run as {cls}")
     want = CLASSES[cls]
+    # OpenBLAS's kernels follow the class unless the environment names its own (OPENBLAS_CORETYPE).
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, DNNL_MAX_CPU_ISA=cls))
+                       env=dict(env, DNNL_MAX_CPU_ISA=cls))
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["onednn_isa"] == want["onednn_isa"] and got["vector_isa"] == want["vector_isa"]
     assert got["bf16_native"] == (want["bf16"] is not None)
+    if "openblas" in want:  # zoo/core/native.py forces OpenBLAS's kernels to the class too
+        assert got["openblas_core"] == want["openblas"], got["openblas_core"]
     for name, kernel in got["kernels"].items():
         if name.startswith("fp32"):
             assert kernel == GEMM["fp32_default"], (cls, name, kernel)  # fp32 stays on its library

@@ -168,7 +168,8 @@ PYBIND11_MODULE(_native, m) {
                         py::arg("built_in") = built, py::arg("bf16_native") = zoo::gemm::bf16_native(),
                         py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa(),
                         py::arg("vector_isa") = zoo::vector_isa_name(zoo::vector_isa()),
-                        py::arg("cpu_vector_isa") = zoo::vector_isa_name(zoo::cpu_vector_isa()));
+                        py::arg("cpu_vector_isa") = zoo::vector_isa_name(zoo::cpu_vector_isa()),
+                        py::arg("openblas_core") = zoo::gemm::openblas_core());
     });
     // zoo's own conversion loops (isa.hpp): forced to a path for tests, "auto" for the default.
     m.def("set_vector_isa", &zoo::set_vector_isa, py::arg("name"));

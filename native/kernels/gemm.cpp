@@ -167,12 +167,13 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
 }
 
 // A bf16 product of fp32 operands that zoo rounds itself (where oneDNN's fpmath mode picks no
-// bf16 kernel), in blocks: each operand rounded a panel at a time (rows of op(A), columns of
-// op(B), over all of K where K fits), right before the product reads it, while it is in cache.
-// The smaller operand is rounded whole where it fits in half the buffer, so the larger one is
-// rounded once. One buffer of rounded_budget values, allocated at the first such product: a
-// whole LM head weight rounded at once (GPT-2's: 74 MiB) would cost more memory than the step's
-// activations, and read back from memory, more time.
+// bf16 kernel), in panels: each rounded right before the product reads it, while it is in
+// cache, and each operand rounded once. The operand with fewer rows outside K (op(A)'s M rows,
+// or op(B)'s N columns) is rounded over all of them in one panel, of a block of K that fills
+// half the buffer; the other a block of its own at a time beside it. One buffer of
+// rounded_budget values, allocated at the first such product: a whole LM head weight rounded at
+// once (GPT-2's: 74 MiB) would cost more memory than the step's activations, and read back from
+// memory, more time.
 constexpr size_t rounded_budget = size_t(4) << 20;  // 8 MiB of bf16
 
 void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
@@ -187,31 +188,48 @@ void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda
         const size_t parts = (n + most - 1) / most, b = (n + parts - 1) / parts;
         return (int)(b % 16 && b / 16 * 16 + 16 <= most ? b / 16 * 16 + 16 : b);
     };
-    const int kb = block(K, rounded_budget / 64);          // K whole up to 65,536
-    const size_t panel = rounded_budget / kb;              // rows of op(A) + columns of op(B) per block
-    int mb, nb;
-    if ((size_t)M + N <= panel) mb = M, nb = N;            // both whole
-    else if ((size_t)M <= panel / 2) mb = M, nb = block(N, panel - M);
-    else if ((size_t)N <= panel / 2) nb = N, mb = block(M, panel - N);
-    else mb = block(M, panel / 2), nb = block(N, panel / 2);
-    uint16_t *a16 = rounded.data(), *b16 = a16 + (size_t)mb * kb;
+    // op(A) rows [m0, m0 + m) x K [k0, k0 + k), packed (m x k, or k x m when ta).
+    auto round_a = [&](int m0, int m, int k0, int k, uint16_t* out) {
+        if (ta) to_bf16_rows(A + (size_t)k0 * lda + m0, lda, k, m, out);
+        else to_bf16_rows(A + (size_t)m0 * lda + k0, lda, m, k, out);
+    };
+    // op(B) K [k0, k0 + k) x columns [n0, n0 + n), packed (k x n, or n x k when tb).
+    auto round_b = [&](int k0, int k, int n0, int n, uint16_t* out) {
+        if (tb) to_bf16_rows(B + (size_t)n0 * ldb + k0, ldb, n, k, out);
+        else to_bf16_rows(B + (size_t)k0 * ldb + n0, ldb, k, n, out);
+    };
+    auto product = [&](int m0, int m, int n0, int n, int k0, int k, const uint16_t* a, const uint16_t* b) {
+        onednn_gemm(Precision::bf16, ta, tb, m, n, k, a, ta ? m : k, b, tb ? k : n, k0 ? 1.0f : beta,
+                    C + (size_t)m0 * ldc + n0, ldc, true, false);
+    };
+    uint16_t* buf = rounded.data();
+    if ((size_t)M * K + (size_t)K * N <= rounded_budget) {  // both whole
+        round_a(0, M, 0, K, buf);
+        round_b(0, K, 0, N, buf + (size_t)M * K);
+        return product(0, M, 0, N, 0, K, buf, buf + (size_t)M * K);
+    }
+    const bool a_outer = M <= N;  // the operand rounded over all its rows outside K
+    const int outer = a_outer ? M : N, inner = a_outer ? N : M;
+    const size_t half = rounded_budget / 2;
+    const int kb = block(K, std::max<size_t>(16, half / outer));         // outer x kb fills half the buffer
+    const int ob = block(outer, std::max<size_t>(1, half / kb));         // all of outer, but past 131,072
+    const int ib = block(inner, std::max<size_t>(1, (rounded_budget - (size_t)ob * kb) / kb));
+    uint16_t *outer_panel = buf, *inner_panel = buf + (size_t)ob * kb;
     for (int k0 = 0; k0 < K; k0 += kb) {
         const int k = std::min(kb, K - k0);
-        for (int m0 = 0; m0 < M; m0 += mb) {
-            const int m = std::min(mb, M - m0);
-            // op(A) rows [m0, m0 + m) x K [k0, k0 + k), packed (m x k, or k x m when ta).
-            if (ta) to_bf16_rows(A + (size_t)k0 * lda + m0, lda, k, m, a16);
-            else to_bf16_rows(A + (size_t)m0 * lda + k0, lda, m, k, a16);
-            for (int n0 = 0; n0 < N; n0 += nb) {
-                const int n = std::min(nb, N - n0);
-                // op(B) K [k0, k0 + k) x columns [n0, n0 + n), packed (k x n, or n x k when tb);
-                // rounded once where one block covers N and M.
-                if (n0 || m0 == 0 || n < N) {
-                    if (tb) to_bf16_rows(B + (size_t)n0 * ldb + k0, ldb, n, k, b16);
-                    else to_bf16_rows(B + (size_t)k0 * ldb + n0, ldb, k, n, b16);
+        for (int o0 = 0; o0 < outer; o0 += ob) {
+            const int o = std::min(ob, outer - o0);
+            if (a_outer) round_a(o0, o, k0, k, outer_panel);
+            else round_b(k0, k, o0, o, outer_panel);
+            for (int i0 = 0; i0 < inner; i0 += ib) {
+                const int i = std::min(ib, inner - i0);
+                if (a_outer) {
+                    round_b(k0, k, i0, i, inner_panel);
+                    product(o0, o, i0, i, k0, k, outer_panel, inner_panel);
+                } else {
+                    round_a(i0, i, k0, k, inner_panel);
+                    product(i0, i, o0, o, k0, k, inner_panel, outer_panel);
                 }
-                onednn_gemm(Precision::bf16, ta, tb, m, n, k, a16, ta ? m : k, b16, tb ? k : n, k0 ? 1.0f : beta,
-                            C + (size_t)m0 * ldc + n0, ldc, true, false);
             }
         }
     }
@@ -467,6 +485,8 @@ void set_fp32_library(const std::string& lib) {
                                 (lib == "mkl" ? ": install the mkl wheel (pip install mkl) and rebuild zoo" : "") +
                                 (lib == "onednn" ? ": install onednn-devel-cpu-gomp and rebuild zoo" : ""));
 }
+
+std::string openblas_core() { return scipy_openblas_get_corename(); }
 
 bool bf16_built() {
 #ifdef ZOO_GEMM_ONEDNN

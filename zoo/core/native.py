@@ -16,6 +16,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Likewise OpenBLAS's workers spin for 2^28 cycles after each GEMM by default, competing with
 # the OpenMP loops that follow: 2^4 cycles made a GPT-2 step about 10% faster here.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# A CPU class forced for oneDNN and zoo's own vector code (DNNL_MAX_CPU_ISA, docs/benchmarks.md)
+# forces OpenBLAS's kernels too, unless OPENBLAS_CORETYPE says otherwise: AVX2 and AVX-512
+# without bf16 then run fp32 products on the kernels such a CPU would (OpenBLAS picks its own
+# from CPUID otherwise, AVX-512 ones on any AVX-512 machine).
+_OPENBLAS_CORE_OF_CLASS = {"AVX2": "Haswell", "AVX2_VNNI": "Haswell", "AVX512_CORE": "SkylakeX",
+                           "AVX512_CORE_VNNI": "SkylakeX"}
+if os.environ.get("DNNL_MAX_CPU_ISA", "").upper() in _OPENBLAS_CORE_OF_CLASS:
+    os.environ.setdefault("OPENBLAS_CORETYPE", _OPENBLAS_CORE_OF_CLASS[os.environ["DNNL_MAX_CPU_ISA"].upper()])
 
 # The libraries the extension may miss, by the wheel that ships each.
 _WHEEL_LIBRARIES = {"libscipy_openblas": "scipy-openblas32", "libdnnl": "onednn-cpu-gomp",
