@@ -84,7 +84,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
                    stop_ids: Iterable[int] = (), on_token: Optional[Callable[[int, int], None]] = None,
                    stop_after: Optional[Callable[[int, list[int]], bool]] = None,
-                   batch_size: int = 8) -> list[list[int]]:
+                   batch_size: int = 8, on_done: Optional[Callable[[int, list[int]], None]] = None
+                   ) -> list[list[int]]:
     """The new token ids after each prompt, the prompts decoded together: up to batch_size
     sequences, a KV cache slot each, go through the model in one call per token, sharing each
     read of the weights. Each stops on its own: after any of `stop_ids`, when
@@ -94,8 +95,10 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
 
     Prompt i samples from its own generator, np.random.default_rng([seed, i]): its tokens do not
     depend on which prompts share its batch (greedy ones do not either, up to the rounding of
-    sums over different numbers of rows). `on_token(i, tok)` is called as each id is chosen.
-    NonFiniteLogits names the prompt and position whose logits are NaN or Inf.
+    sums over different numbers of rows). `on_token(i, tok)` is called as each id is chosen,
+    `on_done(i, new ids)` as each sequence stops (a prompt with no room left in the context
+    stops at once, with none). NonFiniteLogits names the prompt and position whose logits are
+    NaN or Inf.
     """
     prompts = [list(p) for p in prompts]
     check_settings(max_new_tokens, temperature, top_k, top_p, seed)
@@ -117,6 +120,10 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     budgets = [min(max_new_tokens, max_len - len(p)) for p in prompts]
     outs: list[list[int]] = [[] for _ in prompts]
     waiting = deque(i for i in range(len(prompts)) if budgets[i] > 0)
+    if on_done is not None:
+        for i in range(len(prompts)):
+            if budgets[i] <= 0:
+                on_done(i, outs[i])
     if not waiting:
         return outs
     stop = set(stop_ids)
@@ -147,6 +154,8 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             if tok in stop or len(out) == budgets[i] or (stop_after is not None and stop_after(i, out)):
                 running.pop(slot, None)
                 free.append(slot)
+                if on_done is not None:
+                    on_done(i, out)
             else:
                 running[slot] = (i, tok, start + len(tokens))
     return outs

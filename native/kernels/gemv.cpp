@@ -158,13 +158,28 @@ struct Job {
     int M, K;
     size_t Kp;
     const void* xop;
+    int x_bytes;  // of one prepared value: 4, or 2 in the bf16 layouts
     float levels[16];
     uint16_t levels_bf16[16];
     Out out;
     const float* xf(int m) const { return static_cast<const float*>(xop) + (size_t)m * Kp; }
     const uint16_t* xb(int m) const { return static_cast<const uint16_t*>(xop) + (size_t)m * Kp; }
     size_t nf4_row_bytes() const { return nf4_blocks(K) * (nf4_block / 2); }
+    // The same product for rows m0..m0+n-1 of x alone.
+    Job rows_of_x(int m0, int n) const {
+        Job g = *this;
+        g.M = n;
+        g.xop = static_cast<const uint8_t*>(xop) + (size_t)m0 * Kp * x_bytes;
+        g.out.y += (size_t)m0 * out.ldy;
+        if (out.residual) g.out.residual += (size_t)m0 * out.ldr;
+        return g;
+    }
 };
+
+// Up to 4 rows of x go through a block of rows of W together; more go in a second group over
+// the same block, which is then in cache: each group's x stays in L1 (8 rows of a 4096-wide x
+// would not, and every block of W would read them all again from L2).
+constexpr int x_group = 4;
 
 // --- plain C++: every format, every machine --------------------------------------------
 
@@ -211,9 +226,10 @@ void rows_scalar(const Job& j, int r0, int r1) {
         }
 }
 
-// Rows of W a kernel takes together (each value of x loaded then feeds them all), by M: enough
-// independent sums to keep the multiply-adds busy, few enough to stay in registers.
-constexpr int rows_at_once(int M) { return M <= 2 ? 4 : M <= 4 ? 2 : 1; }
+// Rows of W an AVX2 kernel takes together (each value of x loaded then feeds them all), by M:
+// enough independent sums to keep the multiply-adds busy, few enough to stay in registers.
+// (AVX-512's 32 registers take 4 rows against up to 4 rows of x.)
+constexpr int rows_at_once(int M) { return M <= 2 ? 4 : 2; }  // AVX2's 16 registers
 
 // --- AVX2 --------------------------------------------------------------------------------
 #if defined(ZOO_GEMV_AVX2)
@@ -313,10 +329,17 @@ inline void block(const Job& j, const F& f, int r, int kv, bool int8) {
 
 template <int M, class F>
 void rows(const Job& j, const F& f, int r0, int r1, int kv, bool int8) {
-    constexpr int RB = rows_at_once(M);
+    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1, RB = rows_at_once(G1);
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
     int r = r0;
-    for (; r + RB <= r1; r += RB) block<M, RB>(j, f, r, kv, int8);
-    for (; r < r1; r++) block<M, 1>(j, f, r, kv, int8);
+    for (; r + RB <= r1; r += RB) {
+        block<G1, RB>(first, f, r, kv, int8);
+        if constexpr (G2 > 0) block<G2, RB>(second, f, r, kv, int8);
+    }
+    for (; r < r1; r++) {
+        block<G1, 1>(first, f, r, kv, int8);
+        if constexpr (G2 > 0) block<G2, 1>(second, f, r, kv, int8);
+    }
 }
 
 template <int M>
@@ -342,6 +365,12 @@ void rows_m(const Job& j, int r0, int r1) {
 #if defined(ZOO_GEMV_AVX512)
 namespace avx512 {
 
+// Each row's bytes some way ahead of where a block reads: the rows of a block are separate
+// streams, and the hardware's prefetchers alone left one core's stream of int8 rows at half
+// the bandwidth that fp32 rows got.
+constexpr int prefetch_bytes = 1024;
+inline void prefetch(const void* at) { _mm_prefetch(static_cast<const char*>(at) + prefetch_bytes, _MM_HINT_T0); }
+
 inline __mmask16 tail16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 inline __mmask32 tail32(int n) { return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
 
@@ -360,6 +389,7 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 struct F32 {
     const float* w;
     int K;
+    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     void load(int r, int k, __m512& a, __m512& b) const {
         const float* p = w + (size_t)r * K + k;
         a = _mm512_loadu_ps(p);
@@ -374,6 +404,7 @@ struct F32 {
 struct BF16 {
     const uint16_t* w;
     int K;
+    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
     void load(int r, int k, __m512& a, __m512& b) const {
         const uint16_t* p = w + (size_t)r * K + k;
@@ -389,6 +420,7 @@ struct BF16 {
 struct Int8 {
     const int8_t* w;
     int K;
+    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512 widen(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
     void load(int r, int k, __m512& a, __m512& b) const {
         const int8_t* p = w + (size_t)r * K + k;
@@ -406,6 +438,7 @@ struct NF4 {  // 16 bytes: the group's 16 even values (low nibbles), then its 16
     const float* scales;
     size_t row_bytes, blocks;
     __m512 levels;
+    const void* at(int r, int k) const { return v + r * row_bytes + k / 2; }
     void load(int r, int k, __m512& a, __m512& b) const {
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(v + r * row_bytes + k / 2)));
         const __m512 s = _mm512_set1_ps(scales[r * blocks + k / nf4_block]);
@@ -442,7 +475,10 @@ inline void block_fma(const Job& j, const F& f, int r, int kv, bool int8) {
     for (; k < kv; k += 32) {
         __m512 a[RB], b[RB];
         ZOO_UNROLL
-        for (int i = 0; i < RB; i++) f.load(r + i, k, a[i], b[i]);
+        for (int i = 0; i < RB; i++) {
+            prefetch(f.at(r + i, k));
+            f.load(r + i, k, a[i], b[i]);
+        }
         step(a, b, k);
     }
     if (k < j.K && !std::is_same_v<F, NF4>) {
@@ -468,10 +504,17 @@ inline void block_fma(const Job& j, const F& f, int r, int kv, bool int8) {
 
 template <int M, class F>
 void rows_fma(const Job& j, const F& f, int r0, int r1, int kv, bool int8) {
-    constexpr int RB = rows_at_once(M);
+    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1, RB = 4;
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
     int r = r0;
-    for (; r + RB <= r1; r += RB) block_fma<M, RB>(j, f, r, kv, int8);
-    for (; r < r1; r++) block_fma<M, 1>(j, f, r, kv, int8);
+    for (; r + RB <= r1; r += RB) {
+        block_fma<G1, RB>(first, f, r, kv, int8);
+        if constexpr (G2 > 0) block_fma<G2, RB>(second, f, r, kv, int8);
+    }
+    for (; r < r1; r++) {
+        block_fma<G1, 1>(first, f, r, kv, int8);
+        if constexpr (G2 > 0) block_fma<G2, 1>(second, f, r, kv, int8);
+    }
 }
 
 template <int M>
@@ -496,6 +539,7 @@ void rows_m(const Job& j, int r0, int r1) {
 struct BF16Dot {
     const uint16_t* w;
     int K;
+    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     __m512bh load(int r, int k) const { return (__m512bh)_mm512_loadu_si512(w + (size_t)r * K + k); }
     __m512bh load_tail(int r, int k, int n) const {
         return (__m512bh)_mm512_maskz_loadu_epi16(tail32(n), w + (size_t)r * K + k);
@@ -504,6 +548,7 @@ struct BF16Dot {
 struct Int8Dot {  // int8 values are exact in bf16 (8 significant bits)
     const int8_t* w;
     int K;
+    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512bh widen(__m256i q) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
@@ -534,7 +579,10 @@ inline void block_dot(const Job& j, const F& f, int r, int kv, bool int8) {
     for (; k < kv; k += 32) {
         __m512bh w[RB];
         ZOO_UNROLL
-        for (int i = 0; i < RB; i++) w[i] = f.load(r + i, k);
+        for (int i = 0; i < RB; i++) {
+            prefetch(f.at(r + i, k));
+            w[i] = f.load(r + i, k);
+        }
         step(w, k);
     }
     if (k < j.K) {
@@ -571,8 +619,9 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
         const size_t k = b * nf4_block;
         ZOO_UNROLL
         for (int i = 0; i < RB; i++) {
-            const __m512i codes =
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(v + (r + i) * row_bytes + k / 2)));
+            const uint8_t* at = v + (r + i) * row_bytes + k / 2;
+            prefetch(at);
+            const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)at));
             const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(15)), table);
             const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
             const __m512 s = _mm512_set1_ps(scales[(r + i) * blocks + b]);
@@ -597,24 +646,41 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
     }
 }
 
+// The groups of x against blocks of RB rows (see x_group), for any of the block kernels.
+template <int M, int RB, class Block>
+void by_groups(const Job& j, int r0, int r1, const Block& block) {
+    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1;
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
+    int r = r0;
+    for (; r + RB <= r1; r += RB) {
+        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, RB>());
+        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, RB>());
+    }
+    for (; r < r1; r++) {
+        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, 1>());
+        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, 1>());
+    }
+}
+
 template <int M>
 void rows_dot_m(const Job& j, int r0, int r1) {
-    constexpr int RB = rows_at_once(M);
     const Matrix& W = *j.W;
     const int K = j.K, kv = K / 32 * 32;
-    int r = r0;
     if (W.dtype == DType::nf4) {
         const __m512i table = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)j.levels_bf16));
-        for (; r + RB <= r1; r += RB) block_nf4_dot<M, RB>(j, r, table);
-        for (; r < r1; r++) block_nf4_dot<M, 1>(j, r, table);
+        by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+            block_nf4_dot<decltype(m)::value, decltype(rb)::value>(g, r, table);
+        });
     } else if (W.dtype == DType::int8) {
         const Int8Dot f{static_cast<const int8_t*>(W.data), K};
-        for (; r + RB <= r1; r += RB) block_dot<M, RB>(j, f, r, kv, true);
-        for (; r < r1; r++) block_dot<M, 1>(j, f, r, kv, true);
+        by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+            block_dot<decltype(m)::value, decltype(rb)::value>(g, f, r, kv, true);
+        });
     } else {
         const BF16Dot f{static_cast<const uint16_t*>(W.data), K};
-        for (; r + RB <= r1; r += RB) block_dot<M, RB>(j, f, r, kv, false);
-        for (; r < r1; r++) block_dot<M, 1>(j, f, r, kv, false);
+        by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+            block_dot<decltype(m)::value, decltype(rb)::value>(g, f, r, kv, false);
+        });
     }
 }
 #endif  // ZOO_GEMV_AVX512_BF16
@@ -693,10 +759,12 @@ Operand prepare(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
 void rows(const Operand& x, const Matrix& W, int r0, int r1, const float* bias, const float* residual, int ldr,
           float* y, int ldy) {
     if (r0 >= r1) return;
-    Job j{&W, x.M, x.K, x.Kp, x.data, {}, {}, Out{y, ldy, bias, residual, ldr}};
+    const Layout layout = (Layout)x.layout;
+    const int x_bytes = layout == Layout::bf16 || layout == Layout::nf4_bf16_g64 ? 2 : 4;
+    Job j{&W, x.M, x.K, x.Kp, x.data, x_bytes, {}, {}, Out{y, ldy, bias, residual, ldr}};
     std::memcpy(j.levels, x.levels, sizeof(j.levels));
     std::memcpy(j.levels_bf16, x.levels_bf16, sizeof(j.levels_bf16));
-    kernel_for((Layout)x.layout, x.isa, x.M)(j, r0, r1);
+    kernel_for(layout, x.isa, x.M)(j, r0, r1);
 }
 
 bool worth_threads(const Matrix& W) { return value_bytes(W.dtype, W.rows, W.cols) >= parallel_bytes; }

@@ -571,6 +571,11 @@ def _add_generate(sub) -> None:
     prompt.add_argument("--prompt-ids", nargs="+", default=None, metavar="ID",
                         help="the prompt as token ids, comma- or space-separated (1,2,3 or 1 2 3); needs no "
                              "tokenizer. Prints the ids, then their text where the checkpoint has a tokenizer")
+    prompt.add_argument("--prompts", default=None, metavar="FILE",
+                        help="a file of prompts, one per line (or JSON Lines with a \"prompt\" each), decoded "
+                             "--batch-size at a time; prints one JSON line per prompt: prompt, completion, new_tokens")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="with --prompts: sequences decoded together, sharing each read of the weights (default 8)")
     p.add_argument("--no-echo", dest="echo", action="store_false",
                    help="print only the continuation, not the prompt before it")
     _add_sampling_flags(p, 200, 0.8, "tokens to add at most (fewer at an end-of-text token or the model's "
@@ -600,6 +605,11 @@ def _cmd_generate(args) -> int:
 
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
+    _check_flag("--batch-size", args.batch_size, args.batch_size >= 1, ">= 1")
+    if args.prompts is not None:
+        from ..generate_file import read_prompts
+
+        read_prompts(args.prompts)  # a bad file is refused before the weights are read
     _threads_and_precision(args)  # before the weights are read
     source = load.resolve(args.from_dir)
     src = source.path
@@ -617,6 +627,15 @@ def _cmd_generate(args) -> int:
         raise CheckpointError(src, "no tokenizer here (looked for zoo_tokenizer.json, tokenizer.json, tokenizer.model, "
                                    "vocab.json + merges.txt); give the prompt as token ids with --prompt-ids, or a "
                                    "tokenizer folder with --tokenizer")
+    if args.prompts is not None:
+        from ..generate_file import generate_file
+
+        try:
+            generate_file(model, tokenizer, args.prompts, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, args.seed, args.batch_size)
+        except NonFiniteLogits as e:
+            raise NonFiniteLogits(f"--from {src}: {e}") from None
+        return 0
     ids = prompt_tokens(tokenizer, args.prompt)
     stream = TextStream(tokenizer, ids)
     if args.echo:  # as the trainer's sample: the continuation reads on from the prompt
@@ -878,8 +897,8 @@ def _add_convert(sub) -> None:
     p.add_argument("--to", choices=["hf", "gguf"], default=None,
                    help="what to write: a Hugging Face folder (hf) or one GGUF file for llama.cpp (gguf) "
                         "(default: gguf when DST ends in .gguf, else hf)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q8_0"], default="float32",
-                   help="how the weights are stored (q8_0: GGUF only; a GGUF keeps norms and biases in float32)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q8_0", "q4_0"], default="float32",
+                   help="how the weights are stored (q8_0, q4_0: GGUF only; a GGUF keeps norms and biases in float32)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
                    help="shard the weights above this size (folders only)")
     p.add_argument("--allow-nonfinite", action="store_true",
@@ -894,8 +913,8 @@ def _cmd_convert(args) -> int:
                 "a finite number > 0")
     to = args.to or ("gguf" if str(args.dst).lower().endswith(".gguf") else "hf")
     if to == "hf":
-        _check_flag("--dtype", args.dtype, args.dtype != "q8_0",
-                    "float32, bfloat16 or float16 for a folder (q8_0 is a GGUF type: --to gguf)")
+        _check_flag("--dtype", args.dtype, args.dtype not in ("q8_0", "q4_0"),
+                    f"float32, bfloat16 or float16 for a folder ({args.dtype} is a GGUF type: --to gguf)")
     elif Path(args.dst).is_dir():
         raise ValueError(f"DST {args.dst}: a folder; --to gguf writes one file (e.g. {Path(args.dst) / 'model.gguf'})")
     source = load.resolve(args.src, "SRC")

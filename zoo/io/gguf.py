@@ -52,7 +52,11 @@ from .safetensors import count_nonfinite
 ROPE_FREQS = "rope_freqs.weight"
 # Export: what --dtype names -> the GGUF type of the 2-D weights (norms, biases, GPT-2's positions
 # and rope_freqs stay F32, as llama.cpp's converter keeps them) and general.file_type.
-EXPORT_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
+EXPORT_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32), "q8_0": ("Q8_0", 7),
+                "q4_0": ("Q4_0", 2)}
+# What a file without a vocabulary says in its tokenizer key: llama.cpp then loads it with
+# {arch}.vocab_size placeholder tokens and runs token ids (it cannot tokenize text with it).
+NO_VOCABULARY = "none"
 # Which ModelConfig field each metadata key feeds (for errors), with {arch} filled in.
 _KEY_OF_FIELD = {"vocab_size": "token_embd.weight", "max_seq_len": "{arch}.context_length",
                  "d_model": "{arch}.embedding_length", "n_layer": "{arch}.block_count",
@@ -307,12 +311,13 @@ def chat_template_from_gguf(path: str | os.PathLike):
 def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokenizer=None,
               name: Optional[str] = None) -> Path:
     """Write `model` as one GGUF file for llama.cpp, atomically (a temporary file renamed over
-    `path`). dtype: float32, float16, bfloat16 or q8_0 for the matrices (norms, biases, GPT-2's
-    positions stay F32). tokenizer: a Tokenizer or a folder holding one, written as the
+    `path`). dtype: float32, float16, bfloat16, q8_0 or q4_0 for the matrices (norms, biases,
+    GPT-2's positions stay F32). tokenizer: a Tokenizer or a folder holding one, written as the
     tokenizer.ggml.* keys with its tokenizer_config.json's chat template and bos/eos settings; by
-    default the model's own (the GGUF or folder it was loaded from). Without one the file has no
-    vocabulary, and llama.cpp cannot tokenize text with it. name: general.name (default: the
-    file's stem)."""
+    default the model's own (the GGUF or folder it was loaded from). Without one the file says
+    tokenizer.ggml.model = "none" with {arch}.vocab_size, which llama.cpp loads and runs on token
+    ids but cannot tokenize text with; a RuntimeWarning says so in one line. name: general.name
+    (default: the file's stem)."""
     import gguf
 
     from ..text.gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
@@ -340,6 +345,13 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
         keys.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab_size,
                                             tokenizer_settings(tokenizer, Path(folder) if folder else None),
                                             folder or "the tokenizer"))
+    else:
+        from gguf.constants import GGUFValueType as T
+
+        keys["tokenizer.ggml.model"] = (NO_VOCABULARY, T.STRING)
+        warnings.warn(f"{path}: no tokenizer to write (the model has none; give one with tokenizer=, or put its files "
+                      "beside the checkpoint): llama.cpp will load the file and run token ids, but cannot turn text "
+                      "into tokens or tokens into text with it", RuntimeWarning, stacklevel=2)
     tensors = _export_tensors(model, EXPORT_TYPES[dtype][0])
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, _gguf_arch(cfg))
@@ -378,8 +390,8 @@ def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str,
 
 def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...], object, Callable[[], np.ndarray]]]:
     """(GGUF name, shape, GGML type, a function making its stored bytes) for every tensor written:
-    matrices in matrix_type (F16 where a row does not divide into Q8_0 blocks, as llama.cpp's
-    converter falls back), 1-D tensors and positions in F32; llama's q/k rows permuted."""
+    matrices in matrix_type (F16 where a row does not divide into Q8_0's or Q4_0's blocks of 32, as
+    llama.cpp's converter falls back), 1-D tensors and positions in F32; llama's q/k rows permuted."""
     import gguf
     from gguf.constants import GGMLQuantizationType as Q
 
