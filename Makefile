@@ -5,13 +5,22 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NATIVE := $(wildcard native/*/*.hpp native/*/*.cpp) CMakeLists.txt pyproject.toml
 
-.PHONY: demo test setup setup-dev clean
+.PHONY: demo test test-clad setup setup-dev clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/zoo train
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/pytest -q tests
+
+# The suite on a Clad build (docs/clad.md): Clad's build folder, the whole suite (the tests that
+# need Clad run, ZOO_TEST_CLAD=1 fails the run if the build has no Clad), then the default build back.
+CLAD_DIR ?= /opt/clad
+CLAD_CXX ?= /usr/lib/llvm-19/bin/clang++
+test-clad: $(VENV)/.installed-dev
+	ZOO_CLAD_DIR=$(CLAD_DIR) CXX=$(CLAD_CXX) $(PY) -m pip install -q --no-build-isolation -e .
+	ZOO_TEST_CLAD=1 $(VENV)/bin/pytest -q tests; status=$$?; \
+	    $(PY) -m pip install -q --no-build-isolation -e . && exit $$status
 
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev

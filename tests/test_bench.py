@@ -16,9 +16,9 @@ import pytest
 import zoo
 from helpers import needs
 from zoo.cli import main
-from zoo.tools import bench
+from zoo.arch.layout import num_parameters, parameter_shapes
 from zoo.arch.presets import preset
-from zoo.arch.layout import num_parameters, parameter_shapes  # noqa: E402
+from zoo.tools import bench
 
 FAST = ["--steps", "2", "--warmup", "1", "--threads", "1"]
 SYSTEM_KEYS = {"step_ms_median", "step_ms_min", "step_ms_max", "tokens_per_s", "peak_rss_mib"}

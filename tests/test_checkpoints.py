@@ -10,8 +10,9 @@ import pytest
 
 import zoo
 from helpers import STORIES, gemm_rounding, greedy_agrees, installed, needs, needs_shared, random_batch
-from zoo.core.errors import CheckpointError
 from zoo import Model
+from zoo.arch.layout import parameter_shapes
+from zoo.core.errors import CheckpointError
 from zoo.io.checkpoints import save_pretrained
 from zoo.io.inspect import format_inspection, inspect_checkpoint
 from zoo.io.safetensors import CheckpointReader

@@ -20,8 +20,8 @@ import pytest
 
 import zoo
 from helpers import needs, zoo_command
-from zoo.train.config import DEMO_DATA, TrainConfig
 from zoo.arch.layout import num_parameters
+from zoo.train.config import DEMO_DATA, TrainConfig
 
 
 def _batch(seed=0, B=4, T=32):
@@ -367,9 +367,7 @@ def test_a_killed_rank_ends_every_rank_and_the_run_resumes_exactly(two_ranks, tm
     assert status != 0 and "rank 1" in console, console
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert not (out / "config.json").exists()  # nothing published
-    from zoo import Model
-
-    Model.from_pretrained(out / "checkpoints" / "step-00000003")
+    zoo.Model.from_pretrained(out / "checkpoints" / "step-00000003")
     status, console = _launch(2, out, resume=True)
     assert status == 0, console
     _metrics_equal(out, reference)

@@ -173,7 +173,6 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
     import io
 
     from zoo.chat import ChatSession
-    from zoo import Model
 
     pairs = [(form, fruit) for form in FORMS for fruit in COLORS]
     random.Random(0).shuffle(pairs)
@@ -191,7 +190,7 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "(1 chat)" in out.stderr + out.stdout and "packed rows" in out.stderr + out.stdout
 
-    model, tok, template = Model.from_pretrained(run), Tokenizer.from_pretrained(run), ChatTemplate.for_folder(run)
+    model, tok, template = zoo.Model.from_pretrained(run), Tokenizer.from_pretrained(run), ChatTemplate.for_folder(run)
     for form, fruit in held:
         question = form.format(fruit)
         scores = {c: _answer_log_likelihood(model, tok, template, question, f"It is {c}.") for c in set(COLORS.values())}

@@ -21,13 +21,6 @@ TINY = zoo.preset("tiny-llama")
 TEXT = DEMO_DATA / "001.txt"
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    n = zoo.get_threads()
-    yield
-    zoo.set_threads(n)
-
-
 @pytest.fixture(scope="module")
 def forms(tmp_path_factory):
     """One model in every form: name -> path."""

@@ -11,8 +11,8 @@ import zoo
 from helpers import BF16, GPT2_TINY, SHAKESPEARE, STORIES, cli, needs_clad, needs_shared, rel_err, shared
 from zoo import LoraConfig, ModelConfig
 from zoo.train.config import TrainConfig
+from zoo.arch.layout import num_parameters
 from zoo.train.trainer import Trainer, TrainInterrupted
-from zoo.arch.layout import num_parameters  # noqa: E402
 
 # Heads of 10 (no power of two), and adapters over every module of the Llama family.
 LLAMA_TINY = ModelConfig(vocab_size=101, max_seq_len=32, d_model=40, n_layer=2, n_head=4, n_kv_head=2, head_dim=10,

@@ -18,8 +18,8 @@ import pytest
 import zoo
 from helpers import BF16, run
 from zoo import LoraConfig, ModelConfig
+from zoo.arch.layout import num_parameters
 from zoo.arch.memory import finetune_memory_bytes, generation_bytes
-from zoo.arch.layout import num_parameters  # noqa: E402
 
 GPT2 = zoo.preset("tiny-gpt2")
 LLAMA = zoo.preset("tiny-llama")

@@ -96,7 +96,7 @@ FAULTS = [
     Fault("P12", "LoRA scaling alpha instead of alpha / r", "zoo/arch/lora.py",
           "        return self.alpha / self.r", "        return self.alpha",
           (("tests/test_lora.py", "-k", "merged_model"), ("tests/test_lora_peft.py",),)),
-    Fault("P13", "config.json's rope_theta ignored (10000 always)", "zoo/io/hf_config.py",
+    Fault("P13", "config.json's rope_theta ignored (10000 always)", "zoo/families/llama.py",
           "    theta = params.get(\"rope_theta\", hf.get(\"rope_theta\", 10000.0))",
           "    theta = 10000.0",
           (("tests/test_checkpoints.py", "-k", "parity"),)),
@@ -115,11 +115,9 @@ FAULTS = [
     Fault("P17", "the memory check ignores $ZOO_MEMORY_AVAILABLE", "zoo/arch/memory.py",
           "    override = os.environ.get(AVAILABLE_ENV)", "    override = None",
           (("tests/test_fuzz_bounds.py", "-k", "memory or too_big"),)),
-    Fault("P18", "Llama-named layout: k and v projections swapped in the arena", "zoo/arch/layout.py",
-          "        add(p + \"self_attn.k_proj.weight\", (kv_out, d), \"\", i, True)\n"
-          "        add(p + \"self_attn.v_proj.weight\", (kv_out, d), \"\", i, True)",
-          "        add(p + \"self_attn.v_proj.weight\", (kv_out, d), \"\", i, True)\n"
-          "        add(p + \"self_attn.k_proj.weight\", (kv_out, d), \"\", i, True)",
+    Fault("P18", "Llama-named layout: k and v projections swapped in the arena", "zoo/families/llama.py",
+          'qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")',
+          'qkv=("self_attn.q_proj", "self_attn.v_proj", "self_attn.k_proj")',
           (("tests/test_model_parity.py", "-k", "zoo_only"),)),
     Fault("P19", "a resumed run keeps the metrics its killed run wrote past the checkpoint",
           "zoo/train/trainer.py",
