@@ -1,7 +1,8 @@
 // The block registry: every block kind zoo has, listed once. A config names its norm and its
 // MLP activation; the executor looks them up here, Python learns them from build_info(), and
 // the Clad translation unit compiles every block's generated pullback by including this file.
-// A new norm or activation: its header (forward, pullback, registry entry) and one line below.
+// A new norm or activation: its header (forward, pullback, registry entry), its #include and
+// its entry in the list below (docs/adding_a_block.md).
 #pragma once
 #include <stdexcept>
 #include <string>
