@@ -592,6 +592,14 @@ def test_activations_by_name_check_their_arguments():
         nb.activation_forward("no_such_activation", x)
 
 
+def test_geglu_is_gelu_gating_up():
+    # Gemma's MLP: down(gelu_tanh(gate) * up), zoo's gelu (GPT-2's tanh approximation) as the gate
+    rng = np.random.default_rng(11)
+    gate, up = f32(rng, (6, 40), 3.0), f32(rng, (6, 40))
+    y = nb.activation_forward("geglu", np.concatenate([gate, up], -1))
+    assert rel_err(y, nb.activation_forward("gelu", gate) * up) <= 1e-6
+
+
 def test_registered_norms_by_name_check_their_arguments():
     rng = np.random.default_rng(8)
     x, w = rng.standard_normal((4, 16)).astype(np.float32), np.ones(16, np.float32)

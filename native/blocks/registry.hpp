@@ -11,6 +11,7 @@
 #include "blocks/attention.hpp"
 #include "blocks/cross_entropy.hpp"
 #include "blocks/embedding.hpp"
+#include "blocks/geglu.hpp"
 #include "blocks/gelu.hpp"
 #include "blocks/layernorm.hpp"
 #include "blocks/layernorm_nobias.hpp"
@@ -25,7 +26,7 @@
 namespace zoo {
 
 inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block};
-inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block};
+inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block, &geglu_block};
 
 // Every block by the name ad= takes, with the pullbacks this build has for it.
 struct BlockInfo {
