@@ -18,6 +18,7 @@ from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad,
                      rel_err, without_clad)
 from zoo import ModelConfig
 from zoo.core._native import blocks as B
+from zoo.core import blocks
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
 BACKENDS = ["manual"] + (["clad"] if CLAD else [])
