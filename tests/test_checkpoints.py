@@ -17,7 +17,6 @@ from zoo.io.checkpoints import save_pretrained
 from zoo.io.inspect import format_inspection, inspect_checkpoint
 from zoo.io.safetensors import CheckpointReader
 from zoo.text.tokenizers import Tokenizer
-from zoo.arch.layout import parameter_shapes
 
 # Most tests here compare with transformers; those that do not run without it.
 hf = needs("torch", "transformers")

@@ -17,6 +17,7 @@ import zoo
 from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad, random_batch, randomize_norms,
                      rel_err, without_clad)
 from zoo import ModelConfig
+from zoo.core import blocks
 from zoo.core._native import blocks as B
 from zoo.core import blocks
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
