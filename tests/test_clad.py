@@ -19,7 +19,6 @@ from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad,
 from zoo import ModelConfig
 from zoo.core import blocks
 from zoo.core._native import blocks as B
-from zoo.core import blocks
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
 BACKENDS = ["manual"] + (["clad"] if CLAD else [])
