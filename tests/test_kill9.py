@@ -27,7 +27,7 @@ import zoo
 from zoo.io.safetensors import SafetensorsFile
 from zoo.train.config import DEMO_DATA
 from zoo.io.run_folder import checkpoint_dirs
-from zoo.train.trainer import read_state
+from zoo.train.checkpoint import read_state
 
 SEEDS = list(range(20))
 STEPS = 10

@@ -356,7 +356,8 @@ def _shown(value) -> str:
 
 def _train_config(args: argparse.Namespace, defaults: dict) -> TrainConfig:
     """Settings by precedence: flags, then --config file, then the resumed run's, then defaults."""
-    from ..train.trainer import lock_run_folder, saved_config
+    from ..train.checkpoint import saved_config
+    from ..train.run_folder import lock_run_folder
 
     flags = {k: getattr(args, k) for k in TrainConfig.model_fields if hasattr(args, k)}
     # Absolute paths, so a resumed run finds its files from any working directory.
@@ -415,7 +416,7 @@ def _is_root() -> bool:
 
 def _run_training(cfg: TrainConfig) -> int:
     from ..train import distributed
-    from ..train.trainer import Trainer, sample_text
+    from ..train.trainer import Trainer
 
     group = distributed.current()
     real_stderr = sys.stderr
@@ -431,6 +432,18 @@ def _run_training(cfg: TrainConfig) -> int:
     finally:
         sys.stderr = real_stderr
     return 0
+
+
+def sample_text(model, tokenizer, prompt: str, max_new_tokens: int, seed: int, file=None) -> None:
+    """Stream a short sample (temperature 0.8, top-k 40) to `file` (stdout)."""
+    from ..generate import TextStream, generate, prompt_tokens
+
+    ids = prompt_tokens(tokenizer, prompt)
+    stream = TextStream(tokenizer, ids, file=file)
+    (file or sys.stdout).write(prompt)
+    generate(model, ids, max_new_tokens, temperature=0.8, top_k=40, seed=seed,
+             stop_ids=tokenizer.eos_ids, on_token=stream)
+    stream.finish()
 
 
 class _ConsoleThatOutlivesItsReader:

@@ -8,6 +8,7 @@ flags from the fields here; add a field and the flag follows.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -235,6 +236,19 @@ class TrainConfig(BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2, by_alias=True)
+
+
+def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then the schedule
+    from lr down to the final lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - 1 - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    return cfg.final_lr + (cfg.lr - cfg.final_lr) * coeff
 
 
 def read_config_file(path: str | Path) -> dict:
