@@ -8,7 +8,7 @@ from ..chat import ChatSession
 from ..core.errors import CheckpointError
 from ..generate import check_settings
 from ..io import load
-from .flags import FROM_HELP, add_model_flags, add_sampling_flags, model_for, threads_and_precision
+from .flags import FROM_HELP, add_model_flags, add_sampling_flags, apply_threads, model_for
 
 
 def add_chat(sub) -> None:
@@ -24,7 +24,7 @@ def add_chat(sub) -> None:
 
 def _cmd_chat(args) -> int:
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
-    threads_and_precision(args)
+    apply_threads(args)
     source = load.resolve(args.from_dir)
     model = model_for(source, False, args)
     tokenizer = load.tokenizer_for(source, model, args.tokenizer)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from ..io import load
 from ..io.checkpoints import save_pretrained
-from ..io.gguf import save_gguf
+from ..io.gguf import EXPORT_TYPES, save_gguf
 from ..io.inspect import format_inspection, inspect_checkpoint
+from ..io.safetensors import DTYPE_NAMES
 from ..model import Model
 from .flags import FROM_HELP, check_flag, model_for
 
@@ -51,7 +52,7 @@ def add_convert(sub) -> None:
     p.add_argument("--to", choices=["hf", "gguf"], default=None,
                    help="what to write: a Hugging Face folder (hf) or one GGUF file for llama.cpp (gguf) "
                         "(default: gguf when DST ends in .gguf, else hf)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "q8_0"], default="float32",
+    p.add_argument("--dtype", choices=list(EXPORT_TYPES), default="float32",
                    help="how the weights are stored (q8_0: GGUF only; a GGUF keeps norms and biases in float32)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, metavar="GB",
                    help="shard the weights above this size (folders only)")
@@ -65,8 +66,8 @@ def _cmd_convert(args) -> int:
                "a finite number > 0")
     to = args.to or ("gguf" if str(args.dst).lower().endswith(".gguf") else "hf")
     if to == "hf":
-        check_flag("--dtype", args.dtype, args.dtype != "q8_0",
-                   "float32, bfloat16 or float16 for a folder (q8_0 is a GGUF type: --to gguf)")
+        check_flag("--dtype", args.dtype, args.dtype in DTYPE_NAMES,
+                   f"one of {', '.join(DTYPE_NAMES)} for a folder ({args.dtype} is a GGUF type: --to gguf)")
     elif Path(args.dst).is_dir():
         raise ValueError(f"DST {args.dst}: a folder; --to gguf writes one file (e.g. {Path(args.dst) / 'model.gguf'})")
     source = load.resolve(args.src, "SRC")

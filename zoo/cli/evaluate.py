@@ -9,7 +9,7 @@ from ..core.errors import CheckpointError
 from ..io import load
 from ..train.data import all_token_ids, batches_for, tokenize_files
 from ..train.evaluate import evaluate
-from .flags import FROM_HELP, add_model_flags, check_flag, model_for, threads_and_precision
+from .flags import FROM_HELP, add_model_flags, apply_threads, check_flag, model_for
 
 
 EVAL_SETTINGS = {"batch_size": 8, "seq_len": 128, "val_fraction": 0.1, "eval_batches": 8, "seed": 0,
@@ -41,7 +41,7 @@ def add_eval(sub) -> None:
 
 
 def _cmd_eval(args) -> int:
-    threads_and_precision(args)
+    apply_threads(args)
     source = load.resolve(args.from_dir)
     src = source.path
     run = source.settings()

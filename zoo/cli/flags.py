@@ -8,10 +8,9 @@ import argparse
 import sys
 import warnings
 
-import zoo
-
-from ..arch.lora import default_precision
-from ..core.gemm import check_precision
+from ..arch.lora import BASE_DTYPES, default_precision
+from ..core.gemm import PRECISIONS
+from ..core.native import set_threads
 from ..io import load
 from ..model import Model
 
@@ -37,10 +36,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     """The flags of every verb that runs a model: threads, tokenizer, precision, a LoRA base's format."""
     p.add_argument("--threads", type=int, default=None, metavar="N", help="CPU threads (default: all)")
     p.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer folder (default: --from)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="of the matrix products (default: a run folder's, else fp32; bf16 needs a CPU with bf16 "
                         "dot products)")
-    p.add_argument("--base-dtype", choices=["fp32", "bf16", "int8", "nf4"], default=None,
+    p.add_argument("--base-dtype", choices=BASE_DTYPES, default=None,
                    help="load the weights frozen in this format (less memory; the products then run in bf16 where "
                         "the CPU has bf16 dot products). An adapter folder (a LoRA run's): the format of its base "
                         "(default: the run's, else bf16); a checkpoint: fp32 by default")
@@ -56,26 +55,17 @@ def add_sampling_flags(p: argparse.ArgumentParser, max_new_tokens: int, temperat
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling")
 
 
-# Far above any machine's cores; below what the native int takes (a larger --threads would be
-# a cast error, not a message).
-MAX_THREADS = 4096
-
-
 def check_flag(flag: str, value, ok: bool, expected: str) -> None:
     """ValueError naming the flag, before any work starts, unless ok."""
     if not ok:
         raise ValueError(f"{flag}: must be {expected}, got {value}")
 
 
-def threads_and_precision(args) -> None:
-    """--threads and --precision of a verb that runs a model, checked and applied before any
-    weights are read."""
-
+def apply_threads(args) -> None:
+    """--threads of a verb that runs a model, applied (set_threads checks it) before any weights
+    are read. --precision is the model's to check (zoo.Model), before it reads any weights."""
     if args.threads is not None:
-        check_flag("--threads", args.threads, 1 <= args.threads <= MAX_THREADS, f"an integer in [1, {MAX_THREADS}]")
-        zoo.set_threads(args.threads)
-    if args.precision is not None:
-        check_precision(args.precision)
+        set_threads(args.threads, "--threads")
 
 
 def model_for(source, allow_nonfinite: bool, args=None):
@@ -90,7 +80,6 @@ def model_for(source, allow_nonfinite: bool, args=None):
         run = source.settings()
         base_dtype = args.base_dtype or run.get("base_dtype")
         precision = args.precision or run.get("precision") or default_precision(base_dtype or "fp32")
-        check_precision(precision)
         settings = dict(precision=precision, base_dtype=base_dtype)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)

@@ -8,7 +8,7 @@ from ..core.errors import CheckpointError
 from ..generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
 from ..io import load
 from ..io.checkpoints import stop_ids
-from .flags import FROM_HELP, add_model_flags, add_sampling_flags, model_for, threads_and_precision
+from .flags import FROM_HELP, add_model_flags, add_sampling_flags, apply_threads, model_for
 
 
 def add_generate(sub) -> None:
@@ -32,7 +32,7 @@ def add_generate(sub) -> None:
 def _cmd_generate(args) -> int:
     check_settings(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, as_flags=True)
     prompt_ids = _token_ids("--prompt-ids", args.prompt_ids) if args.prompt_ids is not None else None
-    threads_and_precision(args)  # before the weights are read
+    apply_threads(args)  # before the weights are read
     source = load.resolve(args.from_dir)
     src = source.path
     model = model_for(source, args.allow_nonfinite, args)

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..arch.layout import num_parameters
 from ..core.atomic import named
 from ..core.errors import ResourceError, TrainError, TrainInterrupted
-from ..core.gemm import check_precision, gemm_info
+from ..core.gemm import gemm_info
 from ..core.native import get_threads, set_threads
 from .checkpoint import Checkpoints, resume_point
 from .config import TrainConfig, lr_at
@@ -86,7 +86,6 @@ class Trainer:
             set_threads(group.default_threads())
         self.threads = get_threads()
 
-        check_precision(cfg.precision)  # before any weights are read
         resume_from, run = None, None
         if self.writer:
             self.folder.take()
