@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..arch.layout import num_parameters
-from ..arch.presets import PRESETS
+from ..arch.presets import PRESETS, preset_info
 
 
 def add_presets(sub) -> None:
@@ -38,7 +38,7 @@ def _cmd_card(args) -> int:
     from ..tools import cards  # zoo.tools: outside the runtime's import graph, imported when the verb runs
 
     bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
-    data = cards.card_data(cards.find_preset(args.name), cards.read_benchmarks(bench_dir))
+    data = cards.card_data(preset_info(args.name), cards.read_benchmarks(bench_dir))
     print(cards.card_json(data) if args.json else cards.card_markdown(data), end="")
     return 0
 

@@ -241,15 +241,6 @@ class TrainConfig(BaseModel):
         a, b = self.model_dump(), other.model_dump()
         return [k for k in a if k not in RESUMABLE_CHANGES and a[k] != b[k]]
 
-    # --- files ------------------------------------------------------------------------
-
-    @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
-        return validate(read_config_file(path), f"config file {path}")
-
-    def to_json(self) -> str:
-        return self.model_dump_json(indent=2, by_alias=True)
-
 
 def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup, then the schedule
