@@ -1,8 +1,8 @@
 """The one error boundary of the `zoo` command: the verb runs inside it, and every failure ends
 as one `zoo: error: ...` line and an exit status of its class (zoo/core/errors.py;
 docs/troubleshooting.md lists them); a bug of zoo as one line and a crash file with the
-traceback. Also the standard streams as a verb sees them: stdout names itself in errors, and a
-training run's console outlives its reader."""
+traceback. Also the standard streams as a verb sees them (Stream): stdout names itself in errors,
+and a training run's console outlives its reader."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _run_verb(argv: list[str] | None, build_parser: Callable[[], argparse.Argume
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = None
     real_stdout = sys.stdout
-    sys.stdout = _StdoutNamedInErrors(real_stdout)
+    sys.stdout = Stream(real_stdout, STDOUT_NAME)
     try:
         try:
             parser = build_parser()
@@ -109,75 +109,56 @@ def _say_error(line: str) -> None:
         print(f"zoo: {prefix}{line}", file=sys.stderr)
 
 
-class _StdoutNamedInErrors:
-    """stdout while a verb runs: a write that fails (a full disk behind `zoo inspect DIR > file`)
-    raises an OSError that names standard output, as the errors of other files name the file."""
+class Stream:
+    """A standard stream while a verb runs. A write or flush that fails points the stream's
+    descriptor at /dev/null (what the stream still holds cannot be written: so the flush at
+    interpreter exit does not fail again, after the one error line) and raises an OSError that
+    names the stream, as the errors of other files name the file: a full disk behind
+    `zoo inspect DIR > file`. With outlive_reader, a reader that went away (BrokenPipeError) is
+    no error: the stream takes what is written from then on and drops it. That is stderr during a
+    training run (`zoo train 2>&1 | head`): the run goes on without a console, train.log keeping
+    every line, instead of dying at the next progress update."""
 
-    def __init__(self, stream):
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError as e:
-            self._failed(e)
-            raise
-
-    def flush(self) -> None:
-        try:
-            self._stream.flush()
-        except OSError as e:
-            self._failed(e)
-            raise
-
-    def _failed(self, e: OSError) -> None:
-        if e.filename is None:
-            e.filename = STDOUT_NAME
-        # What the stream still holds cannot be written: point its descriptor at /dev/null so
-        # that the flush at interpreter exit does not fail again, after the one error line.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
-        except Exception:  # noqa: BLE001 - a stream without a descriptor (pytest's capture)
-            pass
-
-    def __getattr__(self, name):  # isatty, fileno, encoding ... of the real stream
-        return getattr(self._stream, name)
-
-
-class ConsoleThatOutlivesItsReader:
-    """stderr during a training run. If its reader goes away (`zoo train 2>&1 | head`), the run
-    goes on without a console, train.log keeping every line, instead of dying at the next
-    progress update: a closed console is no reason to lose hours of training."""
-
-    def __init__(self, stream):
-        self._stream, self.gone = stream, False
+    def __init__(self, stream, name: str, outlive_reader: bool = False):
+        self._stream, self.name, self.outlive_reader = stream, name, outlive_reader
+        self.gone = False  # the reader went away
 
     def write(self, text: str) -> int:
         if not self.gone:
             try:
                 return self._stream.write(text)
-            except BrokenPipeError:
-                self._lose()
+            except OSError as e:
+                if not self._lost(e):
+                    raise
         return len(text)
 
     def flush(self) -> None:
         if not self.gone:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._lose()
+            except OSError as e:
+                if not self._lost(e):
+                    raise
 
-    def _lose(self) -> None:
-        self.gone = True
-        # The real stream's buffer still holds what could not be written: point its descriptor at
-        # /dev/null so that flushing it (here, or at interpreter exit) succeeds.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+    def _lost(self, e: OSError) -> bool:
+        """Whether the stream goes on without its reader (else the caller raises e, named)."""
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())
+        except Exception:  # noqa: BLE001 - a stream without a descriptor (pytest's capture)
+            pass
+        if self.outlive_reader and isinstance(e, BrokenPipeError):
+            self.gone = True
+            return True
+        if e.filename is None:
+            e.filename = self.name
+        return False
 
     def __getattr__(self, name):  # isatty, fileno, encoding ... of the real stream
         return getattr(self._stream, name)
 
 
 STDOUT_NAME = "<standard output>"
+STDERR_NAME = "<standard error>"
 
 
 def _error_line(e: Exception, args: argparse.Namespace | None, argv: list[str]) -> tuple[int, str]:

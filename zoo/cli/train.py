@@ -15,7 +15,7 @@ from ..train.config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, val
 from ..train.run_folder import lock_run_folder
 from ..train.trainer import Trainer
 from ..generate import TextStream, generate, prompt_tokens
-from .boundary import ConsoleThatOutlivesItsReader
+from .boundary import STDERR_NAME, Stream
 
 
 def _add_train_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
@@ -128,7 +128,7 @@ def _is_root() -> bool:
 def _run_training(cfg: TrainConfig) -> int:
     group = distributed.current()
     real_stderr = sys.stderr
-    sys.stderr = ConsoleThatOutlivesItsReader(real_stderr)
+    sys.stderr = Stream(real_stderr, STDERR_NAME, outlive_reader=True)
     try:
         trainer = Trainer(cfg, group)
         trainer.run()  # its last line ("done: ...") names the run folder in full
