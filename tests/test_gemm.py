@@ -172,7 +172,7 @@ def test_bf16_without_bf16_dot_products_is_refused_with_the_reason(tmp_path):
                         "--out", "unused-run", "--precision", "bf16"], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, DNNL_MAX_CPU_ISA="AVX2"), cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "zoo: error: precision bf16 needs" in r.stderr
+    assert "zoo: error: settings: precision (--precision): precision bf16 needs" in r.stderr
     assert not (tmp_path / "unused-run").exists()
 
 

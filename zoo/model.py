@@ -176,6 +176,7 @@ class Model:
                  ad: AdSpec = "manual", precision: str = "fp32", lora: Optional[LoraConfig] = None,
                  base_dtype: Optional[str] = None):
         apply_gemm_environment()
+        check_precision(precision)  # before the arenas are mapped or any weight is read
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
         self._base_shapes = {p.name: p.shape for p in self.layout}
@@ -227,7 +228,7 @@ class Model:
         self._exec.set_checkpointing(bool(checkpointing))
         self.ad = resolve_ad(ad, config, lora is not None)
         self._exec.set_clad_blocks([b for b, v in self.ad.items() if v == "clad"])
-        self.set_precision(precision)
+        self._exec.set_precision(precision)
         if seed is not None:
             self.init_weights(seed)
 

@@ -5,6 +5,7 @@ found there (a build moved elsewhere), it is loaded first, globally, from its wh
 
 import ctypes
 import fnmatch
+import numbers
 import os
 from importlib.metadata import PackageNotFoundError, distribution
 
@@ -54,14 +55,26 @@ for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
             raise
 
 
+# Far above any machine's cores; below what the native int takes (a larger count would be a
+# cast error, not a message).
+MAX_THREADS = 4096
 
-def set_threads(n: int) -> None:
-    """Threads for zoo's kernels and its BLAS alike."""
-    _native.set_threads(int(n))
+
+def check_threads(n, name: str = "threads") -> int:
+    """n as a thread count, an integer in [1, MAX_THREADS]; a ValueError naming `name` (the flag
+    or field the count was given as) otherwise."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_THREADS}], got {n!r}")
+    return int(n)
+
+
+def set_threads(n: int, name: str = "threads") -> None:
+    """Threads for zoo's kernels and its BLAS alike (check_threads checks n; name: as there)."""
+    _native.set_threads(check_threads(n, name))
 
 
 def get_threads() -> int:
     return _native.get_threads()
 
 
-__all__ = ["_native", "get_threads", "set_threads"]
+__all__ = ["_native", "MAX_THREADS", "check_threads", "get_threads", "set_threads"]
