@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 
 import pytest
 
