@@ -302,7 +302,7 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path):
 
     root = tmp_path / "base"
     shutil.copytree(Path(zoo.__file__).parent, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(_native.__file__, root / "zoo" / "core")
+    shutil.copy(_native.__file__, root / "zoo" / "core")  # where the package keeps its extension
     out = tmp_path / "ab.json"
     assert bench_ab.main(["--base", str(root), "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "8",
                           "--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0

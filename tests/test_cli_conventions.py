@@ -202,7 +202,8 @@ def test_a_run_whose_console_closes_trains_to_the_end(tmp_path):
     os.close(read_end)
     out = tmp_path / "run"
     try:
-        proc = subprocess.run(zoo_command("demo", "--steps", "30", "--out", out, "--cache-dir", tmp_path / "c", *FAST), stdout=write_end, stderr=write_end)
+        proc = subprocess.run(zoo_command("demo", "--steps", "30", "--out", out, "--cache-dir", tmp_path / "c", *FAST),
+                              stdout=write_end, stderr=write_end)
     finally:
         os.close(write_end)
     assert proc.returncode == 0

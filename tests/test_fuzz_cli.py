@@ -196,7 +196,8 @@ def test_other_verbs_refuse_a_bad_flag_value(checkpoint, tmp_path, verb, flag, v
 
 def test_generate_with_a_tiny_temperature_samples_the_top_token(checkpoint):
     # logits / 5e-324 overflow to inf; the sampler must not turn that into NaN probabilities
-    greedy = helpers.cli("generate", "--from", checkpoint, "--prompt", "hi", "--max-new-tokens", "8", "--temperature", "0")
+    greedy = helpers.cli("generate", "--from", checkpoint, "--prompt", "hi", "--max-new-tokens", "8",
+                         "--temperature", "0")
     tiny = helpers.cli("generate", "--from", checkpoint, "--prompt", "hi", "--max-new-tokens", "8",
                     "--temperature", "5e-324")
     assert greedy.returncode == 0 and tiny.returncode == 0, tiny.stderr

@@ -393,7 +393,8 @@ def test_tokenizer_side_files_of_the_wrong_type(ckpt, tok, file, field, value):
 def test_tokenizer_json_a_fifo(ckpt, tok):
     (tok / "tokenizer.json").unlink()
     os.mkfifo(tok / "tokenizer.json")
-    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), "FIFO", status=EXIT_INPUT)
+    helpers.assert_error(generate(ckpt, "--tokenizer", str(tok)), str(tok / "tokenizer.json"), "FIFO",
+                         status=EXIT_INPUT)
 
 
 def test_tokenizer_config_a_fifo(ckpt, tok):

@@ -193,7 +193,8 @@ def test_an_instruction_finetune_answers_held_out_questions(tmp_path):
     model, tok, template = zoo.Model.from_pretrained(run), Tokenizer.from_pretrained(run), ChatTemplate.for_folder(run)
     for form, fruit in held:
         question = form.format(fruit)
-        scores = {c: _answer_log_likelihood(model, tok, template, question, f"It is {c}.") for c in set(COLORS.values())}
+        scores = {c: _answer_log_likelihood(model, tok, template, question, f"It is {c}.")
+                  for c in set(COLORS.values())}
         assert max(scores, key=scores.get) == COLORS[fruit], (question, scores)
     greedy = {}
     for form, fruit in held[:2]:

@@ -83,7 +83,8 @@ PHASES = [
     # Resumed at step 4: at the end the final model replaces nothing yet, config.json goes last.
     ("publishing the final model", r"os\.rename \.model\.safetensors\.\d+\.tmp", 1, r"\.model\.safetensors\.\d+\.tmp"),
     # Resumed at its last step: it publishes again and writes the loss plot.
-    ("writing the loss plot", r"os\.rename \.loss\.png\.\d+\.[0-9a-f]{8}\.tmp", 1, r"\.loss\.png\.\d+\.[0-9a-f]{8}\.tmp"),
+    ("writing the loss plot", r"os\.rename \.loss\.png\.\d+\.[0-9a-f]{8}\.tmp", 1,
+     r"\.loss\.png\.\d+\.[0-9a-f]{8}\.tmp"),
 ]
 
 

@@ -130,9 +130,9 @@ def test_bf16_merge_of_a_bf16_base_is_exact(base, tmp_path, monkeypatch):
     import zoo.io.load
 
     held = []
-    load = zoo.io.load.load_model
-    monkeypatch.setattr(zoo.io.load, "load_model",
-                        lambda source, cls, **kw: held.append(kw.get("base_dtype")) or load(source, cls, **kw))
+    load = zoo.io.load.load_pretrained  # what zoo.io.load, the one loading layer, calls
+    monkeypatch.setattr(zoo.io.load, "load_pretrained",
+                        lambda path, *a, **kw: held.append(kw.get("base_dtype")) or load(path, *a, **kw))
     family, _, hf = base
     folder = tmp_path / "base-bf16"
     save_hf_as(hf, folder, dtype=torch.bfloat16)
