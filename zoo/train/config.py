@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..arch.config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
@@ -289,8 +290,6 @@ def read_config_file(path: str | Path) -> dict:
         if path.suffix.lower() == ".json":
             raw = json.loads(text)
         else:
-            import yaml
-
             raw = yaml.safe_load(text)
     except Exception as e:  # json.JSONDecodeError or yaml.YAMLError, with line and column
         raise ValueError(f"config file {path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {e}") from None

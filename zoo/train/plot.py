@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from ..core.atomic import atomic_open
 from ..core.errors import CheckpointError
 from ..core.files import parse_model, read_text
 
@@ -90,12 +91,10 @@ def read_preference_metrics(run_dir: str | os.PathLike) -> dict[str, list[tuple[
 
 def plot_run(run_dir: str | os.PathLike) -> Path:
     """Write run_dir/loss.png (atomically) and return its path."""
-    import matplotlib
+    import matplotlib  # heavy: imported when a plot is drawn, not with zoo
 
     matplotlib.use("Agg")  # files only; works without a display
     import matplotlib.pyplot as plt
-
-    from ..core.atomic import atomic_open
 
     train, val = read_metrics(run_dir)
     if not train and not val:
