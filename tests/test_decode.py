@@ -52,6 +52,9 @@ def _declared(x, w, fmt, precision):
     """The sums gemv.hpp declares, in float64, and the sums of their terms' magnitudes."""
     rounds = precision == "bf16" and fmt != "fp32"
     xs = (_bf16(x) if rounds else x).astype(np.float64)
+    if rounds and fmt == "int8":  # 16-bit integers times their row's scale
+        scale = np.abs(x).max(axis=1, keepdims=True).astype(np.float32) / np.float32(32767)
+        xs = np.rint(x / np.where(scale > 0, scale, 1)) * scale.astype(np.float64)
     if fmt == "nf4":
         codes, scales = _nf4(w)
         levels = (_bf16(NF4_LEVELS) if rounds else NF4_LEVELS).astype(np.float64)

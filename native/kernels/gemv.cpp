@@ -53,8 +53,12 @@ std::vector<Isa> isas() {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) out.push_back(Isa::avx2);
 #endif
 #if defined(ZOO_GEMV_AVX512)
+    bool vnni = true;  // where the build uses it (the int8 kernel's)
+#if defined(__AVX512VNNI__)
+    vnni = __builtin_cpu_supports("avx512vnni");
+#endif
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") && vnni)
         out.push_back(Isa::avx512);
 #endif
 #if defined(ZOO_GEMV_AVX512_BF16)
@@ -80,7 +84,10 @@ namespace {
 //                 nibbles of 16 bytes into one vector of each (AVX-512)
 //   nf4_bf16_g64: the same by groups of 64, in bf16 (AVX512_BF16: 32 bytes a step)
 //   nf4_f32_g16:  the same by groups of 16 (AVX2: 8 bytes a step)
-enum class Layout { f32, bf16, nf4_f32_g32, nf4_bf16_g64, nf4_f32_g16 };
+//   i16:          16-bit integers q = round(x / s), s = max|x| / 32767 of the row, then the rows'
+//                 scales s (a bf16 product of int8 W, every instruction set: int8 times int16
+//                 multiply-adds in integers, no conversion of W to floats)
+enum class Layout { f32, bf16, nf4_f32_g32, nf4_bf16_g64, nf4_f32_g16, i16 };
 
 size_t padded(int K) { return ((size_t)K + 63) / 64 * 64; }
 
@@ -88,9 +95,10 @@ bool rounds_operands(Precision p, DType t) { return p == Precision::bf16 && t !=
 
 Layout layout_for(DType t, Precision p, Isa isa) {
     const bool nf4 = t == DType::nf4;
+    if (t == DType::int8 && rounds_operands(p, t)) return Layout::i16;
     switch (isa) {
         case Isa::avx512_bf16:
-            if (rounds_operands(p, t)) return nf4 ? Layout::nf4_bf16_g64 : Layout::bf16;
+            if (rounds_operands(p, t)) return nf4 ? Layout::nf4_bf16_g64 : Layout::bf16;  // bf16 W here
             return nf4 ? Layout::nf4_f32_g32 : Layout::f32;
         case Isa::avx512: return nf4 ? Layout::nf4_f32_g32 : Layout::f32;
         case Isa::avx2: return nf4 ? Layout::nf4_f32_g16 : Layout::f32;
@@ -107,32 +115,96 @@ int group_of(Layout l) {
     }
 }
 
-// Row m of x into row m of out (Kp values, or Kp bf16 bits in the bf16 layouts).
+// The 16-bit operand's scales follow its M rows of Kp integers.
+float* i16_scales(void* out, int M, size_t Kp) { return static_cast<float*>(out) + (size_t)M * Kp / 2; }
+
+// x rounded to bf16, as bits and as the float they stand for: loops the compiler vectorizes (a
+// NaN stays a NaN, as in to_bf16).
+inline uint32_t bf16_rounded_bits(float x) {
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1)) & 0xffff0000u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x00400000u) & 0xffff0000u : rounded;
+}
+inline float bf16_rounded(float x) {
+    const uint32_t u = bf16_rounded_bits(x);
+    float y;
+    std::memcpy(&y, &u, 4);
+    return y;
+}
+
+// Row m of x into row m of out (Kp values, or Kp bf16 bits or 16-bit integers). It runs once per
+// product on every thread that takes part (decode.cpp), so its loops are kept vectorizable: a
+// division per value here once cost more than an nf4 product's sums.
 void prepare(Layout layout, bool round, int M, const float* x, int ldx, int K, void* out) {
     const size_t Kp = padded(K);
     const int G = group_of(layout);
-    const bool bits = layout == Layout::bf16 || layout == Layout::nf4_bf16_g64;
-    ZOO_UNROLL
     for (int m = 0; m < M; m++) {
         const float* xr = x + (size_t)m * ldx;
-        // Where value c goes in the row: its own place, or its group's even or odd half.
-        auto place = [&](size_t c) {
-            if (!G) return c;
-            const size_t g0 = c / G * G, i = c - g0;
-            return g0 + (i & 1) * (G / 2) + i / 2;
-        };
-        if (bits) {
-            uint16_t* o = static_cast<uint16_t*>(out) + (size_t)m * Kp;
-            if (!G) {
-                to_bf16_row(xr, o, K);
-            } else {
-                for (size_t c = 0; c < (size_t)K; c++) o[place(c)] = to_bf16(xr[c]);
+        switch (layout) {
+            case Layout::i16: {
+                int16_t* o = static_cast<int16_t*>(out) + (size_t)m * Kp;
+                float amax = 0.0f;
+                for (int c = 0; c < K; c++) amax = std::max(amax, std::fabs(xr[c]));
+                const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
+                for (int c = 0; c < K; c++) {
+                    const float v = std::nearbyint(xr[c] * inv);  // |v| <= 32767 but for rounding
+                    o[c] = (int16_t)(int32_t)std::min(32767.0f, std::max(-32767.0f, v));
+                }
+                std::fill(o + K, o + Kp, (int16_t)0);
+                i16_scales(out, M, Kp)[m] = amax / 32767.0f;
+                break;
             }
-            for (size_t c = K; c < Kp; c++) o[place(c)] = 0;
-        } else {
-            float* o = static_cast<float*>(out) + (size_t)m * Kp;
-            for (size_t c = 0; c < (size_t)K; c++) o[place(c)] = round ? from_bf16(to_bf16(xr[c])) : xr[c];
-            for (size_t c = K; c < Kp; c++) o[place(c)] = 0.0f;
+            case Layout::bf16: {
+                uint16_t* o = static_cast<uint16_t*>(out) + (size_t)m * Kp;
+                to_bf16_row(xr, o, K);
+                std::fill(o + K, o + Kp, (uint16_t)0);
+                break;
+            }
+            case Layout::f32: {
+                float* o = static_cast<float*>(out) + (size_t)m * Kp;
+                if (round)
+                    for (int c = 0; c < K; c++) o[c] = bf16_rounded(xr[c]);
+                else
+                    std::memcpy(o, xr, sizeof(float) * K);
+                std::fill(o + K, o + Kp, 0.0f);
+                break;
+            }
+            default: {  // the nf4 orders: each group's even values, then its odd ones
+                const bool bits = layout == Layout::nf4_bf16_g64;
+                float* of = static_cast<float*>(out) + (size_t)m * Kp;
+                uint16_t* ob = static_cast<uint16_t*>(out) + (size_t)m * Kp;
+                const int half = G / 2;
+                for (size_t g0 = 0; g0 < Kp; g0 += G) {
+                    if (g0 + G <= (size_t)K) {
+                        const float* xg = xr + g0;
+                        if (bits)
+                            for (int i = 0; i < half; i++) {
+                                ob[g0 + i] = (uint16_t)(bf16_rounded_bits(xg[2 * i]) >> 16);
+                                ob[g0 + half + i] = (uint16_t)(bf16_rounded_bits(xg[2 * i + 1]) >> 16);
+                            }
+                        else if (round)
+                            for (int i = 0; i < half; i++) {
+                                of[g0 + i] = bf16_rounded(xg[2 * i]);
+                                of[g0 + half + i] = bf16_rounded(xg[2 * i + 1]);
+                            }
+                        else
+                            for (int i = 0; i < half; i++) {
+                                of[g0 + i] = xg[2 * i];
+                                of[g0 + half + i] = xg[2 * i + 1];
+                            }
+                        continue;
+                    }
+                    for (int i = 0; i < G; i++) {  // the group K ends in, or after
+                        const size_t c = g0 + i, at = g0 + (i & 1) * half + i / 2;
+                        const float v = c < (size_t)K ? (round || bits ? bf16_rounded(xr[c]) : xr[c]) : 0.0f;
+                        if (bits)
+                            ob[at] = (uint16_t)(bf16_rounded_bits(v) >> 16);
+                        else
+                            of[at] = v;
+                    }
+                }
+            }
         }
     }
 }
@@ -158,18 +230,21 @@ struct Job {
     int M, K;
     size_t Kp;
     const void* xop;
-    int x_bytes;  // of one prepared value: 4, or 2 in the bf16 layouts
+    int x_bytes;             // of one prepared value: 4, or 2 in the bf16 and 16-bit layouts
+    const float* x_scales;   // the 16-bit layout's, one per row of x
     float levels[16];
     uint16_t levels_bf16[16];
     Out out;
     const float* xf(int m) const { return static_cast<const float*>(xop) + (size_t)m * Kp; }
     const uint16_t* xb(int m) const { return static_cast<const uint16_t*>(xop) + (size_t)m * Kp; }
+    const int16_t* xi(int m) const { return static_cast<const int16_t*>(xop) + (size_t)m * Kp; }
     size_t nf4_row_bytes() const { return nf4_blocks(K) * (nf4_block / 2); }
     // The same product for rows m0..m0+n-1 of x alone.
     Job rows_of_x(int m0, int n) const {
         Job g = *this;
         g.M = n;
         g.xop = static_cast<const uint8_t*>(xop) + (size_t)m0 * Kp * x_bytes;
+        if (x_scales) g.x_scales += m0;
         g.out.y += (size_t)m0 * out.ldy;
         if (out.residual) g.out.residual += (size_t)m0 * out.ldr;
         return g;
@@ -181,7 +256,26 @@ struct Job {
 // would not, and every block of W would read them all again from L2).
 constexpr int x_group = 4;
 
+// The 16-bit operand's integer sums go into float sums every this many values: a 32-bit lane
+// then holds at most 128 products of pairs (2 x 127 x 32767 each), below 2^31.
+constexpr int i16_flush = 2048;
+
 // --- plain C++: every format, every machine --------------------------------------------
+
+// int8 W against the 16-bit operand: exact integer sums, then the two scales.
+void rows_scalar_i16(const Job& j, int r0, int r1) {
+    const Matrix& W = *j.W;
+    const int K = j.K;
+    for (int r = r0; r < r1; r++) {
+        const int8_t* w = static_cast<const int8_t*>(W.data) + (size_t)r * K;
+        for (int m = 0; m < j.M; m++) {
+            const int16_t* x = j.xi(m);
+            int64_t sum = 0;
+            for (int c = 0; c < K; c++) sum += (int32_t)w[c] * x[c];
+            j.out.put(m, r, (float)((double)W.scales()[r] * j.x_scales[m] * (double)sum));
+        }
+    }
+}
 
 void rows_scalar(const Job& j, int r0, int r1) {
     const Matrix& W = *j.W;
@@ -358,18 +452,77 @@ void rows_m(const Job& j, int r0, int r1) {
     }
 }
 
+// int8 W against the 16-bit operand: 16 values a step widened to 16-bit integers, products of
+// pairs added into 32-bit integer sums, which a float sum takes every i16_flush values (before
+// they could overflow: 128 pairs of at most 2 x 127 x 32767 per lane).
+template <int M, int RB>
+inline void block_i16(const Job& j, int r) {
+    const int8_t* w = static_cast<const int8_t*>(j.W->data);
+    const int K = j.K, kv = K / 16 * 16;
+    __m256 sums[RB][M];
+    __m256i ints[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) sums[i][m] = _mm256_setzero_ps(), ints[i][m] = _mm256_setzero_si256();
+    auto flush = [&] {
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            ZOO_UNROLL
+            for (int m = 0; m < M; m++) {
+                sums[i][m] = _mm256_add_ps(sums[i][m], _mm256_cvtepi32_ps(ints[i][m]));
+                ints[i][m] = _mm256_setzero_si256();
+            }
+    };
+    for (int k0 = 0; k0 < kv; k0 += i16_flush) {  // the flushes outside the loop that multiplies
+        const int k1 = std::min(kv, k0 + i16_flush);
+        for (int k = k0; k < k1; k += 16) {
+            __m256i wv[RB];
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++)
+                wv[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (size_t)(r + i) * K + k)));
+            ZOO_UNROLL
+            for (int m = 0; m < M; m++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(j.xi(m) + k));
+                ZOO_UNROLL
+                for (int i = 0; i < RB; i++)
+                    ints[i][m] = _mm256_add_epi32(ints[i][m], _mm256_madd_epi16(wv[i], xv));
+            }
+        }
+        flush();
+    }
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            int64_t tail = 0;
+            for (int c = kv; c < K; c++) tail += (int32_t)w[(size_t)(r + i) * K + c] * j.xi(m)[c];
+            const float sum = hsum(sums[i][m]) + (float)tail;
+            j.out.put(m, r + i, j.W->scales()[r + i] * j.x_scales[m] * sum);
+        }
+}
+
+template <int M>
+void rows_i16_m(const Job& j, int r0, int r1) {
+    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1, RB = rows_at_once(G1);
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
+    int r = r0;
+    for (; r + RB <= r1; r += RB) {
+        block_i16<G1, RB>(first, r);
+        if constexpr (G2 > 0) block_i16<G2, RB>(second, r);
+    }
+    for (; r < r1; r++) {
+        block_i16<G1, 1>(first, r);
+        if constexpr (G2 > 0) block_i16<G2, 1>(second, r);
+    }
+}
+
 }  // namespace avx2
 #endif
 
 // --- AVX-512 -------------------------------------------------------------------------------
 #if defined(ZOO_GEMV_AVX512)
 namespace avx512 {
-
-// Each row's bytes some way ahead of where a block reads: the rows of a block are separate
-// streams, and the hardware's prefetchers alone left one core's stream of int8 rows at half
-// the bandwidth that fp32 rows got.
-constexpr int prefetch_bytes = 1024;
-inline void prefetch(const void* at) { _mm_prefetch(static_cast<const char*>(at) + prefetch_bytes, _MM_HINT_T0); }
 
 inline __mmask16 tail16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 inline __mmask32 tail32(int n) { return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
@@ -389,7 +542,6 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
 struct F32 {
     const float* w;
     int K;
-    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     void load(int r, int k, __m512& a, __m512& b) const {
         const float* p = w + (size_t)r * K + k;
         a = _mm512_loadu_ps(p);
@@ -404,7 +556,6 @@ struct F32 {
 struct BF16 {
     const uint16_t* w;
     int K;
-    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
     void load(int r, int k, __m512& a, __m512& b) const {
         const uint16_t* p = w + (size_t)r * K + k;
@@ -420,7 +571,6 @@ struct BF16 {
 struct Int8 {
     const int8_t* w;
     int K;
-    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512 widen(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
     void load(int r, int k, __m512& a, __m512& b) const {
         const int8_t* p = w + (size_t)r * K + k;
@@ -438,7 +588,6 @@ struct NF4 {  // 16 bytes: the group's 16 even values (low nibbles), then its 16
     const float* scales;
     size_t row_bytes, blocks;
     __m512 levels;
-    const void* at(int r, int k) const { return v + r * row_bytes + k / 2; }
     void load(int r, int k, __m512& a, __m512& b) const {
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(v + r * row_bytes + k / 2)));
         const __m512 s = _mm512_set1_ps(scales[r * blocks + k / nf4_block]);
@@ -475,10 +624,7 @@ inline void block_fma(const Job& j, const F& f, int r, int kv, bool int8) {
     for (; k < kv; k += 32) {
         __m512 a[RB], b[RB];
         ZOO_UNROLL
-        for (int i = 0; i < RB; i++) {
-            prefetch(f.at(r + i, k));
-            f.load(r + i, k, a[i], b[i]);
-        }
+        for (int i = 0; i < RB; i++) f.load(r + i, k, a[i], b[i]);
         step(a, b, k);
     }
     if (k < j.K && !std::is_same_v<F, NF4>) {
@@ -533,13 +679,106 @@ void rows_m(const Job& j, int r0, int r1) {
     }
 }
 
+// The groups of x against blocks of RB rows (see x_group), for any of the block kernels.
+template <int M, int RB, class Block>
+void by_groups(const Job& j, int r0, int r1, const Block& block) {
+    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1;
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
+    int r = r0;
+    for (; r + RB <= r1; r += RB) {
+        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, RB>());
+        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, RB>());
+    }
+    for (; r < r1; r++) {
+        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, 1>());
+        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, 1>());
+    }
+}
+
+// int8 W against the 16-bit operand, 32 values a step (see the AVX2 kernel); AVX512_VNNI adds
+// the pairs' products into the integer sums in one instruction.
+inline __m512i add_pair_products(__m512i sum, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(sum, w, x);
+#else
+    return _mm512_add_epi32(sum, _mm512_madd_epi16(w, x));
+#endif
+}
+
+template <int M, int RB>
+inline void block_i16(const Job& j, int r) {
+    const int8_t* w = static_cast<const int8_t*>(j.W->data);
+    const int K = j.K;
+    __m512 sums[RB][M];
+    __m512i ints[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) sums[i][m] = _mm512_setzero_ps(), ints[i][m] = _mm512_setzero_si512();
+    auto flush = [&] {
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            ZOO_UNROLL
+            for (int m = 0; m < M; m++) {
+                sums[i][m] = _mm512_add_ps(sums[i][m], _mm512_cvtepi32_ps(ints[i][m]));
+                ints[i][m] = _mm512_setzero_si512();
+            }
+    };
+    auto step = [&](const __m512i* wv, int k) {
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            const __m512i xv = _mm512_loadu_si512(j.xi(m) + k);
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) ints[i][m] = add_pair_products(ints[i][m], wv[i], xv);
+        }
+    };
+    const int kv = K / 32 * 32;
+    int k = 0;
+    for (int k0 = 0; k0 < kv; k0 += i16_flush) {  // the flushes outside the loop that multiplies
+        const int k1 = std::min(kv, k0 + i16_flush);
+        for (k = k0; k < k1; k += 32) {
+            __m512i wv[RB];
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++)
+                wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (size_t)(r + i) * K + k)));
+            step(wv, k);
+        }
+        flush();
+    }
+    k = kv;
+    if (k < K) {  // the operand is zero past K
+        __m512i wv[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            wv[i] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(tail32(K - k), w + (size_t)(r + i) * K + k));
+        step(wv, k);
+    }
+    flush();
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        float s[RB];
+        if constexpr (RB == 4) _mm_storeu_ps(s, sum4(sums[0][m], sums[1][m], sums[2][m], sums[3][m]));
+        else
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) s[i] = _mm512_reduce_add_ps(sums[i][m]);
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) j.out.put(m, r + i, j.W->scales()[r + i] * j.x_scales[m] * s[i]);
+    }
+}
+
+template <int M>
+void rows_i16_m(const Job& j, int r0, int r1) {
+    by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+        block_i16<decltype(m)::value, decltype(rb)::value>(g, r);
+    });
+}
+
 #if defined(ZOO_GEMV_AVX512_BF16)
 // bf16 dot products (a bf16 product of a matrix stored narrower than fp32): 32 values of a row
 // as bf16 against 32 of x, pairs summed into 16 fp32 lanes.
 struct BF16Dot {
     const uint16_t* w;
     int K;
-    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     __m512bh load(int r, int k) const { return (__m512bh)_mm512_loadu_si512(w + (size_t)r * K + k); }
     __m512bh load_tail(int r, int k, int n) const {
         return (__m512bh)_mm512_maskz_loadu_epi16(tail32(n), w + (size_t)r * K + k);
@@ -548,7 +787,6 @@ struct BF16Dot {
 struct Int8Dot {  // int8 values are exact in bf16 (8 significant bits)
     const int8_t* w;
     int K;
-    const void* at(int r, int k) const { return w + (size_t)r * K + k; }
     static __m512bh widen(__m256i q) {
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
@@ -579,10 +817,7 @@ inline void block_dot(const Job& j, const F& f, int r, int kv, bool int8) {
     for (; k < kv; k += 32) {
         __m512bh w[RB];
         ZOO_UNROLL
-        for (int i = 0; i < RB; i++) {
-            prefetch(f.at(r + i, k));
-            w[i] = f.load(r + i, k);
-        }
+        for (int i = 0; i < RB; i++) w[i] = f.load(r + i, k);
         step(w, k);
     }
     if (k < j.K) {
@@ -619,9 +854,8 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
         const size_t k = b * nf4_block;
         ZOO_UNROLL
         for (int i = 0; i < RB; i++) {
-            const uint8_t* at = v + (r + i) * row_bytes + k / 2;
-            prefetch(at);
-            const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)at));
+            const __m512i codes =
+                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(v + (r + i) * row_bytes + k / 2)));
             const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(15)), table);
             const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
             const __m512 s = _mm512_set1_ps(scales[(r + i) * blocks + b]);
@@ -643,22 +877,6 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
             for (int i = 0; i < RB; i++) sums[i] = _mm512_reduce_add_ps(acc[i][m]);
         ZOO_UNROLL
         for (int i = 0; i < RB; i++) j.out.put(m, r + i, sums[i]);
-    }
-}
-
-// The groups of x against blocks of RB rows (see x_group), for any of the block kernels.
-template <int M, int RB, class Block>
-void by_groups(const Job& j, int r0, int r1, const Block& block) {
-    constexpr int G1 = M < x_group ? M : x_group, G2 = M - G1;
-    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
-    int r = r0;
-    for (; r + RB <= r1; r += RB) {
-        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, RB>());
-        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, RB>());
-    }
-    for (; r < r1; r++) {
-        block(first, r, std::integral_constant<int, G1>(), std::integral_constant<int, 1>());
-        if constexpr (G2 > 0) block(second, r, std::integral_constant<int, G2>(), std::integral_constant<int, 1>());
     }
 }
 
@@ -706,14 +924,28 @@ RowsFn by_m(int M) {
 #if defined(ZOO_GEMV_AVX2)
 template <int M> struct Avx2Rows { static constexpr RowsFn fn = avx2::rows_m<M>; };
 #endif
+#if defined(ZOO_GEMV_AVX2)
+template <int M> struct Avx2I16Rows { static constexpr RowsFn fn = avx2::rows_i16_m<M>; };
+#endif
 #if defined(ZOO_GEMV_AVX512)
 template <int M> struct Avx512Rows { static constexpr RowsFn fn = avx512::rows_m<M>; };
+template <int M> struct Avx512I16Rows { static constexpr RowsFn fn = avx512::rows_i16_m<M>; };
 #endif
 #if defined(ZOO_GEMV_AVX512_BF16)
 template <int M> struct Avx512DotRows { static constexpr RowsFn fn = avx512::rows_dot_m<M>; };
 #endif
 
 RowsFn kernel_for(Layout layout, Isa isa, int M) {
+    if (layout == Layout::i16) switch (isa) {
+#if defined(ZOO_GEMV_AVX512)
+            case Isa::avx512_bf16:
+            case Isa::avx512: return by_m<Avx512I16Rows>(M);
+#endif
+#if defined(ZOO_GEMV_AVX2)
+            case Isa::avx2: return by_m<Avx2I16Rows>(M);
+#endif
+            default: return rows_scalar_i16;
+        }
     switch (isa) {
 #if defined(ZOO_GEMV_AVX512_BF16)
         case Isa::avx512_bf16:
@@ -760,8 +992,9 @@ void rows(const Operand& x, const Matrix& W, int r0, int r1, const float* bias, 
           float* y, int ldy) {
     if (r0 >= r1) return;
     const Layout layout = (Layout)x.layout;
-    const int x_bytes = layout == Layout::bf16 || layout == Layout::nf4_bf16_g64 ? 2 : 4;
-    Job j{&W, x.M, x.K, x.Kp, x.data, x_bytes, {}, {}, Out{y, ldy, bias, residual, ldr}};
+    const bool narrow = layout == Layout::bf16 || layout == Layout::nf4_bf16_g64 || layout == Layout::i16;
+    const float* x_scales = layout == Layout::i16 ? i16_scales(const_cast<void*>(x.data), x.M, x.Kp) : nullptr;
+    Job j{&W, x.M, x.K, x.Kp, x.data, narrow ? 2 : 4, x_scales, {}, {}, Out{y, ldy, bias, residual, ldr}};
     std::memcpy(j.levels, x.levels, sizeof(j.levels));
     std::memcpy(j.levels_bf16, x.levels_bf16, sizeof(j.levels_bf16));
     kernel_for(layout, x.isa, x.M)(j, r0, r1);

@@ -11,8 +11,11 @@
 //   bf16 W:  sum of w x'
 //   int8 W:  s_row * sum of q x'                 (q exact, the row's scale applied once)
 //   nf4 W:   sum over blocks of s_block * sum of L'[q] x'
-// where, in a bf16 product of a matrix stored narrower than fp32, x' = x rounded to bf16 and L'
-// the NF4 levels rounded to bf16 (a bf16 product rounds its operands); else x' = x, L' = L.
+// where, in a bf16 product of a matrix stored narrower than fp32 (a bf16 product rounds its
+// operands), x' = x rounded to bf16 and L' the NF4 levels rounded to bf16, except against int8
+// W: there x' = s_x round(x / s_x), s_x = max|x| / 32767 over x's row, a 16-bit integer times
+// its row's scale, so that the sums run on integer multiply-adds (|x' - x| <= max|x| / 65534:
+// finer than bf16's |x| / 512 wherever |x| > max|x| / 128). In an fp32 product x' = x, L' = L.
 #pragma once
 #include <cstddef>
 #include <cstdint>
