@@ -187,7 +187,8 @@ def test_text_records_tokenize_as_trl_dpo_does(family, tmp_path):
     """zoo's pairs from the JSONL records equal the prompt, chosen and rejected ids of TRL's
     DPOTrainer, EOS and (Llama) BOS included: Llama-2's SentencePiece tokenizer, and a byte-level
     BPE, each saved by zoo for transformers."""
-    from hf_tiny import LLAMA2_TOKENIZER, SHAKESPEARE, gpt2_checkpoint
+    from helpers import LLAMA2_TOKENIZER, SHAKESPEARE
+    from hf_helpers import gpt2_checkpoint
 
     if family == "llama":
         ours = zoo.Tokenizer.from_pretrained(LLAMA2_TOKENIZER)

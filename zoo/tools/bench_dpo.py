@@ -91,6 +91,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def run_bench(args: argparse.Namespace) -> dict:
     import numpy as np
 
+    from ..arch.layout import num_parameters
     from ..arch.lora import module_names
     from ..io.hf_config import config_to_hf
 
@@ -163,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     command += ["--trl-checkpointing"] if args.trl_checkpointing else []
     return {"schema": SCHEMA, "command": shlex.join(command),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": {"preset": args.preset, "n_params": cfg.num_parameters(), "matmul_params": matmul_params(cfg)},
+            "model": {"preset": args.preset, "n_params": num_parameters(cfg), "matmul_params": matmul_params(cfg)},
             "prompt_len": args.prompt_len, "answer_len": args.answer_len, "lora": lora, "beta": args.beta,
             "optimizer": OPTIMIZER, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
             "threads": threads, "seed": args.seed, "systems": out, "ratios": ratios, "machine": machine_info()}
