@@ -306,8 +306,7 @@ class PairBatch(NamedTuple):
     (B, T): 2k on the rows whose targets are pair k's chosen answer, 2k + 1 on its rejected
     answer's, -1 elsewhere; prompt (B, T): True on the rows whose targets are a prompt's (they
     carry a target only where the batch was packed with prompt_targets); lengths (n, 2): the
-    answer tokens of each pair, chosen and rejected; prompt_lengths (n,): each pair's prompt
-    tokens predicted (the NLL of ORPO counts them)."""
+    answer tokens of each pair, chosen and rejected."""
 
     x: np.ndarray
     y: np.ndarray
@@ -316,7 +315,6 @@ class PairBatch(NamedTuple):
     answer: np.ndarray
     prompt: np.ndarray
     lengths: np.ndarray
-    prompt_lengths: np.ndarray
 
     @property
     def n_pairs(self) -> int:
@@ -344,9 +342,10 @@ def pack_pairs(pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], seq_len: 
     as the two whole sequences TRL runs, prompt + chosen and prompt + rejected, one after the
     other (the same targets, the prompt computed twice: for measurements and tests)."""
     T = seq_len
-    examples = []  # per pair: its segments (tokens, targets, positions, answer id, prompt flags, hidden span)
+    # examples: lists of (segment, whether it hides the chosen answer before it), a segment being
+    # (tokens, targets, positions, answer ids, prompt flags)
+    examples = []
     lengths = np.zeros((len(pairs), 2), np.int64)
-    prompt_lengths = np.zeros(len(pairs), np.int64)
     for k, (prompt, chosen, rejected) in enumerate(pairs):
         prompt, chosen, rejected = (np.asarray(a, np.int64) for a in (prompt, chosen, rejected))
         cap = answer_cap(len(prompt), len(chosen), len(rejected), T)
@@ -372,14 +371,13 @@ def pack_pairs(pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], seq_len: 
                 if not (prompt_targets and which == 0):
                     targets[:s0] = IGNORE
             segments.append((tokens, targets, np.arange(start, start + len(tokens)), role, is_prompt))
-        prompt_lengths[k] = s0
         if share_prompt:
             shared = (prompt[:s0], prompt[1:s0 + 1].copy() if prompt_targets else np.full(s0, IGNORE),
                       np.arange(s0), np.full(s0, -1), np.ones(s0, bool))
-            examples.append([(shared, None), (segments[0], None), (segments[1], "hide the chosen answer")])
+            examples.append([(shared, False), (segments[0], False), (segments[1], True)])
         else:
-            examples.append([(segments[0], None)])
-            examples.append([(segments[1], None)])
+            examples.append([(segments[0], False)])
+            examples.append([(segments[1], False)])
     rows: list[list] = []
     room = 0
     for example in examples:
@@ -400,17 +398,17 @@ def pack_pairs(pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray]], seq_len: 
         at = 0
         for example in row:
             chosen_span = (at, at)  # none where the chosen answer is empty
-            for (tokens, targets, pos, role, flags), note in example:
+            for (tokens, targets, pos, role, flags), hides_chosen in example:
                 n = len(tokens)
                 x[r, at:at + n], y[r, at:at + n], positions[r, at:at + n] = tokens, targets, pos
                 answer[r, at:at + n], is_prompt[r, at:at + n] = role, flags
-                if note is not None:
+                if hides_chosen:
                     hidden[r, at:at + n] = chosen_span
                 if n and role[-1] >= 0 and role[-1] % 2 == 0:
                     chosen_span = (at, at + n)
                 at += n
         positions[r, at:] = np.arange(T - at)  # padding: a segment of its own, no loss
-    return PairBatch(x, y, positions, hidden, answer, is_prompt, lengths, prompt_lengths)
+    return PairBatch(x, y, positions, hidden, answer, is_prompt, lengths)
 
 
 class PairSplits:
@@ -460,7 +458,3 @@ class PairSplits:
 
     def pairs(self, indices) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         return [self.pair_file.pair(int(i)) for i in indices]
-
-    def all_indices(self) -> np.ndarray:
-        """Every pair that fits a row, training and validation."""
-        return np.concatenate([self.train_pairs, self.val_pairs])
