@@ -229,6 +229,7 @@ def test_a_run_that_cannot_fit_is_refused_up_front_with_what_would(tmp_path):
     # A LoRA run fits where the full one did not.
     ok = cli("train", "--preset", "smollm-135m", "--data", text, "--steps", "1", "--out", tmp_path / "lora",
              "--batch-size", "1", "--seq-len", "32", "--lora", "--no-progress", "--sample-tokens", "0",
+             "--threads", "1",
              env={"ZOO_MEMORY_AVAILABLE": str(1_500_000_000)}, timeout=300)
     assert ok.returncode == 0, ok.stderr
 
@@ -248,7 +249,7 @@ def test_lora_on_a_quantized_base_lowers_the_loss(tmp_path, shakespeare_ids, fmt
     out = tmp_path / "run"
     r = cli("finetune", "--from", STORIES, "--lora", "--lora-r", "16", "--base-dtype", fmt, "--data",
             shakespeare_ids, "--steps", "40", "--batch-size", "8", "--seq-len", "128", "--lr", "1e-2",
-            "--eval-every", "40", "--out", out, "--no-progress", "--sample-tokens", "0", timeout=300)
+            "--eval-every", "40", "--out", out, "--no-progress", "--sample-tokens", "0", "--threads", "1", timeout=300)
     assert r.returncode == 0, r.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [x["val_loss"] for x in records if x.get("val_loss") is not None]
