@@ -149,6 +149,11 @@ for fmt in ("int8", "nf4"):
     widened = _native.widen(w, fmt).astype(np.float64)
     out["errors"][fmt + " base, " + p] = float(np.linalg.norm(y - x.astype(np.float64) @ widened.T)
                                                 / np.linalg.norm(x.astype(np.float64) @ widened.T))
+if not g["bf16_native"]:  # asked anyway (bench_gemm --bf16-emulated): oneDNN's fp32 kernels run it
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    got = _native.gemm(x, w, False, True, "bf16", allow_emulated=True)
+    out["emulated"] = [float(np.linalg.norm(got - exact) / np.linalg.norm(exact)),
+                       _native.gemm_kernel("bf16", False, True, 256, 2304, 768)]
 try:
     zoo.Model(zoo.preset("tiny-gpt2"), precision="bf16")
     out["bf16_model"] = "made"
@@ -187,6 +192,8 @@ def test_each_cpu_class_forced_picks_its_kernels_and_stays_within_its_bounds(cls
             # never fp32's, which would mean the products quietly ran unrounded.
             assert 1e-4 < err < 1e-2, (cls, name, err)
     if want["bf16"] is None:
+        err, kernel = got["emulated"]
+        assert err < 1e-5 and not _native.is_bf16_kernel(kernel), (cls, err, kernel)
         assert "needs a CPU with bf16 dot products" in got["bf16_model"]
         assert f"instruction set here: {want['onednn_isa']}" in got["bf16_model"]
     else:

@@ -112,10 +112,14 @@ Matmul make_matmul(const Key& k) {
     Matmul m = make(describe(dt::f32, k.lda, k.ldb), fpmath);
     if (is_bf16_kernel(m.kernel)) return m;
     const int packed_a = k.trans_a ? k.M : k.K, packed_b = k.trans_b ? k.K : k.N;
-    Matmul r = make(describe(dt::bf16, packed_a, packed_b), attr);
-    if (!is_bf16_kernel(r.kernel)) return m;  // no bf16 kernel either way: keep oneDNN's own rounding
-    r.rounds_operands = true;
-    return r;
+    try {
+        Matmul r = make(describe(dt::bf16, packed_a, packed_b), attr);
+        if (!is_bf16_kernel(r.kernel)) return m;  // no bf16 kernel either way: keep oneDNN's own rounding
+        r.rounds_operands = true;
+        return r;
+    } catch (const dnnl::error&) {  // no matmul of bf16 operands on this ISA at all (AVX2)
+        return m;
+    }
 }
 
 std::string kernel_name(const Matmul& m) { return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel; }
