@@ -104,6 +104,12 @@ def check_bf16(r: dict, cfg, batch: int, seq_len: int) -> None:
                                                       rel=1e-9)
     assert r["zoo_bf16_step_fraction_of_bf16_gemm"] == pytest.approx(
         r["zoo_bf16_step_gflops"] / r["bf16_gemm_gflops"], rel=1e-9)
+    # Every product zoo_bf16 ran, as oneDNN reported it: bf16 ones on bf16 kernels, the LM
+    # head's forward among them, each called every step.
+    used = g["products"]["bf16"]
+    assert used and all(u["precision"] == "bf16" and u["bf16_kernel"] for u in used), used
+    head = [u for u in used if (u["M"], u["N"], u["K"]) == (tokens, cfg.vocab_size, cfg.d_model)]
+    assert head and head[0]["calls"] >= 2 and head[0]["kernel"] == g["lm_head_kernel"]["bf16"]
 
 
 def check_vs_torch(r: dict, table: str, name: str, batch: int, seq_len: int, rounds: int = 1) -> None:

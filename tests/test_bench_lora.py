@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+import zoo
 from zoo.arch.lora import LoraConfig, adapters, module_names
 from zoo.arch.presets import preset
 from zoo.tools import bench_lora
@@ -72,4 +73,12 @@ def test_zoo_next_to_torch(tmp_path, capsys):
         z, t = r["systems"][f"zoo_{base}"], r["systems"]["torch_bf16"]
         assert ratio["step_time"] == pytest.approx(z["step_ms_median"] / t["step_ms_median"], rel=1e-9)
         assert ratio["peak_rss"] == pytest.approx(z["peak_rss_mib"] / t["peak_rss_mib"], rel=1e-9)
-    assert "zoo_nf4 / torch_bf16: step time" in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "zoo_nf4 / torch_bf16: step time" in table
+    # The kernels each zoo system's products ran on, as oneDNN named them (bf16 products where the
+    # CPU has bf16 dot products; else fp32 ones on the fp32 library, which oneDNN does not list).
+    for base in ("bf16", "int8", "nf4"):
+        used = r["systems"][f"zoo_{base}"]["kernels_used"]
+        if zoo.gemm_info()["bf16_native"]:
+            assert used and all(u["bf16_kernel"] for u in used if u["precision"] == "bf16"), used
+            assert f"zoo_{base}'s products ran on onednn:" in table

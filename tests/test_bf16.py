@@ -57,6 +57,9 @@ def test_bf16_logits_and_cached_generation_agree():
     np.testing.assert_allclose(step, full[:, -1], rtol=2e-2, atol=2e-2)
     ref = Reference(cfg, model.parameters(), precision="bf16").logits(tokens).detach().numpy()
     assert _relative(full, ref) < 2e-2
+    # bf16's error, not fp32's: the same logits with fp32 products differ by more than fp32 would.
+    model.set_precision("fp32")
+    assert 1e-4 < _relative(full, model.logits(tokens)) < 2e-2
 
 
 def test_the_trainer_runs_bf16_and_refuses_to_resume_in_another_precision(tmp_path):
@@ -70,7 +73,11 @@ def test_the_trainer_runs_bf16_and_refuses_to_resume_in_another_precision(tmp_pa
     result = Trainer(TrainConfig(**base, precision="bf16")).run()
     assert (tmp_path / "run" / "model.safetensors").is_file()
     log = (tmp_path / "run" / "train.log").read_text()
-    assert "bf16 products on onednn" in log
+    # The header names the kernels the products run on, bf16 ones, and warns of none.
+    header = next(line for line in log.splitlines() if "products on" in line)
+    kernels = header.split("bf16 products on ")[1].split(", ")
+    assert kernels and all(k.startswith("onednn:") and zoo._native.is_bf16_kernel(k) for k in kernels), header
+    assert "warning:" not in log
     with pytest.raises((TrainError, ValueError), match="precision"):
         Trainer(TrainConfig(**dict(base, steps=6), precision="fp32", resume=True))
     assert result is not None

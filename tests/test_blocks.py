@@ -1,13 +1,16 @@
 """Per-block checks of the native blocks in zoo._native.blocks (issue 2, "What it must show").
 
 For every block:
-  * forward   == an independent float64 torch implementation written here from the math
-                 definitions (not from zoo's kernels), within fp32 tolerance;
+  * forward   == an independent float64 torch implementation (written here from the math
+                 definitions, or for the norms and MLP activations the PyTorch reference model's,
+                 zoo/tools/torch_reference.py; never zoo's kernels), within fp32 tolerance;
   * pullback  == torch autograd (float64) of that reference, given the same random output
                  adjoint, within 1e-4 relative (max abs err / max abs ref);
   * pullback  == central finite differences of zoo's OWN fp32 forward, accumulated in float64
                  (test_pullback_matches_float64_finite_differences).
-Coverage: both norms, both MLPs, both position kinds (learned wpe via the embedding block,
+Coverage: every norm and MLP activation of the registry (zoo.core.blocks), on each pullback this
+build has for it (hand-written; Clad's where built), so a block added there is tested without
+an edit here; both position kinds (learned wpe via the embedding block,
 RoPE with and without llama3 scaling), attention MHA and GQA with n_kv_head = 1, 2 and n_head
 and head_dim that is not a power of two, cross-entropy with ignored targets, linear with and
 without bias, the residual add, and AdamW against torch.optim.AdamW.
@@ -17,13 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import pytest
 
 from helpers import rel_err
 from zoo import ModelConfig, RopeScaling
+from zoo.core import blocks
 from zoo.core.native import _native
 from zoo.core.rope import rope_inv_freq
 
@@ -58,71 +62,57 @@ def f32(rng, shape, scale=1.0, shift=0.0):
 class Case:
     inputs: dict[str, np.ndarray]                    # float32, each differentiated
     fwd: Callable[[dict], np.ndarray]                # zoo forward -> output (array or scalar)
-    pull: Callable[[dict, np.ndarray], dict]         # zoo pullback (inputs, dy) -> {name: grad}
+    pull: Optional[Callable[[dict, np.ndarray], dict]]  # zoo pullback (inputs, dy) -> {name: grad};
+                                                     # None: this build has no pullback for the block
     ref: Callable[[dict], "torch.Tensor"]            # float64 torch forward from the definition
     scalar_out: bool = False                         # output is a scalar (cross-entropy loss)
     fwd_tol: float = FWD_TOL
     extra: dict = field(default_factory=dict)
 
 
-def layernorm_case(rng, C=100, eps=1e-5):  # C=100 spans two of the 64-wide dw/db column blocks
-    x = f32(rng, (2, 5, C), 1.5, 0.3)
-    w, b = f32(rng, C, 0.2, 1.0), f32(rng, C, 0.2)
+def pullback_backends(name: str) -> list[Optional[str]]:
+    """The pullbacks this build has for a registered block ("manual", "clad"); [None] when it
+    has none (a block written as its forward only, in a build without Clad)."""
+    info = next(b for b in blocks.blocks() if b["name"] == name)
+    return [backend for backend in ("manual", "clad") if info[backend]] or [None]
+
+
+def torch_reference():
+    from zoo.tools import torch_reference as tr  # imports torch: only where a reference is compared
+
+    return tr
+
+
+def norm_case(rng, name, backend, C=100, eps=1e-5):  # C=100 spans two of the 64-wide dw/db column blocks
+    bias = blocks.norms()[name]["bias"]
+    inputs = {"x": f32(rng, (2, 5, C), 1.5, 0.3), "w": f32(rng, C, 0.2, 1.0)}
+    if bias:
+        inputs["b"] = f32(rng, C, 0.2)
 
     def fwd(i):
-        return nb.layernorm_forward(i["x"], i["w"], i["b"], eps)[0]
+        return nb.norm_forward(name, i["x"], i["w"], i.get("b"), eps)[0]
 
     def pull(i, dy):
-        _, mean, rstd = nb.layernorm_forward(i["x"], i["w"], i["b"], eps)
-        dx, dw, db = nb.layernorm_pullback(i["x"], i["w"], mean, rstd, dy, eps)
-        return {"x": dx, "w": dw, "b": db}
+        _, stats = nb.norm_forward(name, i["x"], i["w"], i.get("b"), eps)
+        dx, dw, db = nb.norm_pullback(name, i["x"], i["w"], i.get("b"), stats, dy, eps, backend)
+        assert (db is None) == (not bias)
+        return {"x": dx, "w": dw, **({"b": db} if bias else {})}
 
     def ref(t):
-        mu = t["x"].mean(-1, keepdim=True)
-        var = ((t["x"] - mu) ** 2).mean(-1, keepdim=True)
-        return (t["x"] - mu) / torch.sqrt(var + eps) * t["w"] + t["b"]
+        return torch_reference().NORMS[name](t["x"], t["w"], t.get("b"), eps)
 
-    return Case({"x": x, "w": w, "b": b}, fwd, pull, ref)
+    return Case(inputs, fwd, pull if backend else None, ref)
 
 
-def rmsnorm_case(rng, C=100, eps=1e-5):
-    x = f32(rng, (2, 5, C), 1.5, 0.3)
-    w = f32(rng, C, 0.2, 1.0)
-
-    def fwd(i):
-        return nb.rmsnorm_forward(i["x"], i["w"], eps)[0]
+def activation_case(rng, name, backend, F=24):
+    # x: rows of gate_width * F ([gate | up] for a gated unit); rows of F out
+    x = f32(rng, (3, 7, blocks.activations()[name]["gate_width"] * F), 2.0)
 
     def pull(i, dy):
-        _, rstd = nb.rmsnorm_forward(i["x"], i["w"], eps)
-        dx, dw = nb.rmsnorm_pullback(i["x"], i["w"], rstd, dy, eps)
-        return {"x": dx, "w": dw}
+        return {"x": nb.activation_pullback(name, i["x"], dy, backend)}
 
-    def ref(t):
-        return t["x"] / torch.sqrt((t["x"] ** 2).mean(-1, keepdim=True) + eps) * t["w"]
-
-    return Case({"x": x, "w": w}, fwd, pull, ref)
-
-
-def gelu_case(rng):
-    x = f32(rng, (3, 7, 50), 2.0)
-
-    def ref(t):
-        x = t["x"]
-        return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
-
-    return Case({"x": x}, lambda i: nb.gelu_forward(i["x"]),
-                lambda i, dy: {"x": nb.gelu_pullback(i["x"], dy)}, ref)
-
-
-def swiglu_case(rng, F=24):
-    gate_up = f32(rng, (3, 7, 2 * F), 2.0)
-
-    def ref(t):
-        g, u = t["gate_up"][..., :F], t["gate_up"][..., F:]
-        return g * torch.sigmoid(g) * u
-
-    return Case({"gate_up": gate_up}, lambda i: nb.swiglu_forward(i["gate_up"]),
-                lambda i, dy: {"gate_up": nb.swiglu_pullback(i["gate_up"], dy)}, ref)
+    return Case({"x": x}, lambda i: nb.activation_forward(name, i["x"]), pull if backend else None,
+                lambda t: torch_reference().MLPS[name](t["x"]))
 
 
 def linear_case(rng, bias, n_in=24, n_out=70):  # n_out=70: two 64-wide db column blocks
@@ -263,10 +253,10 @@ def residual_case(rng):
 # id -> builder(rng). Attention: (n_head, n_kv_head, head_dim); head_dims 12 and 20 are not
 # powers of two and unrelated to any d_model / n_head.
 CASES: dict[str, Callable] = {
-    "layernorm": layernorm_case,
-    "rmsnorm": rmsnorm_case,
-    "gelu": gelu_case,
-    "swiglu": swiglu_case,
+    **{f"norm-{name}-{backend or 'no-pullback'}": (lambda r, n=name, be=backend: norm_case(r, n, be))
+       for name in blocks.norms() for backend in pullback_backends(name)},
+    **{f"mlp-{name}-{backend or 'no-pullback'}": (lambda r, n=name, be=backend: activation_case(r, n, be))
+       for name in blocks.activations() for backend in pullback_backends(name)},
     "linear-bias": lambda r: linear_case(r, bias=True),
     "linear-nobias": lambda r: linear_case(r, bias=False),
     "embedding-token+learned-pos": lambda r: embedding_case(r, learned_positions=True),
@@ -292,6 +282,13 @@ CASES: dict[str, Callable] = {
 def build(case_id: str) -> Case:
     seed = sum(map(ord, case_id))  # fixed per case, independent of test order
     return CASES[case_id](np.random.default_rng(seed))
+
+
+def pullback_of(case: Case, case_id: str):
+    if case.pull is None:
+        pytest.skip(f"{case_id}: this build has no pullback for the block (a block written as its forward "
+                    "only trains on the pullback a build with Clad generates)")
+    return case.pull
 
 
 def random_adjoint(case: Case, y, rng):
@@ -321,8 +318,9 @@ def test_forward_matches_float64_torch(case_id, needs_torch):
 def test_pullback_matches_float64_autograd(case_id, needs_torch):
     case = build(case_id)
     rng = np.random.default_rng(1)
+    pull = pullback_of(case, case_id)
     dy = random_adjoint(case, case.fwd(case.inputs), rng)
-    grads = case.pull(case.inputs, dy)
+    grads = pull(case.inputs, dy)
     t = {k: torch.from_numpy(v.astype(np.float64)).requires_grad_() for k, v in case.inputs.items()}
     out = case.ref(t)
     out.backward(torch.as_tensor(np.asarray(dy, dtype=np.float64)))
@@ -360,10 +358,11 @@ FD_DIRECTIONS = 3
 def test_pullback_matches_float64_finite_differences(case_id):
     case = build(case_id)
     rng = np.random.default_rng(2)
+    pull = pullback_of(case, case_id)
     y0 = case.fwd(case.inputs)
     dy = random_adjoint(case, y0, rng)
     dy64 = np.asarray(dy, dtype=np.float64)
-    grads = case.pull(case.inputs, dy)
+    grads = pull(case.inputs, dy)
     for name, x in case.inputs.items():
         g = grads[name].astype(np.float64)
         for k in range(FD_DIRECTIONS):
@@ -441,21 +440,44 @@ def test_cross_entropy_ignored_rows_get_zero_gradient():
     np.testing.assert_allclose(d[targets != -100].sum(-1), 0.0, atol=1e-7)
 
 
-def test_activation_pullback_from_the_recompute_equals_the_pullback():
-    # the executor's GELU and SwiGLU pullbacks: the recompute's output is the forward's (to
-    # rounding: the loops vectorize differently), and its saved derivative times dy is the
-    # direct pullback
+ACTIVATION_PULLBACKS = [(name, backend) for name in blocks.activations() for backend in pullback_backends(name)
+                        if backend]
+
+
+@pytest.mark.parametrize("name,backend", ACTIVATION_PULLBACKS)
+def test_activation_pullback_from_the_recompute_equals_the_pullback(name, backend, threads):
+    # the executor's MLP step: the recompute's output is the forward's (to rounding: the loops
+    # vectorize differently), and its dx is the direct pullback's; rows of 67, not a multiple
+    # of the vector width
     rng = np.random.default_rng(10)
-    x, dy = f32(rng, (5, 67), 3.0), f32(rng, (5, 67))
-    y, dx = nb.gelu_pullback_from_recompute(x, dy)
-    assert rel_err(y, nb.gelu_forward(x)) <= 1e-6
-    assert rel_err(dx, nb.gelu_pullback(x, dy)) <= 1e-6
-    gate_up, dy2 = f32(rng, (5, 2 * 67), 3.0), f32(rng, (5, 67))
-    y2, d2 = nb.swiglu_pullback_from_recompute(gate_up, dy2)
-    assert rel_err(y2, nb.swiglu_forward(gate_up)) <= 1e-6
-    assert rel_err(d2, nb.swiglu_pullback(gate_up, dy2)) <= 1e-6
-    with pytest.raises(ValueError, match="gelu dy"):
-        nb.gelu_pullback_from_recompute(x, dy[:, :5])
+    width = blocks.activations()[name]["gate_width"]
+    x, dy = f32(rng, (5, width * 67), 3.0), f32(rng, (5, 67))
+    y, dx = nb.activation_recompute_and_pullback(name, x, dy, backend)
+    assert rel_err(y, nb.activation_forward(name, x)) <= 1e-6
+    assert rel_err(dx, nb.activation_pullback(name, x, dy, backend)) <= 1e-6
+    with pytest.raises(ValueError, match="activation dy must have the output's shape"):
+        nb.activation_recompute_and_pullback(name, x, dy[:, :5], backend)
+
+
+@pytest.mark.parametrize("name,backend", ACTIVATION_PULLBACKS)
+def test_activation_saturated_tails_stay_finite(name, backend, needs_torch):
+    # Inputs far out in the tails, where exp overflows a float: every output and derivative stays
+    # finite (no inf / inf from a quotient rule) and matches float64 autograd.
+    width = blocks.activations()[name]["gate_width"]
+    tails = np.array([-200.0, -90.0, -12.0, -1.0, 0.0, 1.0, 12.0, 90.0, 200.0], np.float32)
+    if width == 1:
+        x = tails[None]
+    else:  # one row of [gate | up]: every gate with every up
+        gate, up = np.meshgrid(tails, tails, indexing="ij")
+        x = np.concatenate([gate.ravel(), up.ravel()])[None]
+    dy = np.ones((1, x.shape[1] // width), np.float32)
+    y, dx = nb.activation_recompute_and_pullback(name, x, dy, backend)
+    assert np.isfinite(y).all() and np.isfinite(dx).all()
+    t = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    ref = torch_reference().MLPS[name](t)
+    ref.backward(torch.ones_like(ref))
+    assert rel_err(y, ref.detach().numpy()) <= FWD_TOL
+    assert rel_err(dx, t.grad.numpy()) <= PULL_TOL
 
 
 def test_fused_cross_entropy_equals_forward_then_pullback():
@@ -544,21 +566,30 @@ def test_adamw_matches_torch(steps, weight_decay, decay, grad_scale, eps, needs_
 # --- any registered block by name (registry.hpp): what a new block's tests call ----------------
 
 
-def test_registered_activations_by_name_match_their_own_bindings():
+def test_activations_by_name_check_their_arguments():
     rng = np.random.default_rng(7)
     x, dy = rng.standard_normal((5, 24)).astype(np.float32), rng.standard_normal((5, 24)).astype(np.float32)
-    np.testing.assert_array_equal(nb.activation_forward("gelu", x), nb.gelu_forward(x))
-    np.testing.assert_array_equal(nb.activation_pullback("gelu", x, dy), nb.gelu_pullback(x, dy))
-    gate_up = rng.standard_normal((5, 48)).astype(np.float32)
-    np.testing.assert_array_equal(nb.activation_forward("swiglu", gate_up), nb.swiglu_forward(gate_up))
-    np.testing.assert_array_equal(nb.activation_pullback("swiglu", gate_up, dy), nb.swiglu_pullback(gate_up, dy))
-    np.testing.assert_array_equal(nb.activation_forward("relu2", x), nb.relu2_forward(x))
-    with pytest.raises(ValueError, match="block relu2 has no manual pullback"):
-        nb.activation_pullback("relu2", x, dy)
+    for name, info in blocks.activations().items():
+        if pullback_backends(name) == [None]:
+            with pytest.raises(ValueError, match=f"block {name} has no manual pullback"):
+                nb.activation_pullback(name, x, dy)
+        if info["gate_width"] == 2:  # rows of [gate | up]
+            with pytest.raises(ValueError, match=rf"activation {name} x: rows of \[gate \| up\], the last dimension "
+                                                 "must be even, got 5"):
+                nb.activation_forward(name, x[:, :5])
     with pytest.raises(ValueError, match="backend is 'manual' or 'clad'"):
         nb.activation_pullback("gelu", x, dy, "autograd")
-    with pytest.raises(ValueError, match="mlp='geglu' is no registered block; registered: gelu, swiglu, relu2"):
-        nb.activation_forward("geglu", x)
+    registered = ", ".join(blocks.activations())
+    with pytest.raises(ValueError, match=f"mlp='no_such_activation' is no registered block; registered: {registered}$"):
+        nb.activation_forward("no_such_activation", x)
+
+
+def test_geglu_is_gelu_gating_up():
+    # Gemma's MLP: down(gelu_tanh(gate) * up), zoo's gelu (GPT-2's tanh approximation) as the gate
+    rng = np.random.default_rng(11)
+    gate, up = f32(rng, (6, 40), 3.0), f32(rng, (6, 40))
+    y = nb.activation_forward("geglu", np.concatenate([gate, up], -1))
+    assert rel_err(y, nb.activation_forward("gelu", gate) * up) <= 1e-6
 
 
 def test_registered_norms_by_name_check_their_arguments():

@@ -12,7 +12,7 @@ from zoo.tools import cards
 from zoo.cli import main
 from zoo.arch.config import ModelConfig
 from zoo.arch.memory import finetune_memory_bytes
-from zoo.arch.presets import PRESETS
+from zoo.arch.presets import PRESETS, preset_info
 from zoo.arch.layout import num_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,11 +135,11 @@ def test_card_picks_up_benchmarks(tmp_path, capsys):
     assert "| 0.812x | 0.500x |" in md and "[tiny-gpt2-b1-t16.json](../benchmarks/tiny-gpt2-b1-t16.json)" in md
     assert md.index("| 1 | 16 |") < md.index("| 2 | 16 |")  # rows by (B, T, ...)
 
-    d = cards.card_data(cards.find_preset("tiny-gpt2"), cards.read_benchmarks(bench))
+    d = cards.card_data(preset_info("tiny-gpt2"), cards.read_benchmarks(bench))
     assert [b["file"] for b in d["benchmarks"]] == ["benchmarks/tiny-gpt2-b1-t16.json", "benchmarks/a-vs-torch.json"]
     assert d["benchmarks"][0]["step_time_over_torch_fused"] is None
     assert d["benchmarks"][1]["step_time_over_torch_fused"] == 0.812
-    other = cards.card_data(cards.find_preset("tiny-llama"), cards.read_benchmarks(bench))
+    other = cards.card_data(preset_info("tiny-llama"), cards.read_benchmarks(bench))
     assert [b["file"] for b in other["benchmarks"]] == ["benchmarks/other-preset.json"]
 
     # A --precision bf16 run: a bf16 row beside its fp32 one, against autocast.
@@ -148,7 +148,7 @@ def test_card_picks_up_benchmarks(tmp_path, capsys):
     (bf16 / "b.json").write_text(json.dumps(dict(
         r, systems=dict(r["systems"], zoo_bf16=dict(zoo, step_ms_median=1.5)),
         ratios={"zoo_bf16_over_torch_fused_bf16": {"step_time": 0.4, "tokens_per_s": 2.5, "peak_rss": 0.7}})))
-    rows = cards.card_data(cards.find_preset("tiny-gpt2"), cards.read_benchmarks(bf16))["benchmarks"]
+    rows = cards.card_data(preset_info("tiny-gpt2"), cards.read_benchmarks(bf16))["benchmarks"]
     assert [(b["precision"], b["step_time_over_torch_fused"]) for b in rows] == [("bf16", 0.4), ("fp32", None)]
     assert rows[0]["step_ms_median"] == 1.5
 

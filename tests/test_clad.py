@@ -17,6 +17,7 @@ import zoo
 from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad, random_batch, randomize_norms,
                      rel_err, without_clad)
 from zoo import ModelConfig
+from zoo.core import blocks
 from zoo.core._native import blocks as B
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
@@ -51,7 +52,7 @@ def test_relu2_forward_runs_in_any_build():
     from zoo.tools.torch_reference import Reference
 
     x = np.random.default_rng(0).standard_normal((5, 33)).astype(np.float32)
-    np.testing.assert_array_equal(B.relu2_forward(x), np.square(np.maximum(x, 0)))
+    np.testing.assert_array_equal(B.activation_forward("relu2", x), np.square(np.maximum(x, 0)))
     model = zoo.Model(RELU2_TINY, seed=1)
     randomize_norms(model, 2)
     tokens, targets = random_batch(RELU2_TINY)
@@ -122,12 +123,18 @@ def test_norms(threads, name, C):
     np.testing.assert_array_equal(stats, stats0)
 
 
+# Every registered activation with a hand-written pullback: Clad's must equal it.
+HAND_WRITTEN_ACTIVATIONS = [(b["name"], blocks.activations()[b["name"]]["gate_width"]) for b in blocks.blocks()
+                            if b["kind"] == "mlp" and b["manual"]]
+
+
 @needs_clad
-@pytest.mark.parametrize("name, width", [("gelu", 1), ("swiglu", 2)])
+@pytest.mark.parametrize("name, width", HAND_WRITTEN_ACTIVATIONS)
 def test_activations(threads, name, width):
     # the executor's two calls: dx alone, and y recomputed with dx (the MLP step's fused pass)
     x, dy = rnd(9, width * 150, scale=3.0), rnd(9, 150)
     x[0, :6] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]  # saturated tails: no inf/inf
+    x[1, -6:] = [-200.0, -90.0, -12.0, 12.0, 90.0, 200.0]  # (for a gated unit: in up too)
     want = B.activation_pullback(name, x, dy)
     assert rel_err(B.activation_pullback(name, x, dy, "clad"), want) <= 1e-5
     y, dx = B.activation_recompute_and_pullback(name, x, dy, "clad")

@@ -160,7 +160,7 @@ def test_config_file_and_flags(tmp_path, capsys, cache):
     assert [s for s, _ in train_losses(tmp_path / "out")] == [1, 2]  # out is relative to the config file
 
     # A budget or model source given higher up replaces the whole group below it.
-    from zoo.cli import _layer
+    from zoo.cli.train import _layer
 
     assert _layer({"steps": 600, "preset": "tiny-llama", "lr": 1.0}, {"epochs": 2}, {"from_dir": "d"}) == \
         {"lr": 1.0, "epochs": 2, "from_dir": "d"}

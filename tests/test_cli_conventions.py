@@ -8,6 +8,7 @@ import os
 import re
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +16,7 @@ import zoo
 from helpers import zoo_command
 from zoo.cli import build_parser, main
 from zoo.text.tokenizers import Tokenizer
+from zoo.tools import bench
 from zoo.train.config import DEMO, DEMO_DATA, TrainConfig
 
 FAST = ["--threads", "1", "--no-progress", "--sample-tokens", "0"]
@@ -33,7 +35,17 @@ def checkpoint(tmp_path_factory):
 
 def verb_parsers() -> dict:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+    # zoo bench hands its command line to the benchmark's own parser (zoo/cli/bench.py)
+    return {**sub.choices, "bench": bench.build_parser()}
+
+
+def test_the_command_starts_without_the_tools():
+    # zoo.tools is outside the runtime's import graph: zoo imports it only when bench, card or cards runs
+    code = "import sys; from zoo.cli import build_parser; build_parser(); print(sorted(sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = ast.literal_eval(r.stdout)
+    assert "zoo.cli.bench" in loaded and not [m for m in loaded if m.startswith("zoo.tools")]
 
 
 def help_texts(text: str) -> dict:

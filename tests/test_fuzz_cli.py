@@ -65,19 +65,19 @@ def test_usage_error_is_argparse_status_2():
 
 
 def test_native_expected_error_is_input_without_a_second_prefix(checkpoint):
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint",
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint",
                           'RuntimeError("zoo: sequence length 5000 exceeds max_seq_len 64")'), "inspect", checkpoint)
     line = helpers.assert_error(r, "sequence length 5000 exceeds max_seq_len 64", status=EXIT_INPUT)
     assert line == "zoo: error: sequence length 5000 exceeds max_seq_len 64"
 
 
 def test_bare_key_error_says_a_key_is_missing(checkpoint):
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint", 'KeyError("config")'), "inspect", checkpoint)
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint", 'KeyError("config")'), "inspect", checkpoint)
     helpers.assert_error(r, "missing key 'config'", status=EXIT_INPUT)
 
 
 def test_pydantic_validation_error_is_one_line_naming_the_field(checkpoint):
-    patch = raising("zoo.io.inspect.inspect_checkpoint",
+    patch = raising("zoo.cli.checkpoints.inspect_checkpoint",
                     'pydantic.TypeAdapter(dict[str, int]).validate_python({"n_layer": "many"})')
     r = main_with("import pydantic\n" + patch, "inspect", checkpoint)
     line = helpers.assert_error(r, "n_layer", status=EXIT_INPUT)
@@ -85,13 +85,13 @@ def test_pydantic_validation_error_is_one_line_naming_the_field(checkpoint):
 
 
 def test_memory_error_is_status_3_naming_the_verb(checkpoint):
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint", "MemoryError('std::bad_alloc')"), "inspect", checkpoint)
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint", "MemoryError('std::bad_alloc')"), "inspect", checkpoint)
     line = helpers.assert_error(r, "not enough memory", "zoo inspect", status=EXIT_RESOURCES)
     assert "std::bad_alloc" not in line  # pybind11's text says nothing more
 
 
 def test_resource_error_keeps_its_numbers(checkpoint):
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint",
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint",
                           "__import__('zoo.core.errors').core.errors.ResourceError('needs 9.0 GiB of memory, 2.0 GiB free')"),
                   "inspect", checkpoint)
     helpers.assert_error(r, "needs 9.0 GiB of memory, 2.0 GiB free", status=EXIT_RESOURCES)
@@ -99,7 +99,7 @@ def test_resource_error_keeps_its_numbers(checkpoint):
 
 def test_native_arena_allocation_failure_names_the_arena(checkpoint):
     # native/executor/arena.hpp's AllocationError reaches Python as a MemoryError with this text
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint",
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint",
                           'MemoryError("zoo: cannot allocate 70000 MiB for the activation arena")'),
                   "inspect", checkpoint)
     line = helpers.assert_error(r, "not enough memory", "cannot allocate 70000 MiB for the activation arena",
@@ -108,7 +108,7 @@ def test_native_arena_allocation_failure_names_the_arena(checkpoint):
 
 
 def test_full_disk_without_a_file_name_names_the_destination(checkpoint, tmp_path):
-    r = main_with(raising("zoo.io.checkpoints.save_pretrained", "OSError(28, 'No space left on device')"),
+    r = main_with(raising("zoo.cli.checkpoints.save_pretrained", "OSError(28, 'No space left on device')"),
                   "convert", checkpoint, tmp_path / "dst")
     helpers.assert_error(r, "not enough disk space", f"DST {tmp_path / 'dst'}", status=EXIT_RESOURCES)
 
@@ -131,14 +131,14 @@ def test_unwritable_system_folder_is_a_filesystem_error(checkpoint):
 
 
 def test_os_error_without_a_file_name_still_says_what_failed(checkpoint):
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint", "OSError(5, 'Input/output error')"),
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint", "OSError(5, 'Input/output error')"),
                   "inspect", checkpoint)
     helpers.assert_error(r, "zoo inspect", "a file operation failed", "Input/output error", status=EXIT_FILESYSTEM)
 
 
 def test_internal_error_leaves_the_traceback_in_a_crash_file(checkpoint, tmp_path):
     cache = tmp_path / "cache"
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint", "AttributeError('x' * 1000 + '\\nsecond line')"),
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint", "AttributeError('x' * 1000 + '\\nsecond line')"),
                   "inspect", checkpoint, env={"XDG_CACHE_HOME": str(cache)})
     line = helpers.assert_error(r, "internal error (AttributeError: xxx", "please report it", status=EXIT_INTERNAL)
     assert "second line" not in line and len(line) < 600
@@ -152,7 +152,7 @@ def test_internal_error_leaves_the_traceback_in_a_crash_file(checkpoint, tmp_pat
 def test_crash_file_falls_back_to_the_temp_folder(checkpoint, tmp_path):
     helpers.write(tmp_path / "cache", "a file where the cache folder would be")
     (tmp_path / "tmp").mkdir()
-    r = main_with(raising("zoo.io.inspect.inspect_checkpoint", "TypeError('incompatible function arguments')"),
+    r = main_with(raising("zoo.cli.checkpoints.inspect_checkpoint", "TypeError('incompatible function arguments')"),
                   "inspect", checkpoint,
                   env={"XDG_CACHE_HOME": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp")})
     line = helpers.assert_error(r, "internal error (TypeError: incompatible function arguments)", str(tmp_path / "tmp"),

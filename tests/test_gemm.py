@@ -102,6 +102,26 @@ def test_bf16_products_are_within_the_bound_bf16_rounding_predicts():
 
 
 @needs_bf16
+@pytest.mark.parametrize("M,N,K", [(64, 20000, 768), (20000, 96, 256), (140, 140, 16384), (24, 40, 70000)])
+def test_bf16_products_larger_than_the_rounding_buffer_stay_within_the_bound(M, N, K):
+    # Where zoo rounds the operands itself (oneDNN's fpmath mode has no bf16 kernel here), it
+    # rounds them in panels of a 4M-value buffer: here one operand whole and the other in
+    # blocks of columns or rows, both in blocks, and K in blocks summed into C. (Elsewhere these
+    # are plain oneDNN products, held to the same bound.)
+    rng = np.random.default_rng(M)
+    for ta, tb in ((False, True), (True, False), (False, False), (True, True)):
+        a = rng.standard_normal((K, M) if ta else (M, K), dtype=np.float32)
+        b = rng.standard_normal((N, K) if tb else (K, N), dtype=np.float32)
+        exact, magnitude = reference(a, b, ta, tb)
+        c = np.full((M, N), 0.25, np.float32)
+        got = _native.gemm(a, b, ta, tb, "bf16", c).astype(np.float64) - 0.25
+        bound = (2 * 2.0**-9 + 2.0**-18 + K * 2.0**-24) * magnitude + 1e-6
+        assert (np.abs(got - exact) <= bound).all(), (ta, tb, np.max(np.abs(got - exact) / bound))
+        rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+        assert 1e-4 < rel < 1e-2, (ta, tb, rel)
+
+
+@needs_bf16
 def test_bf16_products_run_on_the_cpus_bf16_kernels():
     # Training shapes (GPT-2's qkv, a tiny test model's), and generation's one-row LM head
     # (whose weight-gradient product, a sum over one row, oneDNN runs in fp32: generation has none).
@@ -152,10 +172,52 @@ def test_bf16_without_bf16_dot_products_is_refused_with_the_reason(tmp_path):
                         "--out", "unused-run", "--precision", "bf16"], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, DNNL_MAX_CPU_ISA="AVX2"), cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr
-    assert "zoo: error: precision bf16 needs" in r.stderr
+    assert "zoo: error: settings: precision (--precision): precision bf16 needs" in r.stderr
     assert not (tmp_path / "unused-run").exists()
 
 
 def test_an_unknown_precision_is_refused():
     with pytest.raises(PrecisionError, match="precision 'fp8' is unknown: choose fp32 or bf16"):
         zoo.Model(zoo.preset("tiny-gpt2"), precision="fp8")
+
+
+def test_the_products_report_names_each_kernel_and_warns_of_bf16_products_without_bf16_kernels(monkeypatch):
+    from zoo.core import gemm
+
+    cfg = zoo.preset("tiny-gpt2")
+    kernels = gemm.product_kernels(cfg, "fp32", 64)
+    # Every linear layer's three products (a frozen base: forward and dx only), each named.
+    assert [(k["layer"], k["product"]) for k in kernels] == [
+        (s["layer"], p) for s in gemm.linear_shapes(cfg) for p in ("forward", "dx", "dW")]
+    assert {k["kernel"] for k in kernels} == {_native.gemm_kernel("fp32", False, True, 64, 64, 64)}
+    n_shapes = len(gemm.linear_shapes(cfg))
+    assert [k["product"] for k in gemm.product_kernels(cfg, "fp32", 64, "int8")] == ["forward", "dx"] * n_shapes
+    summary, warning = gemm.products_report(cfg, "fp32", 64)
+    assert summary == f"fp32 products on {GEMM['fp32']}" and warning is None
+    if BF16:
+        summary, warning = gemm.products_report(cfg, "bf16", 64)
+        assert summary.startswith("bf16 products on onednn:") and warning is None
+    # A CPU where oneDNN gives some bf16 products an fp32 kernel: one line says so.
+    slow = {(False, True, 64, 320, 64): "onednn:brg:avx512_core"}
+    monkeypatch.setattr(_native, "gemm_kernel", lambda p, ta, tb, M, N, K, bf16_operands=False:
+                        slow.get((ta, tb, M, N, K), "onednn:brg:avx512_core_amx"))
+    monkeypatch.setattr(_native, "is_bf16_kernel", lambda k: "amx" in k)
+    summary, warning = gemm.products_report(cfg, "bf16", 64)
+    assert summary == "bf16 products on onednn:brg:avx512_core, onednn:brg:avx512_core_amx"
+    assert warning == (f"warning: 1 of the {3 * n_shapes} bf16 products of a step run on kernels without bf16 dot products "
+                       "(onednn:brg:avx512_core; e.g. lm_head forward 64x320x64): rounded to bf16, they run no "
+                       "faster than fp32 here")
+
+
+@needs_bf16
+def test_the_kernels_a_process_ran_are_recorded_with_their_calls():
+    _native.gemm_kernels_used(reset=True)
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((48, 80), dtype=np.float32), rng.standard_normal((96, 80), dtype=np.float32)
+    for _ in range(3):
+        _native.gemm(a, b, False, True, "bf16")
+    used = [u for u in _native.gemm_kernels_used() if (u["M"], u["N"], u["K"]) == (48, 96, 80)]
+    assert len(used) == 1 and used[0]["calls"] == 3 and used[0]["precision"] == "bf16"
+    assert used[0]["kernel"] == _native.gemm_kernel("bf16", False, True, 48, 96, 80) and used[0]["bf16_kernel"]
+    _native.gemm_kernels_used(reset=True)
+    assert not any(u["calls"] for u in _native.gemm_kernels_used())

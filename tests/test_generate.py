@@ -33,7 +33,7 @@ def test_sampling_follows_softmax_and_filters():
 
 
 class ScriptedModel:
-    """forward_cached returns logits that prefer token (last input + 1) % V: generation counts up."""
+    """forward_segments returns logits that prefer token (last input + 1) % V: generation counts up."""
 
     def __init__(self, vocab=10, max_len=8):
         self.config = SimpleNamespace(vocab_size=vocab, max_seq_len=max_len)
@@ -42,18 +42,19 @@ class ScriptedModel:
     def reset_cache(self, b, max_len):
         self.calls.append(("reset", b, max_len))
 
-    def forward_cached(self, tokens, start):
-        self.calls.append(("fwd", tokens.tolist(), start))
-        out = np.zeros((1, self.config.vocab_size), dtype=np.float32)
-        out[0, (tokens[0, -1] + 1) % self.config.vocab_size] = 5.0
+    def forward_segments(self, slots, token_lists, starts):
+        self.calls.append(("fwd", [(s, list(t), p) for s, t, p in zip(slots, token_lists, starts)]))
+        out = np.zeros((len(slots), self.config.vocab_size), dtype=np.float32)
+        for k, t in enumerate(token_lists):
+            out[k, (t[-1] + 1) % self.config.vocab_size] = 5.0
         return out
 
 
 def test_generate_uses_the_cache_and_stops_at_eos_or_context():
     m = ScriptedModel()
     assert generate(m, [1, 2], 10, stop_ids=[5]) == [3, 4, 5]
-    assert m.calls[0] == ("reset", 1, 8) and m.calls[1] == ("fwd", [[1, 2]], 0)
-    assert m.calls[2:] == [("fwd", [[3]], 2), ("fwd", [[4]], 3)]
+    assert m.calls[0] == ("reset", 1, 8) and m.calls[1] == ("fwd", [(0, [1, 2], 0)])
+    assert m.calls[2:] == [("fwd", [(0, [3], 2)]), ("fwd", [(0, [4], 3)])]
     assert generate(ScriptedModel(), [1, 2], 10) == [3, 4, 5, 6, 7, 8]  # max_seq_len 8 caps it
     seen = []
     generate(ScriptedModel(), [0], 3, on_token=seen.append)

@@ -627,7 +627,7 @@ def test_convert_q8_0_needs_gguf_and_a_folder_is_no_gguf_target(tmp_path, capsys
     folder = tmp_path / "m"
     zoo.Model(GPT2, seed=0).save_pretrained(folder)
     assert main(["convert", str(folder), str(tmp_path / "x"), "--dtype", "q8_0"]) == 1
-    assert "--dtype: must be float32, bfloat16 or float16 for a folder" in capsys.readouterr().err
+    assert "--dtype: must be one of float32, float16, bfloat16 for a folder" in capsys.readouterr().err
     assert main(["convert", str(folder), str(tmp_path), "--to", "gguf"]) == 1
     assert "--to gguf writes one file" in capsys.readouterr().err
     assert main(["convert", str(folder), str(tmp_path / "m.q8.gguf"), "--dtype", "q8_0"]) == 0

@@ -24,8 +24,9 @@ import helpers
 import zoo
 from zoo.io.safetensors import SafetensorsFile
 from zoo.io.run_folder import checkpoint_dirs
+from zoo.train.checkpoint import read_state
 from zoo.train.config import DEMO_DATA, TrainConfig
-from zoo.train.trainer import Trainer, read_state
+from zoo.train.trainer import Trainer
 
 STEPS = 10
 RUN = dict(preset="tiny-gpt2", data=[str(DEMO_DATA / "001.txt")], steps=STEPS, batch_size=2, seq_len=16, eval_every=4,

@@ -178,8 +178,8 @@ def test_bf16_products_on_a_stored_base_stay_close(fmt):
     assert 1e-4 < rel_err(m.logits(tok), ref.logits(tok)) < 2e-2
     _, g = m.loss_and_grads(tok, tgt)
     _, gr = ref.loss_and_grads(tok, tgt)
-    for k in gr:
-        assert rel_err(g[k], gr[k]) < 5e-2, k
+    for k in gr:  # and bf16's error in every adapter gradient
+        assert 1e-4 < rel_err(g[k], gr[k]) < 5e-2, k
 
 
 # --- what is allocated -----------------------------------------------------------------------

@@ -329,7 +329,9 @@ def test_bf16_gradients_stay_near_fp32(cfg):
     tokens, targets = batch(cfg)
     _, base = make_model(cfg).loss_and_grads(tokens, targets)
     _, bf16 = make_model(cfg, precision="bf16").loss_and_grads(tokens, targets)
-    assert max(rel_err(bf16[k], base[k]) for k in base) <= 3e-2
+    errors = {k: rel_err(bf16[k], base[k]) for k in base}
+    assert max(errors.values()) <= 3e-2
+    assert min(errors.values()) > 1e-4, errors  # bf16's error in every gradient, not fp32's
 
 
 @trains

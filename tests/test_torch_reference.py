@@ -55,7 +55,7 @@ def test_its_roles_are_the_executors():
     assert list(tr.LAYER_ROLES) == roles["layer"]
 
 
-@pytest.mark.parametrize("field,value", [("norm", "groupnorm"), ("mlp", "geglu"), ("positions", "alibi")])
+@pytest.mark.parametrize("field,value", [("norm", "groupnorm"), ("mlp", "no_such_mlp"), ("positions", "alibi")])
 def test_an_unknown_block_is_refused_by_name(field, value):
     cfg = RELU2_TINY.model_dump()
     layout = tr.zoo_layout(cfg)
@@ -112,8 +112,8 @@ def test_bench_torch_worker_computes_zoos_relu2_loss_from_zoos_init(tmp_path):
 def test_bench_torch_worker_refuses_an_unknown_block_in_one_line(tmp_path):
     bench.write_workdir(tmp_path, RELU2_TINY, 1, 8, 0)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    manifest["config"]["mlp"] = "geglu"
+    manifest["config"]["mlp"] = "no_such_mlp"
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     run = run_torch_worker(tmp_path)
     assert run.returncode == 3 and "Traceback" not in run.stderr
-    assert "mlp='geglu' is not implemented here" in run.stderr
+    assert "mlp='no_such_mlp' is not implemented here" in run.stderr

@@ -16,7 +16,8 @@ import zoo
 from zoo import Model
 from zoo.train.config import DEMO_DATA, TrainConfig
 from zoo.io.run_folder import checkpoint_dirs
-from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, lr_at, read_state
+from zoo.train.checkpoint import read_state
+from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, lr_at
 
 
 def config(tmp_path, name="run", **kw):

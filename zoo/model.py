@@ -139,6 +139,24 @@ def _as_positions(positions, shape: tuple[int, int]) -> Optional[np.ndarray]:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _as_hidden(hidden, shape: tuple[int, int], positions) -> Optional[np.ndarray]:
+    """Hidden key spans: (B, T, 2) integers, each row's [lo, hi) of keys in its row that it does
+    not see (the native side checks them against the positions, naming the row and column)."""
+    if hidden is None:
+        return None
+    if positions is None:
+        raise ValueError("hidden key spans need positions (a row's position counts the keys it sees)")
+    arr = np.asarray(hidden)
+    if arr.shape != (*shape, 2):
+        raise ValueError(f"hidden must have shape {(*shape, 2)} (B, T, 2), got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"hidden must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > shape[1]):
+        raise ValueError(f"hidden holds {int(arr[(arr < 0) | (arr > shape[1])].flat[0])}, outside a row of "
+                         f"{shape[1]} tokens")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
 class Model:
     """A decoder-only transformer described by a ModelConfig.
 
@@ -158,6 +176,7 @@ class Model:
                  ad: AdSpec = "manual", precision: str = "fp32", lora: Optional[LoraConfig] = None,
                  base_dtype: Optional[str] = None):
         apply_gemm_environment()
+        check_precision(precision)  # before the arenas are mapped or any weight is read
         self.config = config
         self.layout: list[ParamSpec] = parameter_layout(config)
         self._base_shapes = {p.name: p.shape for p in self.layout}
@@ -209,7 +228,7 @@ class Model:
         self._exec.set_checkpointing(bool(checkpointing))
         self.ad = resolve_ad(ad, config, lora is not None)
         self._exec.set_clad_blocks([b for b, v in self.ad.items() if v == "clad"])
-        self.set_precision(precision)
+        self._exec.set_precision(precision)
         if seed is not None:
             self.init_weights(seed)
 
@@ -350,26 +369,82 @@ class Model:
     # positions (B, T), optional, in logits, loss and forward_backward: rows that pack several
     # examples give each token's position in its own example (0, 1, 2, ... restarting where an
     # example begins); attention then stays within each example. None: 0..T-1 in every row.
+    # hidden (B, T, 2), optional, with positions: a span [lo, hi) of keys of its row each token
+    # does not see (lo == hi: none); such a token's position counts the keys it does see before
+    # it. A preference pair's rejected answer sees the shared prompt but not the chosen answer
+    # before it this way (zoo/train/preference.py).
 
-    def logits(self, tokens, positions=None) -> np.ndarray:
+    def logits(self, tokens, positions=None, hidden=None) -> np.ndarray:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         pos = _as_positions(positions, tok.shape)
+        hid = _as_hidden(hidden, tok.shape, pos)
         self._check_activation_memory(tok.shape, logits=True)
-        self._exec.forward(tok, None, pos)
+        self._exec.forward(tok, None, pos, hid)
         B, T = tok.shape
         return np.array(self._exec.logits(B, T))
 
-    def loss(self, tokens, targets, positions=None) -> float:
+    def loss(self, tokens, targets, positions=None, hidden=None) -> float:
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
         pos = _as_positions(positions, tok.shape)
+        hid = _as_hidden(hidden, tok.shape, pos)
         self._check_activation_memory(tok.shape)
-        return float(self._exec.forward(tok, tgt, pos))
+        return float(self._exec.forward(tok, tgt, pos, hid))
 
-    def loss_and_grads(self, tokens, targets, positions=None) -> tuple[float, dict[str, np.ndarray]]:
+    def loss_and_grads(self, tokens, targets, positions=None, hidden=None) -> tuple[float, dict[str, np.ndarray]]:
         self.zero_grads()
-        loss = self.forward_backward(tokens, targets, positions=positions)
+        loss = self.forward_backward(tokens, targets, positions=positions, hidden=hidden)
         return loss, {k: v.copy() for k, v in self._grads.items()}
+
+    # --- preference steps: the LM head over selected rows only -----------------------
+
+    def target_logprobs(self, tokens, targets, positions=None, hidden=None, train: bool = False) -> np.ndarray:
+        """Log-probabilities (float32, B x T; 0 where the target is -100) of the targets under the
+        model, the LM head run on the rows with a target alone. train: keep what backward_logprobs
+        needs (the next call on this model must be that one)."""
+        tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
+        tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
+        if tgt.shape != tok.shape:
+            raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
+        pos = _as_positions(positions, tok.shape)
+        hid = _as_hidden(hidden, tok.shape, pos)
+        rows = np.flatnonzero(tgt.reshape(-1) != -100).astype(np.int32)
+        if not rows.size:
+            raise ValueError("targets: every one is -100; no row has a log-probability to take")
+        if train:
+            self.check_trainable()
+        self._check_activation_memory(tok.shape, training=train)
+        row_loss = self._exec.select_forward(tok, pos, hid, rows, tgt.reshape(-1)[rows], bool(train))
+        out = np.zeros(tok.size, np.float32)
+        out[rows] = -row_loss
+        self._selected = (rows, tok.shape) if train else None
+        return out.reshape(tok.shape)
+
+    def backward_logprobs(self, weights, grad_scale: float = 1.0) -> None:
+        """The pullback of the last target_logprobs(train=True): adds grad_scale * the gradient of
+        sum(weights * logprobs) (weights: B x T, read where that call had a target) into the
+        gradient arena, as forward_backward does."""
+        if getattr(self, "_selected", None) is None:
+            raise RuntimeError("backward_logprobs needs target_logprobs(..., train=True) just before it")
+        rows, shape = self._selected
+        self._selected = None
+        w = np.asarray(weights, dtype=np.float64)
+        if w.shape != shape:
+            raise ValueError(f"weights must have the tokens' shape {shape}, got {w.shape}")
+        if not np.isfinite(w).all():
+            raise ValueError("weights must be finite")
+        # d(row loss) = -d(logprob): the native pullback takes the row losses' adjoints
+        self._exec.select_backward(np.ascontiguousarray(-w.reshape(-1)[rows], dtype=np.float32),
+                                   _finite_float32("grad_scale", grad_scale))
+
+    @property
+    def adapters_enabled(self) -> bool:
+        return bool(self._exec.adapters_enabled())
+
+    def set_adapters_enabled(self, on: bool) -> None:
+        """Off: the LoRA adapters add nothing, and the model is its frozen base (the reference of a
+        preference objective). Training passes need them on."""
+        self._exec.set_adapters_enabled(bool(on))
 
     def zero_grads(self) -> None:
         """Start a new accumulation: the next forward_backward's gradients replace the old ones."""
@@ -391,7 +466,7 @@ class Model:
                           "without: the model runs forward (logits, loss, generation) but cannot train; "
                           + CLAD_BUILD_HINT)
 
-    def forward_backward(self, tokens, targets, grad_scale: float = 1.0, positions=None) -> float:
+    def forward_backward(self, tokens, targets, grad_scale: float = 1.0, positions=None, hidden=None) -> float:
         """Adds grad_scale * dloss/dparams into the gradient arena (for accumulation)."""
         self.check_trainable()
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
@@ -399,9 +474,10 @@ class Model:
         if tgt.shape != tok.shape:
             raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
         pos = _as_positions(positions, tok.shape)
+        hid = _as_hidden(hidden, tok.shape, pos)
         grad_scale = _finite_float32("grad_scale", grad_scale)
         self._check_activation_memory(tok.shape, training=True)
-        return float(self._exec.forward_backward(tok, tgt, grad_scale, pos))
+        return float(self._exec.forward_backward(tok, tgt, grad_scale, pos, hid))
 
     # --- optimizer ----------------------------------------------------------------
 
@@ -476,8 +552,8 @@ class Model:
     # --- generation ---------------------------------------------------------------
 
     def reset_cache(self, batch_size: int, max_len: int) -> None:
-        """A KV cache for up to batch_size sequences of max_len tokens (prompt and new tokens),
-        checked against the memory available before it is allocated."""
+        """A KV cache for up to batch_size sequences (its slots, empty) of max_len tokens each
+        (prompt and new tokens), checked against the memory available before it is allocated."""
         B, T = int(batch_size), int(max_len)
         check_memory(FLOAT_BYTES * int(self._exec.cache_floats(B, T)),
                      f"generation of {B} x {T} tokens (the KV cache and its buffers)",
@@ -485,10 +561,42 @@ class Model:
         self._exec.reset_cache(B, T)
 
     def forward_cached(self, tokens, start_pos: int) -> np.ndarray:
-        """Runs new tokens (B, T) at positions start_pos.. through the KV cache; returns the
-        last position's logits (B, V)."""
+        """Runs new tokens (B, T) at positions start_pos.. through the KV cache, row b in its slot b
+        (start_pos at most what each slot holds); returns the last position's logits (B, V)."""
         tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
         return self._exec.forward_cached(tok, int(start_pos))
+
+    def forward_segments(self, slots, token_lists, starts) -> np.ndarray:
+        """Runs several sequences through the KV cache in one call, sharing each read of the
+        weights: token_lists[i] (ids) go into cache slot slots[i] at positions starts[i].. A
+        start is at most the positions its slot holds (slot_length): the ones before it are read
+        from the cache, the ones from it on are replaced. Each slot at most once per call.
+        Returns the logits of each list's last token, (len(slots), V): a prompt's first
+        prediction, or a sequence's next one."""
+        lists = [np.asarray(t) for t in token_lists]
+        if not (len(slots) == len(lists) == len(starts)) or not lists:
+            raise ValueError(f"forward_segments: {len(slots)} slots, {len(lists)} token lists and {len(starts)} "
+                             "starts: one of each per sequence, at least one")
+        for i, t in enumerate(lists):
+            if t.ndim != 1 or t.size == 0:
+                raise ValueError(f"forward_segments: token list {i} must be a non-empty 1-D list of ids, "
+                                 f"got shape {t.shape}")
+        tok = _as_tokens(np.concatenate(lists)[None, :], "tokens", self.config.vocab_size)[0]
+
+        def int32s(values, what: str) -> np.ndarray:  # refused, not wrapped, outside int32
+            arr = np.asarray(values)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"forward_segments: {what} must be a list of integers")
+            if arr.size and (arr.min() < 0 or arr.max() >= 2**31):
+                raise ValueError(f"forward_segments: {what} hold {int(arr[(arr < 0) | (arr >= 2**31)][0])}")
+            return arr.astype(np.int32)
+
+        return self._exec.forward_segments(tok, int32s(slots, "slots"), int32s(starts, "starts"),
+                                           np.asarray([t.size for t in lists], dtype=np.int32))
+
+    def slot_length(self, slot: int) -> int:
+        """The positions the KV cache holds for its slot `slot`."""
+        return int(self._exec.slot_length(int(slot)))
 
     # --- profiling ----------------------------------------------------------------
 

@@ -1,12 +1,14 @@
 // Python bindings: one Executor object; every call below is a whole forward, pullback or
 // optimizer step, run with the GIL released.
 #include <omp.h>
+#include <time.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "executor/alloc_count.hpp"
 #include "kernels/gemm.hpp"
+#include "kernels/gemv.hpp"
 #include "layers/layers.hpp"
 
 namespace py = pybind11;
@@ -106,6 +108,22 @@ const int32_t* same_shape(const Tokens& a, const Tokens& tokens, const char* wha
     return same_shape(std::optional<Tokens>(a), tokens, what);
 }
 
+// Optional hidden key spans (B, T, 2) beside tokens: their data, or null when absent.
+const int32_t* key_spans(const std::optional<Tokens>& hidden, const Tokens& tokens) {
+    if (!hidden) return nullptr;
+    if (hidden->ndim() != 3 || hidden->shape(0) != tokens.shape(0) || hidden->shape(1) != tokens.shape(1) ||
+        hidden->shape(2) != 2)
+        throw std::invalid_argument("zoo: hidden must be (B, T, 2), beside tokens (B, T)");
+    return hidden->data();
+}
+
+// A preference step's selected rows and their targets: 1-D, of one length.
+int selection(const Tokens& rows, const Tokens& targets) {
+    if (rows.ndim() != 1 || targets.ndim() != 1 || rows.shape(0) != targets.shape(0))
+        throw std::invalid_argument("zoo: rows and targets must be 1-D of one length");
+    return (int)rows.shape(0);
+}
+
 // A plan as Python sees it: one dict per buffer.
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
@@ -149,8 +167,37 @@ PYBIND11_MODULE(_native, m) {
                         py::arg("fp32_default") = zoo::gemm::name(zoo::gemm::default_fp32_library()),
                         py::arg("bf16") = zoo::gemm::bf16_built() ? py::object(py::str("onednn")) : py::object(py::none()),
                         py::arg("built_in") = built, py::arg("bf16_native") = zoo::gemm::bf16_native(),
-                        py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa());
+                        py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa(),
+                        py::arg("vector_isa") = zoo::vector_isa_name(zoo::vector_isa()),
+                        py::arg("cpu_vector_isa") = zoo::vector_isa_name(zoo::cpu_vector_isa()),
+                        py::arg("openblas_core") = zoo::gemm::openblas_core());
     });
+    // zoo's own conversion loops (isa.hpp): forced to a path for tests, "auto" for the default.
+    m.def("set_vector_isa", &zoo::set_vector_isa, py::arg("name"));
+    m.def("round_bf16", [](py::array_t<float, py::array::c_style | py::array::forcecast> x) {
+        py::array_t<uint16_t> out(x.size());
+        zoo::to_bf16_row(x.data(), out.mutable_data(), (size_t)x.size());
+        return out;
+    }, py::arg("x"), "x (flattened) rounded to bf16 bits on the current vector path.");
+    m.def("widen", [](py::array_t<float, py::array::c_style | py::array::forcecast> w, const std::string& format,
+                      bool to_bf16) {
+        if (w.ndim() != 2) throw std::invalid_argument("zoo: widen takes a 2-D matrix");
+        const int rows = (int)w.shape(0), cols = (int)w.shape(1);
+        const zoo::DType t = zoo::dtype_named(format);
+        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
+        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
+        const zoo::Matrix W(data, t, rows, cols);
+        if (to_bf16) {
+            py::array_t<uint16_t> out({rows, cols});
+            zoo::widen_rows_bf16(W, 0, rows, out.mutable_data());
+            return py::object(out);
+        }
+        py::array_t<float> out({rows, cols});
+        zoo::widen_rows(W, 0, rows, out.mutable_data());
+        return py::object(out);
+    }, py::arg("w"), py::arg("format"), py::arg("to_bf16") = false,
+       "w stored in a weight format, then widened back (to fp32, or bf16 bits) on the current vector path.");
     // One product through gemm.hpp, for tests and zoo.tools.bench_gemm: A and B as stored
     // (A (M,K), or (K,M) with trans_a; B (K,N), or (N,K) with trans_b); C = op(A) op(B), or
     // added into c (returned) when given.
@@ -207,9 +254,74 @@ PYBIND11_MODULE(_native, m) {
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
        py::arg("repeats") = 1);
-    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K) {
-        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K);
-    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"));
+    // One decode product (gemv.hpp) with W stored in format first: x (M <= 8, cols) W^T + bias +
+    // residual on the instruction set named, repeated `repeats` times (parallel: over the
+    // threads, as generation runs it); returns the result, the seconds of the fastest repeat, and
+    // the calling thread's CPU seconds in its fastest repeat (the work itself where parallel is
+    // false: a shared machine's other processes do not count).
+    m.def("decode_product", [](F32 x, F32 w, const std::string& format, const std::string& precision,
+                               const std::string& isa, std::optional<F32> bias, std::optional<F32> residual,
+                               int repeats, bool parallel) {
+        if (x.ndim() != 2 || w.ndim() != 2) throw std::invalid_argument("zoo: 2-D operands");
+        const int rows = (int)w.shape(0), cols = (int)w.shape(1), M = (int)x.shape(0);
+        if (x.shape(1) != cols) throw std::invalid_argument("zoo: operands do not match");
+        if (bias && (bias->ndim() != 1 || bias->shape(0) != rows)) throw std::invalid_argument("zoo: bias of rows");
+        if (residual && (residual->ndim() != 2 || residual->shape(0) != M || residual->shape(1) != rows))
+            throw std::invalid_argument("zoo: residual of (M, rows)");
+        const zoo::DType t = zoo::dtype_named(format);
+        const zoo::Precision p = zoo::precision_named(precision);
+        const zoo::gemv::Isa set = zoo::gemv::isa_named(isa);
+        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
+        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
+        const zoo::Matrix W(data, t, rows, cols);
+        std::vector<float> scratch(zoo::gemv::scratch_floats(std::max(1, M), cols));
+        F32 out({M, rows});
+        double best = 1e30, best_cpu = 1e30;
+        auto thread_cpu = [] {  // this thread's CPU time: the work of a product on it alone (parallel false)
+            timespec ts;
+            clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+            return ts.tv_sec + 1e-9 * ts.tv_nsec;
+        };
+        {
+            py::gil_scoped_release nogil;
+            for (int r = 0; r < std::max(1, repeats); r++) {
+                const double t0 = omp_get_wtime(), c0 = thread_cpu();
+                zoo::gemv::product(p, M, x.data(), cols, W, bias ? bias->data() : nullptr,
+                                   residual ? residual->data() : nullptr, rows, out.mutable_data(), rows,
+                                   scratch.data(), set, parallel);
+                best = std::min(best, omp_get_wtime() - t0);
+                best_cpu = std::min(best_cpu, thread_cpu() - c0);
+            }
+        }
+        return py::make_tuple(out, best, best_cpu);
+    }, py::arg("x"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("isa") = "scalar",
+       py::arg("bias") = py::none(), py::arg("residual") = py::none(), py::arg("repeats") = 1,
+       py::arg("parallel") = true);
+    m.def("decode_isas", []() {
+        std::vector<std::string> out;
+        for (zoo::gemv::Isa isa : zoo::gemv::isas()) out.push_back(zoo::gemv::isa_name(isa));
+        return out;
+    }, "The instruction sets the decode products can run on here (built in and supported), scalar first.");
+    m.def("gemm_kernel", [](const std::string& precision, bool trans_a, bool trans_b, int M, int N, int K,
+                            bool bf16_operands) {
+        return zoo::gemm::kernel(zoo::precision_named(precision), trans_a, trans_b, M, N, K, bf16_operands);
+    }, py::arg("precision"), py::arg("trans_a"), py::arg("trans_b"), py::arg("M"), py::arg("N"), py::arg("K"),
+       py::arg("bf16_operands") = false);
+    m.def("is_bf16_kernel", &zoo::gemm::is_bf16_kernel, py::arg("kernel"),
+          "Whether a kernel (as gemm_kernel names it) runs on bf16 dot products here.");
+    m.def("gemm_kernels_used", [](bool reset) {
+        py::list out;
+        for (const auto& u : zoo::gemm::kernels_used())
+            out.append(py::dict(py::arg("precision") = zoo::precision_name(u.precision), py::arg("trans_a") = u.trans_a,
+                                py::arg("trans_b") = u.trans_b, py::arg("M") = u.M, py::arg("N") = u.N,
+                                py::arg("K") = u.K, py::arg("bf16_operands") = u.bf16_operands,
+                                py::arg("kernel") = u.kernel, py::arg("bf16_kernel") = zoo::gemm::is_bf16_kernel(u.kernel),
+                                py::arg("calls") = u.calls));
+        if (reset) zoo::gemm::reset_kernels_used();
+        return out;
+    }, py::arg("reset") = false,
+       "The oneDNN products run since the last reset: shape, kernel, whether it is a bf16 kernel, calls.");
     m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
           "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });
@@ -393,14 +505,17 @@ PYBIND11_MODULE(_native, m) {
         .def("activation_plan", [](Executor& e) { return plan_list(e.activation_plan().buffers); })
         .def("set_poison_dead_buffers", &Executor::set_poison_dead_buffers)
         .def("forward",
-             [](Executor& e, Tokens tokens, std::optional<Tokens> targets, std::optional<Tokens> positions) {
+             [](Executor& e, Tokens tokens, std::optional<Tokens> targets, std::optional<Tokens> positions,
+                std::optional<Tokens> hidden) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
                  const int32_t* tg = same_shape(targets, tokens, "targets");
                  const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
                  py::gil_scoped_release nogil;
-                 return e.forward(tokens.data(), tg, pos, B, T);
+                 return e.forward(tokens.data(), tg, pos, hid, B, T);
              },
-             py::arg("tokens"), py::arg("targets") = py::none(), py::arg("positions") = py::none())
+             py::arg("tokens"), py::arg("targets") = py::none(), py::arg("positions") = py::none(),
+             py::arg("hidden") = py::none())
         .def("logits", [](py::object self, int64_t B, int64_t T) {
             auto& e = self.cast<Executor&>();
             batch_shape(B, T, "logits");
@@ -410,14 +525,45 @@ PYBIND11_MODULE(_native, m) {
             return view(self, const_cast<float*>(e.logits()), {(py::ssize_t)B, (py::ssize_t)T, e.dims().vocab_size});
         })
         .def("forward_backward",
-             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale, std::optional<Tokens> positions) {
+             [](Executor& e, Tokens tokens, Tokens targets, float grad_scale, std::optional<Tokens> positions,
+                std::optional<Tokens> hidden) {
                  const auto [B, T] = check_tokens(tokens, "tokens");
                  same_shape(targets, tokens, "targets");
                  const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
                  py::gil_scoped_release nogil;
-                 return e.forward_backward(tokens.data(), targets.data(), pos, B, T, grad_scale);
+                 return e.forward_backward(tokens.data(), targets.data(), pos, hid, B, T, grad_scale);
              },
-             py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none())
+             py::arg("tokens"), py::arg("targets"), py::arg("grad_scale"), py::arg("positions") = py::none(),
+             py::arg("hidden") = py::none())
+        // A preference step's halves (Executor::select_forward): the selected rows' cross-entropy.
+        .def("select_forward",
+             [](Executor& e, Tokens tokens, std::optional<Tokens> positions, std::optional<Tokens> hidden, Tokens rows,
+                Tokens targets, bool train) {
+                 const auto [B, T] = check_tokens(tokens, "tokens");
+                 const int32_t* pos = same_shape(positions, tokens, "positions");
+                 const int32_t* hid = key_spans(hidden, tokens);
+                 const int n = selection(rows, targets);
+                 py::array_t<float> row_loss(n);
+                 float* out = row_loss.mutable_data();
+                 {
+                     py::gil_scoped_release nogil;
+                     e.select_forward(tokens.data(), pos, hid, rows.data(), targets.data(), n, B, T, train, out);
+                 }
+                 return row_loss;
+             },
+             py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
+             py::arg("train"))
+        .def("select_backward",
+             [](Executor& e, py::array_t<float, py::array::c_style | py::array::forcecast> row_weight,
+                float grad_scale) {
+                 if (row_weight.ndim() != 1) throw std::invalid_argument("zoo: row_weight must be 1-D");
+                 py::gil_scoped_release nogil;
+                 e.select_backward(row_weight.data(), grad_scale);
+             },
+             py::arg("row_weight"), py::arg("grad_scale"))
+        .def("set_adapters_enabled", &Executor::set_adapters_enabled)
+        .def("adapters_enabled", &Executor::adapters_enabled)
         // A test instrument (tests/test_no_allocation.py): the C++ heap allocations made by
         // `steps` training steps (zero_grads, forward_backward, adamw_step), counted inside the
         // native calls, where pybind11's own argument handling is not.
@@ -429,7 +575,7 @@ PYBIND11_MODULE(_native, m) {
                  zoo::count_allocations(true);
                  for (int i = 0; i < steps; i++) {
                      e.zero_grads();
-                     e.forward_backward(tokens.data(), targets.data(), nullptr, B, T, 1.0f);
+                     e.forward_backward(tokens.data(), targets.data(), nullptr, nullptr, B, T, 1.0f);
                      e.adamw_step(1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, -1.0);
                  }
                  const long n = zoo::allocations_counted();
@@ -437,6 +583,29 @@ PYBIND11_MODULE(_native, m) {
                  return n;
              },
              py::arg("tokens"), py::arg("targets"), py::arg("steps"))
+        // The same for a preference step: select_forward, select_backward (row weights 1), AdamW.
+        .def("count_select_step_allocations",
+             [](Executor& e, Tokens tokens, Tokens positions, Tokens hidden, Tokens rows, Tokens targets, int steps) {
+                 const auto [B, T] = check_tokens(tokens, "tokens");
+                 same_shape(positions, tokens, "positions");
+                 key_spans(hidden, tokens);
+                 const int n = selection(rows, targets);
+                 std::vector<float> row_loss(n), weight(n, 1.0f);
+                 py::gil_scoped_release nogil;
+                 zoo::count_allocations(true);
+                 for (int i = 0; i < steps; i++) {
+                     e.zero_grads();
+                     e.select_forward(tokens.data(), positions.data(), hidden.data(), rows.data(), targets.data(), n,
+                                      B, T, true, row_loss.data());
+                     e.select_backward(weight.data(), 1.0f);
+                     e.adamw_step(1e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 1.0f, -1.0);
+                 }
+                 const long n_alloc = zoo::allocations_counted();
+                 zoo::count_allocations(false);
+                 return n_alloc;
+             },
+             py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
+             py::arg("steps"))
         .def("zero_grads", &Executor::zero_grads)
         .def("set_checkpointing", &Executor::set_checkpointing)
         .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })
@@ -488,5 +657,28 @@ PYBIND11_MODULE(_native, m) {
             py::array_t<float> logits({B, e.dims().vocab_size});
             std::memcpy(logits.mutable_data(), out, sizeof(float) * B * e.dims().vocab_size);  // size_t first
             return logits;
-        });
+        })
+        .def("forward_segments", [](Executor& e, Tokens tokens, Tokens slots, Tokens starts, Tokens lengths) {
+            if (tokens.ndim() != 1 || slots.ndim() != 1 || starts.ndim() != 1 || lengths.ndim() != 1)
+                throw std::invalid_argument("zoo: forward_segments takes 1-D tokens, slots, starts and lengths");
+            const py::ssize_t S = slots.shape(0);
+            if (starts.shape(0) != S || lengths.shape(0) != S)
+                throw std::invalid_argument("zoo: one slot, start and length per segment");
+            int64_t total = 0;
+            for (py::ssize_t s = 0; s < S; s++) total += std::max<int32_t>(0, lengths.data()[s]);
+            if (total != tokens.shape(0))
+                throw std::invalid_argument("zoo: the segments' lengths add up to " + std::to_string(total) + ", not " +
+                                            std::to_string(tokens.shape(0)) + " tokens");
+            const float* out;
+            {
+                py::gil_scoped_release nogil;
+                out = e.forward_segments(tokens.data(), slots.data(), starts.data(), lengths.data(), (int)S);
+            }
+            py::array_t<float> logits({(int64_t)S, (int64_t)e.dims().vocab_size});
+            std::memcpy(logits.mutable_data(), out, sizeof(float) * S * e.dims().vocab_size);
+            return logits;
+        }, py::arg("tokens"), py::arg("slots"), py::arg("starts"), py::arg("lengths"))
+        .def("slot_length", &Executor::slot_length)
+        .def("cache_slots", &Executor::cache_slots)
+        .def("cache_length", &Executor::cache_length);
 }

@@ -50,6 +50,15 @@ Pullback chosen_pullback(Pullback manual, Pullback clad, const std::string& back
     return p;
 }
 
+// An activation's input: rows of gate_width * F (a gated unit's rows are [gate | up]). Returns F.
+int activation_width(const zoo::ActivationBlock& act, const F& x) {
+    const py::ssize_t in = x.ndim() ? x.shape(x.ndim() - 1) : 0;
+    if (in % act.gate_width)
+        throw std::invalid_argument(std::string("zoo: activation ") + act.name +
+                                    " x: rows of [gate | up], the last dimension must be even, got " + std::to_string(in));
+    return (int)(in / act.gate_width);
+}
+
 }  // namespace
 
 void bind_blocks(py::module_& parent) {
@@ -85,56 +94,6 @@ void bind_blocks(py::module_& parent) {
         rms.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
                      scratch.data(), N, zoo::GradMode::add);
         return py::make_tuple(dx, dw);
-    });
-    m.def("gelu_forward", [](F x) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
-        F y(shape_of(x));
-        zoo::GELU{C}.forward(x.data(), y.mutable_data(), N);
-        return y;
-    });
-    m.def("gelu_pullback", [](F x, F dy) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
-        same_shape(dy, x, "gelu dy");
-        F dx(shape_of(x));
-        zoo::GELU{C}.pullback(x.data(), dy.data(), dx.mutable_data(), N);
-        return dx;
-    });
-    // The executor's path: the recompute of y and the pullback in one pass.
-    m.def("gelu_pullback_from_recompute", [](F x, F dy) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "gelu x");
-        same_shape(dy, x, "gelu dy");
-        F y(shape_of(x)), dx(shape_of(x));
-        zoo::GELU{C}.recompute_and_pullback(x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
-        return py::make_tuple(y, dx);
-    });
-    // relu2 has a forward only; its pullback is the Clad backend's (activation_pullback(..., "clad")).
-    m.def("relu2_forward", [](F x) {
-        int C = (int)x.shape(x.ndim() - 1), N = rows(x, C, "relu2 x");
-        F y(shape_of(x));
-        zoo::ReLU2{C}.forward(x.data(), y.mutable_data(), N);
-        return y;
-    });
-    m.def("swiglu_forward", [](F gate_up) {
-        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
-        auto shape = shape_of(gate_up);
-        shape.back() = F2 / 2;
-        F y(shape);
-        zoo::SwiGLU{F2 / 2}.forward(gate_up.data(), y.mutable_data(), N);
-        return y;
-    });
-    m.def("swiglu_pullback", [](F gate_up, F dy) {
-        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
-        if (dy.size() != gate_up.size() / 2) throw std::invalid_argument("zoo: swiglu dy must be half of gate_up");
-        F d(shape_of(gate_up));
-        zoo::SwiGLU{F2 / 2}.pullback(gate_up.data(), dy.data(), d.mutable_data(), N);
-        return d;
-    });
-    m.def("swiglu_pullback_from_recompute", [](F gate_up, F dy) {
-        int F2 = (int)gate_up.shape(gate_up.ndim() - 1), N = rows(gate_up, F2, "swiglu x");
-        if (dy.size() != gate_up.size() / 2) throw std::invalid_argument("zoo: swiglu dy must be half of gate_up");
-        F y(shape_of(dy)), d(shape_of(gate_up));
-        zoo::SwiGLU{F2 / 2}.recompute_and_pullback(gate_up.data(), dy.data(), y.mutable_data(), d.mutable_data(), N);
-        return py::make_tuple(y, d);
     });
     m.def("linear_forward", [](F x, F W, std::optional<F> b) {
         int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
@@ -186,27 +145,34 @@ void bind_blocks(py::module_& parent) {
         rope.pullback(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return dx;
     });
-    m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim) {
+    // positions (B, T) and hidden (B, T, 2), optional: the keys each row sees (block.hpp).
+    m.def("attention_forward", [](F qkv, int n_head, int n_kv_head, int head_dim, std::optional<I> positions,
+                                  std::optional<I> hidden) {
         const zoo::Attention a{n_head, n_kv_head, head_dim};
         const auto [B, T] = attention_batch(qkv, a);
+        const auto [pos, hid] = key_masks(positions, hidden, B, T);
         F out({B, T, n_head * head_dim}), lse({B, n_head, T});
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.forward(qkv.data(), nullptr, lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
+        a.forward(qkv.data(), pos, hid, lse.mutable_data(), out.mutable_data(), scratch.data(), B, T);
         return py::make_tuple(out, lse);
-    });
+    }, py::arg("qkv"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"), py::arg("positions") = py::none(),
+       py::arg("hidden") = py::none());
     // lse: the forward's (B, n_head, T) log-sum-exp of each row's scaled scores.
-    m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim) {
+    m.def("attention_pullback", [](F qkv, F lse, F dout, int n_head, int n_kv_head, int head_dim,
+                                   std::optional<I> positions, std::optional<I> hidden) {
         const zoo::Attention a{n_head, n_kv_head, head_dim};
         const auto [B, T] = attention_batch(qkv, a);
+        const auto [pos, hid] = key_masks(positions, hidden, B, T);
         if (lse.ndim() != 3 || lse.shape(0) != B || lse.shape(1) != n_head || lse.shape(2) != T)
             throw std::invalid_argument("zoo: attention lse must be (B, n_head, T)");
         if (dout.ndim() != 3 || dout.shape(0) != B || dout.shape(1) != T || dout.shape(2) != n_head * head_dim)
             throw std::invalid_argument("zoo: attention dout must be (B, T, n_head * head_dim)");
         F dqkv(shape_of(qkv));
         std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
-        a.pullback(qkv.data(), nullptr, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        a.pullback(qkv.data(), pos, hid, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
-    });
+    }, py::arg("qkv"), py::arg("lse"), py::arg("dout"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"),
+       py::arg("positions") = py::none(), py::arg("hidden") = py::none());
     // logits (N, V); targets (N,), each in [0, V) or ignore_index.
     auto check_cross_entropy = [](const F& logits, const I& targets) {
         if (logits.ndim() != 2 || targets.ndim() != 1 || targets.shape(0) != logits.shape(0))
@@ -228,17 +194,21 @@ void bind_blocks(py::module_& parent) {
         double loss = zoo::CrossEntropy{V}.forward(work.data(), targets.data(), row_loss.mutable_data(), N, &n_valid);
         return py::make_tuple(loss, n_valid);
     });
-    // The executor's fused training kernel: (mean loss, counted rows, dlogits).
-    m.def("cross_entropy_forward_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
+    // The executor's fused training kernel: (mean loss, counted rows, dlogits). row_weight (N,),
+    // optional: each row's own adjoint (a preference step's), instead of the mean's.
+    m.def("cross_entropy_forward_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale,
+                                                                  std::optional<F> row_weight) {
         check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         F d(shape_of(logits)), row_loss({N});
         std::copy(logits.data(), logits.data() + logits.size(), d.mutable_data());
         int counted = 0;
         double loss = zoo::CrossEntropy{V}.forward_pullback(d.mutable_data(), targets.data(), row_loss.mutable_data(),
-                                                            N, n_valid, grad_scale, &counted);
+                                                            N, n_valid, grad_scale, &counted,
+                                                            row_weights(row_weight, N));
         return py::make_tuple(loss, counted, d);
-    });
+    }, py::arg("logits"), py::arg("targets"), py::arg("n_valid"), py::arg("grad_scale"),
+       py::arg("row_weight") = py::none());
     m.def("cross_entropy_pullback", [check_cross_entropy](F logits, I targets, int n_valid, float grad_scale) {
         check_cross_entropy(logits, targets);
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
@@ -301,7 +271,7 @@ void bind_blocks(py::module_& parent) {
     // x: rows of gate_width * F; y: rows of F.
     m.def("activation_forward", [](const std::string& name, F x) {
         const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
         std::vector<py::ssize_t> shape = shape_of(x);
         shape.back() = F_;
         F y(shape);
@@ -310,7 +280,7 @@ void bind_blocks(py::module_& parent) {
     }, py::arg("name"), py::arg("x"));
     m.def("activation_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
         const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
         if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
         const zoo::ActivationPullback pullback = chosen_pullback(act.pullback, act.pullback_clad, backend, name);
         F dx(shape_of(x));
@@ -320,7 +290,7 @@ void bind_blocks(py::module_& parent) {
     // The executor's MLP path: y recomputed and dx, in one pass. Returns (y, dx).
     m.def("activation_recompute_and_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
         const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int in = (int)x.shape(x.ndim() - 1), F_ = in / act.gate_width, N = rows(x, F_ * act.gate_width, "activation x");
+        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
         if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
         const zoo::ActivationRecomputePullback pullback =
             chosen_pullback(act.recompute_and_pullback, act.recompute_and_pullback_clad, backend, name);

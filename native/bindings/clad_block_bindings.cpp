@@ -58,18 +58,22 @@ void bind_clad_blocks(py::module_ m) {
         rope.pullback_clad(dx.mutable_data(), H * head_dim, H, c.data(), s.data(), B, T, nullptr);
         return dx;
     });
-    m.def("attention_pullback_clad", [](F qkv, F dout, int n_head, int n_kv_head, int head_dim) {
+    m.def("attention_pullback_clad", [](F qkv, F dout, int n_head, int n_kv_head, int head_dim,
+                                        std::optional<I> positions, std::optional<I> hidden) {
         int B = (int)qkv.shape(0), T = (int)qkv.shape(1);
         zoo::Attention a{n_head, n_kv_head, head_dim};
         if (qkv.ndim() != 3 || qkv.shape(2) != a.qkv_dim())
             throw std::invalid_argument("zoo: attention qkv must be (B, T, (nh + 2 nkv) hd)");
+        const auto [pos, hid] = key_masks(positions, hidden, B, T);
         F dqkv(shape_of(qkv));
         std::vector<float> scratch(a.clad_scratch_floats(threads(), T));
-        a.pullback_clad(qkv.data(), nullptr, dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
+        a.pullback_clad(qkv.data(), pos, hid, dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
-    });
+    }, py::arg("qkv"), py::arg("dout"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"),
+       py::arg("positions") = py::none(), py::arg("hidden") = py::none());
     // As cross_entropy_forward_pullback: (mean loss, counted rows, dlogits).
-    m.def("cross_entropy_forward_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale) {
+    m.def("cross_entropy_forward_pullback_clad", [](F logits, I targets, int n_valid, float grad_scale,
+                                                    std::optional<F> row_weight) {
         int V = (int)logits.shape(1), N = (int)logits.shape(0);
         zoo::CrossEntropy ce{V};
         F d(shape_of(logits)), row_loss({N});
@@ -77,9 +81,10 @@ void bind_clad_blocks(py::module_ m) {
         std::vector<float> scratch(ce.clad_scratch_floats(threads()));
         int counted = 0;
         double loss = ce.forward_pullback_clad(d.mutable_data(), targets.data(), row_loss.mutable_data(), N, n_valid,
-                                               grad_scale, &counted, scratch.data());
+                                               grad_scale, &counted, row_weights(row_weight, N), scratch.data());
         return py::make_tuple(loss, counted, d);
-    });
+    }, py::arg("logits"), py::arg("targets"), py::arg("n_valid"), py::arg("grad_scale"),
+       py::arg("row_weight") = py::none());
     m.def("residual_pullback_clad", [](F a, F b, F dy) {
         F da = zeros(shape_of(dy)), db = zeros(shape_of(dy));
         zoo::Residual{}.pullback_clad(a.data(), b.data(), dy.data(), da.mutable_data(), db.mutable_data(),

@@ -3,12 +3,17 @@
 #pragma once
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "blocks/block.hpp"
 
 namespace zoo::py_arrays {
 
@@ -32,6 +37,26 @@ inline int rows(const F& x, int C, const char* what) {
         throw std::invalid_argument(std::string("zoo: ") + what + ": last dimension must be " +
                                     std::to_string(C));
     return (int)(x.size() / C);
+}
+
+// Optional positions (B, T) and hidden key spans (B, T, 2) of an attention call, checked as the
+// executor checks a step's (check_visible_keys): null where not given.
+inline std::pair<const int32_t*, const int32_t*> key_masks(const std::optional<I>& positions,
+                                                           const std::optional<I>& hidden, int B, int T) {
+    if (positions && (positions->ndim() != 2 || positions->shape(0) != B || positions->shape(1) != T))
+        throw std::invalid_argument("zoo: positions must be (B, T)");
+    if (hidden && (hidden->ndim() != 3 || hidden->shape(0) != B || hidden->shape(1) != T || hidden->shape(2) != 2))
+        throw std::invalid_argument("zoo: hidden must be (B, T, 2)");
+    const int32_t* pos = positions ? positions->data() : nullptr;
+    const int32_t* hid = hidden ? hidden->data() : nullptr;
+    check_visible_keys(pos, hid, B, T);
+    return {pos, hid};
+}
+
+// Optional per-row weights (N,) of a cross-entropy pullback: null where not given.
+inline const float* row_weights(const std::optional<F>& w, int N) {
+    if (w && (w->ndim() != 1 || w->shape(0) != N)) throw std::invalid_argument("zoo: row_weight must be (N,)");
+    return w ? w->data() : nullptr;
 }
 
 }  // namespace zoo::py_arrays

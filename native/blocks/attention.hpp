@@ -222,23 +222,28 @@ inline void attention_weighted_values(const float* p, const float* v, const floa
             tile_weighted_rows<1, true>(p + (size_t)r * Tp, Tp, v, stride, n, hd, o + (size_t)r * ldo, ldo);
 }
 
-// The softmax of row r of the block (rows Tp apart) over keys first..keys-1, given its
-// exponentials e: p = e / sum e, zero elsewhere up to n16. A helper for the row's loops (see
+// The softmax of row r of the block (rows Tp apart) over keys first..keys-1 without the hidden
+// span [lo, hi), given its exponentials e there: p = e / sum e, zero elsewhere up to n16
+// (block.hpp's visible_keys). A helper for the row's loops (see
 // attention_forward_rows); flat loops, each element written once: Clad tapes nothing. The row
 // is an argument, not an offset of e and p: Clad (master 4b2c0eef) drops the reverse loop's
 // r-- when r appears only in a pointer offset.
-inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int first, int keys, int n16) {
+inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int first, int lo, int hi, int keys,
+                                    int n16) {
     const size_t row = (size_t)r * Tp;
     float sum = 0.0f;
-    for (int j = first; j < keys; j++) sum += e[row + j];
+    for (int j = first; j < lo; j++) sum += e[row + j];
+    for (int j = hi; j < keys; j++) sum += e[row + j];
     float inv = 1.0f / sum;
-    for (int j = first; j < keys; j++) p[row + j] = e[row + j] * inv;
+    for (int j = first; j < lo; j++) p[row + j] = e[row + j] * inv;
+    for (int j = hi; j < keys; j++) p[row + j] = e[row + j] * inv;
     for (int j = 0; j < first; j++) p[row + j] = 0.0f;
+    for (int j = lo; j < hi; j++) p[row + j] = 0.0f;
     for (int j = keys; j < n16; j++) p[row + j] = 0.0f;
 }
 
 // Query rows t0..t0+R-1 of one head against keys 0..t0+R-1: row r attends to keys
-// first[r]..t0+r (its packed example). Adds the output rows into o (the caller zeroes o): an add
+// first[r]..t0+r (its packed example) except the hidden span [lo[r], hi[r]). Adds the output rows into o (the caller zeroes o): an add
 // passes the adjoint through, so the gradient reads dL/do where it lies. s, e, p: R x Tp each.
 // The softmax is arranged for what Clad's gradient computes (docs/clad.md): the exponentials
 // e = exp(s - max) are an array, computed in this function's own loop, so Clad's forward sweep
@@ -251,16 +256,25 @@ inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int
 // hand-written pullback; p = exp(s - max - lse) in one helper cost six exponentials per score
 // and four scans of the row (the max's derivative looked for where it is).
 inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
-                                   const float* vt, float* s, float* e, float* p, float* o, const int* first, int t0,
-                                   int R, int hd, int stride, int ldo, int Tp, float scale) {
+                                   const float* vt, float* s, float* e, float* p, float* o, const int* first,
+                                   const int* lo, const int* hi, int t0, int R, int hd, int stride, int ldo, int Tp,
+                                   float scale) {
     attention_scores(q, k, kt, s, R, t0 + R, hd, stride, Tp, scale);
     for (int r = 0; r < R; r++) {  // no local for the row's offset: Clad would tape it too
-        float mx = softmax_shift(s + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
-        exp_row(s + (size_t)r * Tp + first[r], mx, e + (size_t)r * Tp + first[r], t0 + r + 1 - first[r]);
+        float mx = softmax_shift_skipping(s + (size_t)r * Tp, first[r], lo[r], hi[r], t0 + r + 1);
+        exp_row(s + (size_t)r * Tp + first[r], mx, e + (size_t)r * Tp + first[r], lo[r] - first[r]);
+        exp_row(s + (size_t)r * Tp + hi[r], mx, e + (size_t)r * Tp + hi[r], t0 + r + 1 - hi[r]);
     }
-    for (int r = 0; r < R; r++) attention_normalize_row(e, p, r, Tp, first[r], t0 + r + 1, attention_padded(t0 + R));
+    for (int r = 0; r < R; r++)
+        attention_normalize_row(e, p, r, Tp, first[r], lo[r], hi[r], t0 + r + 1, attention_padded(t0 + R));
     attention_weighted_values(p, v, vt, o, R, t0 + R, hd, stride, ldo, Tp);
 }
+
+// Generation: rows row..row+len-1 of a call hold positions start..start+len-1 of one sequence,
+// the KV cache's slot (Attention::forward_cached).
+struct CacheRun {
+    int slot, start, len, row;
+};
 
 struct Attention {
     int n_head, n_kv_head, head_dim;
@@ -275,10 +289,11 @@ struct Attention {
     // Training/prefill over whole sequences. qkv: (B*T, qkv_dim) with RoPE already applied;
     // out: (B*T, n_head*hd). lse: (B, n_head, T), each row's log-sum-exp of its scaled
     // scores, all the pullback needs to rebuild the probabilities: O(T) memory per head where
-    // the probabilities would take O(T^2). positions (B*T, may be null; position_of): row t
-    // attends to keys t - position .. t, its own packed example. scratch: scratch_floats(threads, T).
-    void forward(const float* qkv, const int32_t* positions, float* lse, float* out, float* scratch, int B,
-                 int T) const {
+    // the probabilities would take O(T^2). positions (B*T, may be null) and hidden (B*T pairs,
+    // may be null): the keys each row sees (visible_keys, block.hpp), its own packed example less
+    // a hidden span. scratch: scratch_floats(threads, T).
+    void forward(const float* qkv, const int32_t* positions, const int32_t* hidden, float* lse, float* out,
+                 float* scratch, int B, int T) const {
         const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
         const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -293,67 +308,133 @@ struct Attention {
                 float* l = lse + ((size_t)b * n_head + h) * T;
                 float* o = out + (size_t)b * T * n_head * hd + h * hd;
                 const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
+                const int32_t* hid = hidden ? hidden + 2 * (size_t)b * T : nullptr;
                 int t0 = 0;
                 for (; t0 + kBlockRows <= T; t0 += kBlockRows)
-                    forward_rows<kBlockRows>(base + h * hd, stride, kt, v, pos, l, o, block, t0, T, scale);
-                for (; t0 < T; t0++) forward_rows<1>(base + h * hd, stride, kt, v, pos, l, o, block, t0, T, scale);
+                    forward_rows<kBlockRows>(base + h * hd, stride, kt, v, pos, hid, l, o, block, t0, T, scale);
+                for (; t0 < T; t0++)
+                    forward_rows<1>(base + h * hd, stride, kt, v, pos, hid, l, o, block, t0, T, scale);
             }
     }
 
     // Query rows t0..t0+R-1 of one head: scores against keys 0..t0+R-1, causal softmax over
-    // each row's keys first..t into block (R x padded T, zero outside them), the rows'
-    // log-sum-exp into lse, output rows into o. pos: this sequence's positions (or null).
+    // each row's keys (first..t less its hidden span) into block (R x padded T, zero outside
+    // them), the rows' log-sum-exp into lse, output rows into o. pos, hid: this sequence's
+    // positions and hidden spans (or null).
     template <int R>
-    void forward_rows(const float* q, int stride, const float* kt, const float* v, const int32_t* pos, float* lse,
-                      float* o, float* block, int t0, int T, float scale) const {
+    void forward_rows(const float* q, int stride, const float* kt, const float* v, const int32_t* pos,
+                      const int32_t* hid, float* lse, float* o, float* block, int t0, int T, float scale) const {
         const int hd = head_dim, Tp = padded(T), n = t0 + R;
         tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
-            const int keys = t0 + r + 1, first = pos ? t0 + r - pos[t0 + r] : 0;
-            const float mx = row_max(s + first, keys - first);
+            const int keys = t0 + r + 1;
+            const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+            // The row's keys in two runs: first..lo-1 and hi..t (one run where nothing is hidden).
+            const int run_begin[2] = {vis.first, vis.hi}, run_end[2] = {vis.lo, keys};
+            const float mx = softmax_shift_skipping(s, vis.first, vis.lo, vis.hi, keys);
             float sum = 0.0f;
-            for (int j = first; j < keys; j++) {
-                s[j] = fast_exp(scale * (s[j] - mx));
-                sum += s[j];
-            }
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++) {
+                    s[j] = fast_exp(scale * (s[j] - mx));
+                    sum += s[j];
+                }
             const float inv = 1.0f / sum;
             lse[t0 + r] = scale * mx + std::log(sum);
-            for (int j = 0; j < first; j++) s[j] = 0.0f;
-            for (int j = first; j < keys; j++) s[j] *= inv;
+            for (int j = 0; j < vis.first; j++) s[j] = 0.0f;
+            for (int j = vis.lo; j < vis.hi; j++) s[j] = 0.0f;
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++) s[j] *= inv;
             for (int j = keys; j < n; j++) s[j] = 0.0f;
         }
         tile_weighted_rows<R>(block, Tp, v, stride, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
-    // Queries at positions pos0..pos0+Tq-1 against a KV cache laid out (B, n_kv_head, max_len,
-    // hd). scratch: (B, n_head, Tq, pos0+Tq) probabilities, discarded.
-    void forward_cached(const float* qkv, const float* k_cache, const float* v_cache,
-                        float* scratch, float* out, int B, int Tq, int pos0, int max_len) const {
-        const int stride = qkv_dim(), group = n_head / n_kv_head, Tk = pos0 + Tq;
-        const float scale = 1.0f / std::sqrt((float)head_dim);
-#pragma omp parallel for collapse(3) schedule(static)
-        for (int b = 0; b < B; b++)
-            for (int h = 0; h < n_head; h++)
-                for (int t = 0; t < Tq; t++) {
-                    const size_t cache_at = ((size_t)b * n_kv_head + h / group) * max_len * head_dim;
-                    attention_forward_row(
-                        qkv + ((size_t)b * Tq + t) * stride + h * head_dim, k_cache + cache_at,
-                        v_cache + cache_at, scratch + (((size_t)b * n_head + h) * Tq + t) * Tk,
-                        out + ((size_t)b * Tq + t) * n_head * head_dim + h * head_dim, head_dim,
-                        pos0 + t + 1, head_dim, scale);
+    // Generation against a KV cache laid out (slots, n_kv_head, max_len, hd): each run's rows
+    // of qkv (RoPE applied) put their keys and values into its slot's cache at their positions,
+    // then their queries attend to the slot's keys up to their own position. A run of at least
+    // kBlockRows rows (a prompt) takes the training kernels' tiles against the slot's keys
+    // transposed; shorter ones (new tokens) one row at a time. out: (rows, n_head*hd). scratch:
+    // cached_scratch_floats(threads, max_len); the work runs on at most `threads` threads.
+    size_t cached_thread_floats(int max_len) const { return ((size_t)head_dim + kBlockRows) * padded(max_len); }
+    size_t cached_scratch_floats(int threads, int max_len) const {
+        return (size_t)threads * cached_thread_floats(max_len);
+    }
+    void forward_cached(const float* qkv, const CacheRun* runs, int n_runs, float* k_cache, float* v_cache,
+                        int max_len, float* out, float* scratch, int threads) const {
+        const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
+        const float scale = 1.0f / std::sqrt((float)hd);
+        auto cache_at = [&](int slot, int g) { return ((size_t)slot * n_kv_head + g) * max_len * hd; };
+        double work = 0;  // multiply-adds, to decide whether threads pay
+        for (int r = 0; r < n_runs; r++) {
+            const CacheRun& run = runs[r];
+            for (int t = 0; t < run.len; t++) {
+                const float* row = qkv + (size_t)(run.row + t) * stride;
+                for (int g = 0; g < n_kv_head; g++) {
+                    const size_t at = cache_at(run.slot, g) + (size_t)(run.start + t) * hd;
+                    std::memcpy(k_cache + at, row + (n_head + g) * hd, sizeof(float) * hd);
+                    std::memcpy(v_cache + at, row + (n_head + n_kv_head + g) * hd, sizeof(float) * hd);
                 }
+            }
+            work += 2.0 * run.len * (run.start + run.len) * hd * n_head;
+        }
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (work > 1e5)
+        for (int r = 0; r < n_runs; r++)
+            for (int h = 0; h < n_head; h++) {
+                const CacheRun& run = runs[r];
+                const size_t at = cache_at(run.slot, h / group);
+                const float *kc = k_cache + at, *vc = v_cache + at;
+                const float* q = qkv + (size_t)run.row * stride + h * hd;
+                float* o = out + (size_t)run.row * n_head * hd + h * hd;
+                float* mine = scratch + (size_t)omp_get_thread_num() * cached_thread_floats(max_len);
+                if (run.len < kBlockRows) {
+                    for (int t = 0; t < run.len; t++)
+                        attention_forward_row(q + (size_t)t * stride, kc, vc, mine, o + (size_t)t * n_head * hd, hd,
+                                              run.start + t + 1, hd, scale);
+                    continue;
+                }
+                const int keys = run.start + run.len, Tp = padded(keys);
+                float *kt = mine, *block = mine + (size_t)hd * Tp;
+                transpose_rows(kc, hd, keys, hd, kt, Tp);
+                int t0 = 0;
+                for (; t0 + kBlockRows <= run.len; t0 += kBlockRows)
+                    cached_rows<kBlockRows>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
+                for (; t0 < run.len; t0++) cached_rows<1>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
+            }
+    }
+
+    // Rows t0..t0+R-1 of a run starting at position start: scores against keys 0..start+t0+R-1
+    // (kt, transposed, Tp apart), each row's causal softmax over its keys 0..start+t, output.
+    template <int R>
+    void cached_rows(const float* q, int stride, const float* kt, const float* v, float* o, float* block, int start,
+                     int t0, int Tp, float scale) const {
+        const int hd = head_dim, n = start + t0 + R;
+        tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
+        for (int r = 0; r < R; r++) {
+            float* s = block + (size_t)r * Tp;
+            const int keys = start + t0 + r + 1;
+            const float mx = row_max(s, keys);
+            float sum = 0.0f;
+            for (int j = 0; j < keys; j++) {
+                s[j] = fast_exp(scale * (s[j] - mx));
+                sum += s[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int j = 0; j < keys; j++) s[j] *= inv;
+            for (int j = keys; j < n; j++) s[j] = 0.0f;
+        }
+        tile_weighted_rows<R>(block, Tp, v, hd, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
     // Writes d_qkv (all three parts), the probabilities rebuilt from the scores and the saved
     // lse. One task per (batch, kv head): it owns that head's dk, dv, so no two threads write
     // the same element. scratch: scratch_floats(threads, T).
-    void pullback(const float* qkv, const int32_t* positions, const float* lse, const float* d_out, float* d_qkv,
-                  float* scratch, int B, int T) const;
+    void pullback(const float* qkv, const int32_t* positions, const int32_t* hidden, const float* lse,
+                  const float* d_out, float* d_qkv, float* scratch, int B, int T) const;
     template <int R>
     void pullback_rows(const float* q, const float* k, const float* kt, const float* vt, const int32_t* pos,
-                       const float* lse, const float* dout, float* dq, float* dk, float* dv, float* block, int t0,
-                       int T, float scale) const;
+                       const int32_t* hid, const float* lse, const float* dout, float* dq, float* dk, float* dv,
+                       float* block, int t0, int T, float scale) const;
 
     // The Clad backend's pullback: Clad's gradient of attention_forward_rows, one task per
     // (batch, kv head) as in pullback (defined below, compiled only into a Clad build). Its
@@ -362,20 +443,23 @@ struct Attention {
     // their adjoints (a block of rows each). scratch: clad_scratch_floats().
     size_t clad_thread_floats(int T) const { return (2 * (size_t)head_dim + 6 * kBlockRows) * padded(T); }
     size_t clad_scratch_floats(int threads, int T) const { return (size_t)threads * clad_thread_floats(T); }
-    void pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv, float* scratch,
-                       int B, int T) const;
+    void pullback_clad(const float* qkv, const int32_t* positions, const int32_t* hidden, const float* d_out,
+                       float* d_qkv, float* scratch, int B, int T) const;
 };
 
 // The registry entry (native/blocks/registry.hpp): d_qkv written; lse is the forward's (the Clad
 // pullback replays it instead).
-using AttentionPullback = void (*)(const Attention& a, const float* qkv, const int32_t* positions, const float* lse,
-                                   const float* d_out, float* d_qkv, float* scratch, int B, int T);
-void attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions, const float* lse,
-                             const float* d_out, float* d_qkv, float* scratch, int B, int T);
+using AttentionPullback = void (*)(const Attention& a, const float* qkv, const int32_t* positions,
+                                   const int32_t* hidden, const float* lse, const float* d_out, float* d_qkv,
+                                   float* scratch, int B, int T);
+void attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions, const int32_t* hidden,
+                             const float* lse, const float* d_out, float* d_qkv, float* scratch, int B, int T);
 inline const FixedBlock<AttentionPullback> attention_block{
     "attention",
-    [](const Attention& a, const float* qkv, const int32_t* positions, const float* lse, const float* d_out,
-       float* d_qkv, float* scratch, int B, int T) { a.pullback(qkv, positions, lse, d_out, d_qkv, scratch, B, T); },
+    [](const Attention& a, const float* qkv, const int32_t* positions, const int32_t* hidden, const float* lse,
+       const float* d_out, float* d_qkv, float* scratch, int B, int T) {
+        a.pullback(qkv, positions, hidden, lse, d_out, d_qkv, scratch, B, T);
+    },
     ZOO_CLAD_FN(attention_pullback_clad),
     /*in_step=*/true,
 };
@@ -427,8 +511,8 @@ inline void attention_weighted_values_pullback(const float* p, const float* v, c
 }
 }  // namespace clad::custom_derivatives::zoo
 
-void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, const float* d_out, float* d_qkv,
-                                   float* scratch, int B, int T) const {
+void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, const int32_t* hidden,
+                                   const float* d_out, float* d_qkv, float* scratch, int B, int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T), ldo = n_head * hd;
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel
@@ -459,30 +543,37 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
                     std::memset(dv + (size_t)t * stride, 0, sizeof(float) * hd);
                 }
                 const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
+                const int32_t* hid = hidden ? hidden + 2 * (size_t)b * T : nullptr;
                 for (int h = g * group; h < (g + 1) * group; h++)
                     for (int t0 = 0; t0 < T;) {
                         const int R = t0 + kBlockRows <= T ? kBlockRows : 1;
-                        int first[kBlockRows];  // keys first..t: the row's packed example
-                        for (int r = 0; r < R; r++) first[r] = pos ? t0 + r - pos[t0 + r] : 0;
+                        // keys first..t less [lo, hi): the row's packed example less a hidden span
+                        int first[kBlockRows], lo[kBlockRows], hi[kBlockRows];
+                        for (int r = 0; r < R; r++) {
+                            const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+                            first[r] = vis.first, lo[r] = vis.lo, hi[r] = vis.hi;
+                        }
                         // The output's adjoint passes through the add: read where it lies.
                         float* dout = const_cast<float*>(d_out) + ((size_t)b * T + t0) * ldo + h * hd;
-                        grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, e, p, nullptr, first, t0,
-                                     R, hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk, dv, ds,
-                                     de, dp, dout);
+                        grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, e, p, nullptr, first, lo,
+                                     hi, t0, R, hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk,
+                                     dv, ds, de, dp, dout);
                         t0 += R;
                     }
             }
     }
 }
 
-void zoo::attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions, const float*,
-                                  const float* d_out, float* d_qkv, float* scratch, int B, int T) {
-    a.pullback_clad(qkv, positions, d_out, d_qkv, scratch, B, T);
+void zoo::attention_pullback_clad(const Attention& a, const float* qkv, const int32_t* positions,
+                                  const int32_t* hidden, const float*, const float* d_out, float* d_qkv, float* scratch,
+                                  int B, int T) {
+    a.pullback_clad(qkv, positions, hidden, d_out, d_qkv, scratch, B, T);
 }
 #endif
 
-inline void zoo::Attention::pullback(const float* qkv, const int32_t* positions, const float* lse,
-                                     const float* d_out, float* d_qkv, float* scratch, int B, int T) const {
+inline void zoo::Attention::pullback(const float* qkv, const int32_t* positions, const int32_t* hidden,
+                                     const float* lse, const float* d_out, float* d_qkv, float* scratch, int B,
+                                     int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
     const float scale = 1.0f / std::sqrt((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -508,21 +599,24 @@ inline void zoo::Attention::pullback(const float* qkv, const int32_t* positions,
                 const float* l = lse + ((size_t)b * n_head + h) * T;
                 const float* dout = d_out + (size_t)b * T * n_head * hd + h * hd;
                 const int32_t* pos = positions ? positions + (size_t)b * T : nullptr;
+                const int32_t* hid = hidden ? hidden + 2 * (size_t)b * T : nullptr;
                 int t0 = 0;
                 for (; t0 + kBlockRows <= T; t0 += kBlockRows)
-                    pullback_rows<kBlockRows>(q, k, kt, vt, pos, l, dout, dq, dk, dv, block, t0, T, scale);
-                for (; t0 < T; t0++) pullback_rows<1>(q, k, kt, vt, pos, l, dout, dq, dk, dv, block, t0, T, scale);
+                    pullback_rows<kBlockRows>(q, k, kt, vt, pos, hid, l, dout, dq, dk, dv, block, t0, T, scale);
+                for (; t0 < T; t0++)
+                    pullback_rows<1>(q, k, kt, vt, pos, hid, l, dout, dq, dk, dv, block, t0, T, scale);
             }
         }
 }
 
 // Query rows t0..t0+R-1 of one head (q, dq rows qkv_dim apart; dout rows n_head*hd apart):
 // writes their dq, adds into dk and dv of keys 0..t0+R-1. block: two R x padded(T) blocks,
-// the probabilities (zero outside each row's keys first..t) and the score adjoints.
+// the probabilities (zero outside each row's visible keys) and the score adjoints.
 template <int R>
 inline void zoo::Attention::pullback_rows(const float* q, const float* k, const float* kt, const float* vt,
-                                          const int32_t* pos, const float* lse, const float* dout, float* dq,
-                                          float* dk, float* dv, float* block, int t0, int T, float scale) const {
+                                          const int32_t* pos, const int32_t* hid, const float* lse, const float* dout,
+                                          float* dq, float* dk, float* dv, float* block, int t0, int T,
+                                          float scale) const {
     const int stride = qkv_dim(), hd = head_dim, Tp = padded(T), n = t0 + R;
     const size_t ldo = (size_t)n_head * hd;
     float* pb = block;
@@ -532,17 +626,22 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
     tile_rows_dot_cols<R>(q0, stride, kt, Tp, hd, padded(n), pb, Tp);      // S = Q K^T
     tile_rows_dot_cols<R>(dout0, ldo, vt, Tp, hd, padded(n), ds, Tp);     // dP = dO V^T
     for (int r = 0; r < R; r++) {
-        const int keys = t0 + r + 1, first = pos ? t0 + r - pos[t0 + r] : 0;
+        const int keys = t0 + r + 1;
+        const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+        const int run_begin[2] = {vis.first, vis.hi}, run_end[2] = {vis.lo, keys};  // as in forward_rows
         const float l = lse[t0 + r];
         float* pr = pb + (size_t)r * Tp;
         float* dsr = ds + (size_t)r * Tp;
         float dot = 0.0f;
-        for (int j = first; j < keys; j++) {
-            pr[j] = fast_exp(scale * pr[j] - l);
-            dot += pr[j] * dsr[j];
-        }
-        for (int j = first; j < keys; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
-        for (int j = 0; j < first; j++) pr[j] = dsr[j] = 0.0f;
+        for (int run = 0; run < 2; run++)
+            for (int j = run_begin[run]; j < run_end[run]; j++) {
+                pr[j] = fast_exp(scale * pr[j] - l);
+                dot += pr[j] * dsr[j];
+            }
+        for (int run = 0; run < 2; run++)
+            for (int j = run_begin[run]; j < run_end[run]; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        for (int j = 0; j < vis.first; j++) pr[j] = dsr[j] = 0.0f;
+        for (int j = vis.lo; j < vis.hi; j++) pr[j] = dsr[j] = 0.0f;
         for (int j = keys; j < n; j++) pr[j] = dsr[j] = 0.0f;
     }
     tile_add_weighted_cols<R>(pb, Tp, dout0, ldo, n, hd, dv, stride);     // dV += P^T dO

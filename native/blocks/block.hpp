@@ -5,6 +5,8 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 namespace zoo {
 
@@ -17,6 +19,58 @@ enum class GradMode { write, add };
 // to the row's own example); null means pos0 + n % T.
 inline int position_of(const int32_t* positions, int n, int T, int pos0 = 0) {
     return positions ? positions[n] : pos0 + n % T;
+}
+
+// The keys query row t of a sequence sees in training: first..t, except the hidden span
+// [lo, hi) (empty when lo == hi). pos: the sequence's positions (may be null: every row sees
+// keys 0..t); hidden: its (lo, hi) pairs, one per row (may be null: no row hides any). Without
+// a hidden span a row sees its own packed example, first = t - position. With one (the second
+// answer of a preference pair, which sees the shared prompt but not the first answer:
+// zoo/train/preference.py) a row's position still counts the keys it sees before itself, so
+// first = t - position - (hi - lo). Executor::check_masks keeps first..t inside the row.
+struct VisibleKeys {
+    int first, lo, hi;
+};
+inline VisibleKeys visible_keys(const int32_t* pos, const int32_t* hidden, int t) {
+    if (!pos) return {0, 0, 0};
+    const int first = t - pos[t];
+    if (hidden && hidden[2 * t + 1] > hidden[2 * t]) {
+        const int lo = hidden[2 * t], hi = hidden[2 * t + 1];
+        return {first - (hi - lo), lo, hi};
+    }
+    return {first, first, first};
+}
+
+// Throws std::invalid_argument, naming the row and column at fault, where positions (B*T) and
+// hidden spans (B*T pairs; may be null) would send a row's keys outside its row: without a
+// hidden span a position is 0 (an example begins) or the one before it plus one (a row begins
+// with 0); with one, lo < hi <= t and lo >= first >= 0 (visible_keys).
+inline void check_visible_keys(const int32_t* positions, const int32_t* hidden, int B, int T) {
+    if (!positions) {
+        if (hidden) throw std::invalid_argument("zoo: hidden key spans need positions");
+        return;
+    }
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const size_t n = (size_t)b * T + t;
+            const int32_t p = positions[n], prev = t ? positions[n - 1] : -1;
+            const std::string at = "[" + std::to_string(b) + ", " + std::to_string(t) + "]";
+            const int32_t lo = hidden ? hidden[2 * n] : 0, hi = hidden ? hidden[2 * n + 1] : 0;
+            if (hidden && hi > lo) {
+                const int64_t first = (int64_t)t - p - (hi - lo);
+                if (lo < 0 || hi > t || first < 0 || first > lo)
+                    throw std::invalid_argument("zoo: hidden" + at + " = [" + std::to_string(lo) + ", " +
+                                                std::to_string(hi) + ") with position " + std::to_string(p) +
+                                                ": a row hides keys before itself, within the keys its position "
+                                                "reaches back to (first = t - position - hidden keys >= 0)");
+                continue;
+            }
+            if (p != 0 && p != prev + 1)
+                throw std::invalid_argument("zoo: positions" + at + " = " + std::to_string(p) + " after " +
+                                            std::to_string(prev) +
+                                            ": positions count up by one from 0, restarting at 0 where a packed "
+                                            "example begins (a row begins with one)");
+        }
 }
 
 // A function that exists only in a Clad build: registries name it through this macro, so a

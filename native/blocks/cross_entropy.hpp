@@ -74,17 +74,26 @@ struct CrossEntropy {
         }
     }
 
+    // The adjoint of row n's loss: grad_scale / n_valid (the mean over counted rows), or
+    // grad_scale * row_weight[n] where the caller gives each row its own (a preference
+    // objective's dL/d(row loss): zoo/train/preference_loss.py).
+    static float row_seed(const float* row_weight, int n, int n_valid, float grad_scale) {
+        if (row_weight) return grad_scale * row_weight[n];
+        return n_valid ? grad_scale / n_valid : 0.0f;
+    }
+
     // Training's forward and pullback fused, logits -> dlogits in place with the per-row
     // losses: the exponentials summed for the loss are kept and scaled into the
     // probabilities, so each logit is exponentiated once instead of twice. Same results as
     // forward then pullback; returns the mean over the counted rows (*n_counted of them).
+    // row_weight (N, may be null): see row_seed.
     double forward_pullback(float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
-                            float grad_scale, int* n_counted) const {
-        const float k = n_valid ? grad_scale / n_valid : 0.0f;
+                            float grad_scale, int* n_counted, const float* row_weight = nullptr) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++) {
             float* l = logits + (size_t)n * V;
             const int32_t t = targets[n];
+            const float k = row_seed(row_weight, n, n_valid, grad_scale);
             if (t == ignore_index) {
                 row_loss[n] = 0.0f;
                 for (int v = 0; v < V; v++) l[v] = 0.0f;
@@ -111,21 +120,23 @@ struct CrossEntropy {
     // the row's exponentials, which the replay leaves where the logits were).
     size_t clad_scratch_floats(int threads) const { return (size_t)threads * (((size_t)V + 1 + 15) / 16 * 16); }
     double forward_pullback_clad(float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
-                                 float grad_scale, int* n_counted, float* scratch) const;
+                                 float grad_scale, int* n_counted, const float* row_weight, float* scratch) const;
 };
 
 // The registry entry (native/blocks/registry.hpp): a chunk of rows' losses and, in place, their
-// logits' adjoint; returns the chunk's mean loss over its *n_counted counted rows.
+// logits' adjoint; returns the chunk's mean loss over its *n_counted counted rows. row_weight:
+// each row's own adjoint (row_seed), or null for the mean.
 using CrossEntropyPullback = double (*)(const CrossEntropy& ce, float* logits, const int32_t* targets,
                                         float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,
-                                        float* scratch);
+                                        const float* row_weight, float* scratch);
 double cross_entropy_pullback_clad(const CrossEntropy& ce, float* logits, const int32_t* targets, float* row_loss,
-                                   int N, int n_valid, float grad_scale, int* n_counted, float* scratch);
+                                   int N, int n_valid, float grad_scale, int* n_counted, const float* row_weight,
+                                   float* scratch);
 inline const FixedBlock<CrossEntropyPullback> cross_entropy_block{
     "cross_entropy",
     [](const CrossEntropy& ce, float* logits, const int32_t* targets, float* row_loss, int N, int n_valid,
-       float grad_scale, int* n_counted, float*) {
-        return ce.forward_pullback(logits, targets, row_loss, N, n_valid, grad_scale, n_counted);
+       float grad_scale, int* n_counted, const float* row_weight, float*) {
+        return ce.forward_pullback(logits, targets, row_loss, N, n_valid, grad_scale, n_counted, row_weight);
     },
     ZOO_CLAD_FN(cross_entropy_pullback_clad),
     /*in_step=*/true,
@@ -135,8 +146,8 @@ inline const FixedBlock<CrossEntropyPullback> cross_entropy_block{
 
 #ifdef ZOO_CLAD_TU
 double zoo::CrossEntropy::forward_pullback_clad(float* logits, const int32_t* targets, float* row_loss, int N,
-                                                int n_valid, float grad_scale, int* n_counted, float* scratch) const {
-    const float k = n_valid ? grad_scale / n_valid : 0.0f;
+                                                int n_valid, float grad_scale, int* n_counted, const float* row_weight,
+                                                float* scratch) const {
 #pragma omp parallel
     {
         auto grad = clad::gradient(cross_entropy_forward_row, "logits, loss_out");
@@ -151,7 +162,7 @@ double zoo::CrossEntropy::forward_pullback_clad(float* logits, const int32_t* ta
                 for (int v = 0; v < V; v++) l[v] = 0.0f;
                 continue;
             }
-            seed[0] = k;  // dL/d(row loss): the mean over counted rows, scaled
+            seed[0] = row_seed(row_weight, n, n_valid, grad_scale);  // dL/d(row loss)
             grad.execute(l, targets[n], row_loss + n, V, d, seed);
             for (int v = 0; v < V; v++) {
                 l[v] = d[v];
@@ -164,7 +175,8 @@ double zoo::CrossEntropy::forward_pullback_clad(float* logits, const int32_t* ta
 
 double zoo::cross_entropy_pullback_clad(const CrossEntropy& ce, float* logits, const int32_t* targets,
                                         float* row_loss, int N, int n_valid, float grad_scale, int* n_counted,
-                                        float* scratch) {
-    return ce.forward_pullback_clad(logits, targets, row_loss, N, n_valid, grad_scale, n_counted, scratch);
+                                        const float* row_weight, float* scratch) {
+    return ce.forward_pullback_clad(logits, targets, row_loss, N, n_valid, grad_scale, n_counted, row_weight,
+                                    scratch);
 }
 #endif

@@ -121,7 +121,7 @@ inline const FixedBlock<EmbeddingPullback> embedding_block{
 #ifdef ZOO_CLAD_TU
 namespace zoo {
 // One row's columns of the adjoint added into its token's (and position's) gradient row. A
-// function of its own with restrict pointers, as gated_row_clad (clad_backend.hpp). The
+// function of its own with restrict pointers, as gated_pullback_row (activation.hpp). The
 // values are passed as the gradients take them; nothing reads them, so nothing loads them.
 inline void embedding_pullback_cols_clad(const float* __restrict__ te, const float* __restrict__ pe,
                                          const float* __restrict__ dx, float* __restrict__ dte,

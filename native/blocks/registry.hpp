@@ -1,7 +1,8 @@
 // The block registry: every block kind zoo has, listed once. A config names its norm and its
 // MLP activation; the executor looks them up here, Python learns them from build_info(), and
 // the Clad translation unit compiles every block's generated pullback by including this file.
-// A new norm or activation: its header (forward, pullback, registry entry) and one line below.
+// A new norm or activation: its header (forward, pullback, registry entry), its #include and
+// its entry in the list below (docs/adding_a_block.md).
 #pragma once
 #include <stdexcept>
 #include <string>
@@ -10,6 +11,7 @@
 #include "blocks/attention.hpp"
 #include "blocks/cross_entropy.hpp"
 #include "blocks/embedding.hpp"
+#include "blocks/geglu.hpp"
 #include "blocks/gelu.hpp"
 #include "blocks/layernorm.hpp"
 #include "blocks/layernorm_nobias.hpp"
@@ -24,7 +26,7 @@
 namespace zoo {
 
 inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block};
-inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block};
+inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block, &geglu_block};
 
 // Every block by the name ad= takes, with the pullbacks this build has for it.
 struct BlockInfo {

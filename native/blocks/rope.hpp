@@ -100,7 +100,7 @@ inline const FixedBlock<RopePullback> rope_block{
 #ifdef ZOO_CLAD_TU
 namespace zoo {
 // One head's adjoint, rotated back in place: the pair gradient per element. A function of
-// its own with restrict pointers, as gated_row_clad (clad_backend.hpp).
+// its own with restrict pointers, as gated_pullback_row (activation.hpp).
 inline void rope_pullback_head_clad(float* __restrict__ d, const float* __restrict__ cos_row,
                                     const float* __restrict__ sin_row, int half) {
     auto gradient = clad::gradient(rope_rotate_pair, "a, b, out_a, out_b");

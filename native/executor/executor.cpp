@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kernels/bf16.hpp"
+#include "kernels/gemv.hpp"
 #include "layers/layers.hpp"
 
 namespace zoo {
@@ -333,6 +334,7 @@ void Executor::bind_adapters(const std::vector<AdapterBinding>& adapters) {
         s.seg.push_back(a.o0);
         s.seg.push_back(a.o1);
         s.n_seg++;
+        has_adapters_ = true;
         if (s.n_seg * s.rank > d_.lora_width)
             throw std::invalid_argument("zoo: " + at + ": the slot's adapters are " + std::to_string(s.n_seg * s.rank) +
                                         " wide; the plan was sized for " + std::to_string(d_.lora_width));
@@ -707,22 +709,24 @@ void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) c
     }
 }
 
-// Packed rows: each example's positions count 0, 1, 2, ... from where it starts, and a row
-// starts with one. Anything else would send attention outside the row or outside its example.
-void Executor::check_positions(const int32_t* positions, int B, int T) const {
-    if (!positions) return;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const int32_t p = positions[(size_t)b * T + t], prev = t ? positions[(size_t)b * T + t - 1] : -1;
-            if (p != 0 && p != prev + 1)
-                throw std::invalid_argument("zoo: positions[" + std::to_string(b) + ", " + std::to_string(t) +
-                                            "] = " + std::to_string(p) + " after " + std::to_string(prev) +
-                                            ": positions count up by one from 0, restarting at 0 where a packed "
-                                            "example begins (a row begins with one)");
-        }
+// A preference step's selected rows: n >= 1 increasing indices into the N rows, each with a
+// target in the vocabulary.
+void Executor::check_selection(const int32_t* rows, const int32_t* targets, int n, int N) const {
+    if (n < 1 || n > N)
+        throw std::invalid_argument("zoo: " + std::to_string(n) + " selected rows of " + std::to_string(N) +
+                                    ": select at least one");
+    for (int k = 0; k < n; k++) {
+        if (rows[k] < 0 || rows[k] >= N || (k && rows[k] <= rows[k - 1]))
+            throw std::invalid_argument("zoo: selected rows[" + std::to_string(k) + "] = " + std::to_string(rows[k]) +
+                                        ": the rows are increasing indices into the " + std::to_string(N) + " rows");
+        if (targets[k] < 0 || targets[k] >= d_.vocab_size)
+            throw std::invalid_argument("zoo: target id " + std::to_string(targets[k]) +
+                                        " outside the vocabulary [0, " + std::to_string(d_.vocab_size) + ")");
+    }
 }
 
-// Sets the running step's positions for the kernels, and clears them however the step ends.
+// Sets the running step's positions (or hidden spans) for the kernels, and clears them however
+// the step ends.
 struct PositionsScope {
     const int32_t*& slot;
     PositionsScope(const int32_t*& s, const int32_t* p) : slot(s) { slot = p; }
@@ -731,7 +735,7 @@ struct PositionsScope {
 // Sets a flag for the running step (the adapters' dropout: training passes only).
 struct FlagScope {
     bool& flag;
-    explicit FlagScope(bool& f) : flag(f) { flag = true; }
+    explicit FlagScope(bool& f, bool on = true) : flag(f) { flag = on; }
     ~FlagScope() { flag = false; }
 };
 
@@ -739,9 +743,17 @@ LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPas
     const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
     const bool cached = pass == LayerPass::cached;
     return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
-                     positions_, a_.attention_scratch, cached ? k_cache_ + i * layer_kv : nullptr,
-                     cached ? v_cache_ + i * layer_kv : nullptr, c_probs_, cache_len_, B, T, pos0, pass, mode,
-                     &profile};
+                     positions_, hidden_, cached ? c_attention_scratch_ : a_.attention_scratch,
+                     cached ? k_cache_ + i * layer_kv : nullptr, cached ? v_cache_ + i * layer_kv : nullptr,
+                     cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_, c_decode_scratch_, B, T, pos0,
+                     pass, mode, &profile};
+}
+
+void Executor::linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,
+                              int N, const float* residual, float* scratch) {
+    if (cached && N <= gemv::max_rows)
+        return gemv::product(precision_, N, x, l.in, W, b, residual, l.out, y, l.out, c_decode_scratch_);
+    l.forward(x, W, b, y, N, residual, scratch);
 }
 
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
@@ -752,34 +764,37 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
+    const bool cached = pass == LayerPass::cached;
     TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(forward, linear, qkv.forward(a.ln1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
+    TIMED(forward, linear, linear_forward(qkv, cached, a.ln1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
     adapter_forward(i, lora_qkv, a.ln1, a.qkv, N, a);
     if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
-    if (pass == LayerPass::cached) {
-        // This call's keys and values join the cache; its queries attend to everything cached.
-        const size_t layer_kv = (size_t)B * d_.n_kv_head * cache_len_ * d_.head_dim;
-        float *kc = k_cache_ + i * layer_kv, *vc = v_cache_ + i * layer_kv;
-        append_kv_cache(d_, a.qkv, kc, vc, B, T, pos0, cache_len_);
-        TIMED(forward, attention, attn.forward_cached(a.qkv, kc, vc, c_probs_, a.att, B, T, pos0, cache_len_));
+    if (cached) {
+        // This call's keys and values join the cache; its queries attend to their sequences' keys.
+        const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
+        TIMED(forward, attention, attn.forward_cached(a.qkv, chunk_runs_.data(), chunk_n_runs_, k_cache_ + i * layer_kv,
+                                                      v_cache_ + i * layer_kv, cache_len_, a.att,
+                                                      c_attention_scratch_, cache_threads_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
-        TIMED(forward, attention, attn.forward(a.qkv, positions_, a.lse, a.att, a_.attention_scratch, B, T));
+        TIMED(forward, attention, attn.forward(a.qkv, positions_, hidden_, a.lse, a.att, a_.attention_scratch, B, T));
         if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
     // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
     // profile counts them as linear.
-    TIMED(forward, linear, attn_out.forward(a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
+    TIMED(forward, linear,
+          linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
     adapter_forward(i, lora_attn_out, a.att, a.res_mid, N, a);
     TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
-    TIMED(forward, linear, fc.forward(a.ln2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
+    TIMED(forward, linear, linear_forward(fc, cached, a.ln2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
     adapter_forward(i, lora_fc, a.ln2, a.fc, N, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     if (pass == LayerPass::recompute) return;  // the MLP output only feeds the next layer's input
-    TIMED(forward, linear, proj.forward(a.act, wm.proj_w, w.proj_b, a.out, N, a.res_mid, a.matrix_scratch));
+    TIMED(forward, linear,
+          linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N, a.res_mid, a.matrix_scratch));
     adapter_forward(i, lora_proj, a.act, a.out, N, a);
 }
 
@@ -799,7 +814,7 @@ static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Preci
 // y += the slot's adapters of x (x dropped first in a training pass).
 void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
-    if (!s.n_seg) return;
+    if (!s.n_seg || !adapters_on_) return;
     const Lora l = slot_lora(d_, slot, s, precision_);
     if (dropout_on_ && d_.lora_dropout > 0) {
         float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
@@ -892,7 +907,8 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     }
     linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
                     g.attn_out_w, g.attn_out_b, N, mode, a);
-    TIMED(pullback, attention, pb_.attention(attn, a.qkv, positions_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
+    TIMED(pullback, attention,
+          pb_.attention(attn, a.qkv, positions_, hidden_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (d_.rope)
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_));
@@ -943,7 +959,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         // The hand-written pullback is fused with the forward: the profile counts it as forward.
         TIMED(forward, cross_entropy,
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
-                                             grad_scale, &counted, a_.head_scratch));
+                                             grad_scale, &counted, nullptr, a_.head_scratch));
         total += chunk_mean * counted;
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
@@ -969,12 +985,14 @@ void Executor::poison_dead_buffers(unsigned phase) {
     if (acts_.size > at) std::fill(acts_.data + at, acts_.data + acts_.size, NAN);
 }
 
-double Executor::forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T) {
+double Executor::forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                         const int32_t* hidden, int B, int T) {
     plan(B, T);
     const int N = B * T;
     check_ids(tokens, targets, N);
-    check_positions(positions, B, T);
-    const PositionsScope scope(positions_, positions);
+    check_visible_keys(positions, hidden, B, T);
+    sel_.pending = false;  // this pass overwrites what a select_backward would read
+    const PositionsScope scope(positions_, positions), hidden_scope(hidden_, hidden);
     poison_dead_buffers(kForward);
     trunk_forward(tokens, B, T);
     poison_dead_buffers(kHead);
@@ -988,15 +1006,16 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     return NAN;
 }
 
-double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B,
-                                  int T, float grad_scale) {
+double Executor::forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                                  const int32_t* hidden, int B, int T, float grad_scale) {
     check_trainable();
     grads();  // mapped at the first training pass
     plan(B, T);
-    const int N = B * T, d = d_.d_model;
+    const int N = B * T;
     check_ids(tokens, targets, N);
-    check_positions(positions, B, T);
-    const PositionsScope scope(positions_, positions);
+    check_visible_keys(positions, hidden, B, T);
+    sel_.pending = false;
+    const PositionsScope scope(positions_, positions), hidden_scope(hidden_, hidden);
     const FlagScope dropout(dropout_on_);
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
@@ -1005,6 +1024,108 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
     trunk_forward(tokens, B, T);
     poison_dead_buffers(kHead);
     double loss = head(targets, N, true, grad_scale, mode);
+    trunk_pullback(tokens, B, T, mode, first);
+    return loss;
+}
+
+// Moves the selected rows of lnf to its first n rows (in order: row k comes from rows[k] >= k),
+// where the head reads them.
+static void gather_rows(float* x, const int32_t* rows, int n, int d) {
+    for (int k = 0; k < n; k++)
+        if (rows[k] != k) std::memcpy(x + (size_t)k * d, x + (size_t)rows[k] * d, sizeof(float) * d);
+}
+// The reverse: the first n rows of dx back to rows[k] (last first, so none is overwritten before
+// it moves), and zeros on every row not selected (N rows in all).
+static void scatter_rows(float* dx, const int32_t* rows, int n, int N, int d) {
+    for (int k = n - 1; k >= 0; k--)
+        if (rows[k] != k) std::memcpy(dx + (size_t)rows[k] * d, dx + (size_t)k * d, sizeof(float) * d);
+    for (int r = 0, k = 0; r < N; r++) {
+        if (k < n && rows[k] == r) {
+            k++;
+            continue;
+        }
+        std::memset(dx + (size_t)r * d, 0, sizeof(float) * d);
+    }
+}
+
+void Executor::head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight,
+                             float grad_scale, GradMode mode) {
+    const int d = d_.d_model, V = d_.vocab_size;
+    const CrossEntropy ce{V};
+    const Linear lm = linear(d, V);
+    for (int r0 = 0; r0 < n; r0 += a_.head_rows) {
+        const int rows = std::min(a_.head_rows, n - r0);
+        const float* x = a_.lnf + (size_t)r0 * d;
+        int counted = 0;
+        TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        if (!row_weight) {
+            TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
+            continue;
+        }
+        TIMED(forward, cross_entropy,
+              pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
+                                row_weight + r0, a_.head_scratch));
+        float* dx = a_.d_norm + (size_t)r0 * d;
+        if (d_.frozen)
+            TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
+        else
+            TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, dx, head_grad(), nullptr,
+                                               rows, r0 == 0 ? mode : GradMode::add, nullptr));
+    }
+}
+
+void Executor::select_forward(const int32_t* tokens, const int32_t* positions, const int32_t* hidden,
+                              const int32_t* rows, const int32_t* targets, int n, int B, int T, bool train,
+                              float* row_loss) {
+    if (train) {
+        check_trainable();
+        if (!adapters_on_) throw std::logic_error("zoo: the adapters are off; a training pass needs them on");
+        grads();
+    }
+    plan(B, T);
+    const int N = B * T;
+    check_ids(tokens, nullptr, N);
+    check_visible_keys(positions, hidden, B, T);
+    check_selection(rows, targets, n, N);
+    sel_.pending = false;
+    // Copies (capacity kept from the largest batch: no allocation once a plan is made).
+    sel_.tokens.assign(tokens, tokens + N);
+    sel_.positions.assign(positions, positions ? positions + N : positions);
+    sel_.hidden.assign(hidden, hidden ? hidden + 2 * (size_t)N : hidden);
+    sel_.rows.assign(rows, rows + n);
+    sel_.targets.assign(targets, targets + n);
+    sel_.B = B, sel_.T = T, sel_.n = n;
+    const PositionsScope scope(positions_, positions ? sel_.positions.data() : nullptr),
+        hidden_scope(hidden_, hidden ? sel_.hidden.data() : nullptr);
+    const FlagScope dropout(dropout_on_, train);
+    poison_dead_buffers(kForward);
+    trunk_forward(sel_.tokens.data(), B, T);
+    poison_dead_buffers(kHead);
+    gather_rows(a_.lnf, sel_.rows.data(), n, d_.d_model);
+    head_selected(sel_.targets.data(), n, row_loss, nullptr, 0.0f, GradMode::add);
+    sel_.pending = train;
+}
+
+void Executor::select_backward(const float* row_weight, float grad_scale) {
+    if (!sel_.pending)
+        throw std::logic_error("zoo: select_backward needs a training select_forward just before it (no other pass "
+                               "between)");
+    sel_.pending = false;
+    const int B = sel_.B, T = sel_.T, N = B * T, n = sel_.n;
+    const PositionsScope scope(positions_, sel_.positions.empty() ? nullptr : sel_.positions.data()),
+        hidden_scope(hidden_, sel_.hidden.empty() ? nullptr : sel_.hidden.data());
+    const FlagScope dropout(dropout_on_);
+    const GradMode mode = grads_.pass_mode();
+    const bool first = grads_.pass_is_first();
+    grads_.begin_pass();
+    poison_dead_buffers(kHead);
+    head_selected(sel_.targets.data(), n, a_.row_loss, row_weight, grad_scale, mode);
+    scatter_rows(a_.d_norm, sel_.rows.data(), n, N, d_.d_model);
+    trunk_pullback(sel_.tokens.data(), B, T, mode, first);
+}
+
+void Executor::trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode, bool first) {
+    const int N = B * T, d = d_.d_model;
     poison_dead_buffers(kPullback);
     std::memset(a_.d_res, 0, sizeof(float) * N * d);
     TIMED(pullback, norm, norm_pullback(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf_stats, a_.d_norm, nullptr,
@@ -1029,7 +1150,6 @@ double Executor::forward_backward(const int32_t* tokens, const int32_t* targets,
         TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
         grads_.end_first_pass(sumsq);
     }
-    return loss;
 }
 
 double Executor::grad_sum_squares(size_t begin, size_t end) const {
@@ -1073,6 +1193,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
     step_count++;
     passes_since_step_ = 0;
+    sel_.pending = false;  // the dropout masks of a select_forward before this step are gone
     const AdamW opt{lr, beta1, beta2, eps, weight_decay};
     float *m = adam_m(), *v = adam_v();
     const size_t lo = moment_begin_, hi = moment_end_;
@@ -1097,44 +1218,52 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     return norm;
 }
 
-// The generation arena for up to (B, max_len): every buffer live for the whole call, one after
-// the other. One function, so that reset_cache and cache_floats (the memory check) agree.
+// The generation arena for up to (B, max_len): the KV cache, and every buffer of a call's chunk
+// of rows (at most cache_chunk_rows: a long prompt goes through in pieces), one after the
+// other. One function, so that reset_cache and cache_floats (the memory check) agree.
 struct CacheLayout {
-    size_t k, v, x, norm, stats, qkv, probs, att, fc, act, last, logits, matrix, lora, floats;
+    size_t k, v, x, norm, stats, qkv, att, fc, act, attention, last, logits, matrix, decode, lora, floats;
+    int rows;
 };
-static CacheLayout cache_layout(const Dims& d, int B, int max_len) {
+static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) {
     limits::check_batch(B, max_len, "reset_cache");
     if (max_len > d.max_seq_len)
         throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) + " exceeds max_seq_len " +
                                     std::to_string(d.max_seq_len));
     const size_t D = d.d_model, kv = (size_t)d.n_layer * B * d.n_kv_head * max_len * d.head_dim;
-    const size_t N = (size_t)B * max_len;  // the prompt may fill the cache in one call
-    // B x n_head x max_len^2 is the one product the bounds do not keep inside 64 bits.
-    const size_t probs = limits::product_floats("the KV cache's attention probabilities",
-                                                {(uint64_t)B, (uint64_t)d.n_head, (uint64_t)max_len, (uint64_t)max_len});
+    const int rows = std::min(B * max_len, cache_chunk_rows);  // check_batch keeps B * max_len an int
+    const size_t N = rows;
     ArenaPlanner pl;
     CacheLayout c;
+    c.rows = rows;
     c.k = pl.take(kv), c.v = pl.take(kv), c.x = pl.take(N * D), c.norm = pl.take(N * D),
-    c.stats = pl.take(d.norm->stats_per_row * N), c.qkv = pl.take(N * d.qkv_dim()), c.probs = pl.take(probs),
-    c.att = pl.take(N * d.attn_dim()), c.fc = pl.take(N * d.fc_dim()), c.act = pl.take(N * d.d_ff),
+    c.stats = pl.take(d.norm->stats_per_row * N), c.qkv = pl.take(N * d.qkv_dim()), c.att = pl.take(N * d.attn_dim()),
+    c.fc = pl.take(N * d.fc_dim()), c.act = pl.take(N * d.d_ff),
+    c.attention = pl.take(Attention{d.n_head, d.n_kv_head, d.head_dim}.cached_scratch_floats(threads, max_len)),
     c.last = pl.take((size_t)B * D), c.logits = pl.take((size_t)B * d.vocab_size);
-    // A frozen base's products in either precision (it may change while the cache lives).
+    // A frozen base's GEMM products in either precision (it may change while the cache lives);
+    // the decode products' operand, for the widest input.
     c.matrix = pl.take(std::max(matrix_scratch_floats(d, Precision::fp32, N), matrix_scratch_floats(d, Precision::bf16, N)));
+    c.decode = pl.take((size_t)threads * decode_thread_floats(d));
     c.lora = pl.take(lora_scratch_floats(d, N, false));
     c.floats = pl.used;
     return c;
 }
 
-size_t cache_floats(const Dims& d, int B, int max_len) { return cache_layout(d, B, max_len).floats; }
+size_t cache_floats(const Dims& d, int B, int max_len) {
+    return cache_layout(d, B, max_len, omp_get_max_threads()).floats;
+}
 size_t Executor::cache_floats(int B, int max_len) const { return zoo::cache_floats(d_, B, max_len); }
 
 void Executor::reset_cache(int B, int max_len) {
-    const CacheLayout c = cache_layout(d_, B, max_len);
+    const int threads = omp_get_max_threads();
+    const CacheLayout c = cache_layout(d_, B, max_len, threads);
     cache_.reset(c.floats, "KV cache");
     float* a = cache_.data;
     k_cache_ = a + c.k;
     v_cache_ = a + c.v;
-    c_probs_ = a + c.probs;
+    c_attention_scratch_ = a + c.attention;
+    c_decode_scratch_ = a + c.decode;
     c_last_ = a + c.last;
     c_logits_ = a + c.logits;
     // The residual stream is updated in place; the norms share one output and one stats buffer.
@@ -1144,6 +1273,99 @@ void Executor::reset_cache(int B, int max_len) {
     cached_.lora_scratch = a + c.lora;
     cache_B_ = B;
     cache_len_ = max_len;
+    cache_rows_ = c.rows;
+    cache_threads_ = threads;
+    slot_len_.assign(B, 0);
+    slot_seen_.assign(B, 0);
+    all_slots_.assign(B, 0), all_starts_.assign(B, 0), all_lengths_.assign(B, 0);
+    chunk_ends_.assign(std::min(B, c.rows), {0, 0});
+    chunk_tokens_.assign(c.rows, 0);
+    chunk_positions_.assign(c.rows, 0);
+    chunk_runs_.assign(std::min(B, c.rows), CacheRun{});
+}
+
+int Executor::slot_length(int slot) const {
+    if (slot < 0 || slot >= cache_B_)
+        throw std::out_of_range("zoo: slot " + std::to_string(slot) + " outside the cache's " + std::to_string(cache_B_));
+    return slot_len_[slot];
+}
+
+// The layers over the chunk's rows (chunk_tokens_, chunk_positions_, chunk_runs_): the residual
+// stream of every row ends in cached_.out.
+void Executor::cached_chunk(int rows) {
+    const PositionsScope scope(positions_, chunk_positions_.data());
+    TIMED(forward, embedding,
+          Embedding{d_.d_model}.forward(chunk_tokens_.data(), positions_, wm_.wte, w_.wpe, cached_.out, 1, rows));
+    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, 1, rows, LayerPass::cached);
+}
+
+const float* Executor::forward_segments(const int32_t* tokens, const int32_t* slots, const int32_t* starts,
+                                        const int32_t* lengths, int S) {
+    if (!k_cache_) throw std::invalid_argument("zoo: reset_cache(B, max_len) first");
+    if (S < 1 || S > cache_B_)
+        throw std::invalid_argument("zoo: " + std::to_string(S) + " segments for a cache of " +
+                                    std::to_string(cache_B_) + " slots (1 to " + std::to_string(cache_B_) + ")");
+    if (omp_get_max_threads() > cache_threads_)
+        throw std::invalid_argument("zoo: " + std::to_string(omp_get_max_threads()) + " threads now, " +
+                                    std::to_string(cache_threads_) + " when the cache was made: reset_cache again");
+    // Checked before anything runs; nothing is allocated unless to say what is wrong.
+    int64_t total = 0;
+    std::fill(slot_seen_.begin(), slot_seen_.end(), 0);
+    for (int s = 0; s < S; s++) {
+        const int slot = slots[s], start = starts[s], len = lengths[s];
+        auto refuse = [&](const std::string& why) {
+            throw std::invalid_argument("zoo: segment " + std::to_string(s) + ": " + why);
+        };
+        if (slot < 0 || slot >= cache_B_)
+            refuse("slot " + std::to_string(slot) + " outside the cache's " + std::to_string(cache_B_) + " slots");
+        if (slot_seen_[slot]++) refuse("slot " + std::to_string(slot) + " twice in one call");
+        if (len < 1) refuse(std::to_string(len) + " tokens");
+        if (start < 0 || start > slot_len_[slot])
+            refuse("position " + std::to_string(start) + ", but slot " + std::to_string(slot) + " holds " +
+                   std::to_string(slot_len_[slot]) +
+                   " positions (a segment continues its sequence, or rewrites part of it)");
+        if ((int64_t)start + len > cache_len_)
+            refuse("positions " + std::to_string(start) + ".." + std::to_string((int64_t)start + len) +
+                   " exceed the cache length " + std::to_string(cache_len_));
+        total += len;
+    }
+    check_ids(tokens, nullptr, (int)total);  // total <= B * max_len, an int
+    const int d = d_.d_model, V = d_.vocab_size;
+    // Rows in chunks of at most cache_rows_: each segment's positions in order, split across
+    // chunks where it does not fit, so that every row finds the keys before it in the cache.
+    int s = 0, done = 0;  // the segment, and how many of its rows are through
+    int64_t at = 0;       // the next token
+    while (s < S) {
+        int rows = 0, ends = 0;
+        chunk_n_runs_ = 0;
+        while (s < S && rows < cache_rows_) {
+            const int take = std::min(lengths[s] - done, cache_rows_ - rows);
+            chunk_runs_[chunk_n_runs_++] = CacheRun{slots[s], starts[s] + done, take, rows};
+            for (int t = 0; t < take; t++) {
+                chunk_tokens_[rows + t] = tokens[at + t];
+                chunk_positions_[rows + t] = starts[s] + done + t;
+            }
+            rows += take, at += take, done += take;
+            if (done == lengths[s]) {  // the segment ends in this chunk, at row rows - 1
+                chunk_ends_[ends++] = {s, rows - 1};
+                done = 0;
+                s++;
+            }
+        }
+        if (fused_decode(rows))
+            decode_chunk(rows);
+        else
+            cached_chunk(rows);
+        for (int e = 0; e < ends; e++)
+            std::memcpy(c_last_ + (size_t)chunk_ends_[e].first * d, cached_.out + (size_t)chunk_ends_[e].second * d,
+                        sizeof(float) * d);
+    }
+    for (int k = 0; k < S; k++) slot_len_[slots[k]] = starts[k] + lengths[k];
+    TIMED(forward, norm, norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, S));
+    TIMED(forward, linear,
+          linear_forward(linear(d, V), true, cached_.ln1, head_matrix(), nullptr, c_logits_, S, nullptr,
+                         cached_.matrix_scratch));
+    return c_logits_;
 }
 
 const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int pos0) {
@@ -1151,17 +1373,8 @@ const float* Executor::forward_cached(const int32_t* tokens, int B, int T, int p
     if (T <= 0 || pos0 < 0 || pos0 + T > cache_len_)
         throw std::invalid_argument("zoo: positions " + std::to_string(pos0) + ".." + std::to_string(pos0 + T) +
                                     " exceed the cache length " + std::to_string(cache_len_));
-    check_ids(tokens, nullptr, B * T);
-    const int d = d_.d_model, V = d_.vocab_size;
-    float* x = cached_.out;
-    Embedding{d}.forward(tokens, nullptr, wm_.wte, w_.wpe, x, B, T, pos0);
-    for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, B, T, LayerPass::cached, pos0);
-    // Only the last position of each sequence needs logits.
-    for (int b = 0; b < B; b++)
-        std::memcpy(c_last_ + (size_t)b * d, x + ((size_t)b * T + T - 1) * d, sizeof(float) * d);
-    norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, B);
-    linear(d, V).forward(cached_.ln1, head_matrix(), nullptr, c_logits_, B, nullptr, cached_.matrix_scratch);
-    return c_logits_;
+    for (int b = 0; b < B; b++) all_slots_[b] = b, all_starts_[b] = pos0, all_lengths_[b] = T;
+    return forward_segments(tokens, all_slots_.data(), all_starts_.data(), all_lengths_.data(), B);
 }
 
 }  // namespace zoo

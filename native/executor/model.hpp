@@ -269,7 +269,11 @@ ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision pre
                                 int T, float* base, size_t* total_floats);
 size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad);
 // The generation arena (KV cache and buffers) for up to (B, max_len): what reset_cache maps.
+// A call's rows go through the layers at most this many at a time (prompts are chunked).
+constexpr int cache_chunk_rows = 512;
 size_t cache_floats(const Dims& d, int B, int max_len);
+// Each thread's scratch in the fused decode step (decode.cpp).
+size_t decode_thread_floats(const Dims& d);
 
 class Executor {
 public:
@@ -330,14 +334,32 @@ public:
     // chunk); without, NaN, and the full logits (B*T, V) stay readable until the next call.
     // positions (B, T), may be null: each token's position in its example, for rows that pack
     // several examples (each restarting at 0; attention stays within an example). Null: 0..T-1.
-    double forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T);
+    // hidden (B, T, 2), may be null (and needs positions): a span of keys each row does not see
+    // (block.hpp's visible_keys: a preference pair's second answer does not see the first).
+    double forward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, const int32_t* hidden,
+                   int B, int T);
     const float* logits() const { return logits_arena_.data; }
     size_t logits_floats() const { return logits_arena_.size; }
     // One training micro-step: forward, then every pullback in reverse, the gradients written
     // or added as the lifecycle says, scaled by grad_scale. Returns the loss.
-    double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions, int B, int T,
-                            float grad_scale);
+    double forward_backward(const int32_t* tokens, const int32_t* targets, const int32_t* positions,
+                            const int32_t* hidden, int B, int T, float grad_scale);
     void zero_grads() { grads_.zero_grads(); }
+
+    // A preference step's two halves (zoo/train/preference_step.py), whose loss is a function of
+    // sums of target log-probabilities. select_forward runs the forward over tokens (B, T) and
+    // the LM head over the selected rows alone (rows: n increasing indices into the B*T rows,
+    // targets: theirs), writing each one's cross-entropy, minus its log-probability, into
+    // row_loss (n). With train, it keeps what select_backward needs: that call (next, with no
+    // other pass between) runs the pullback with dL/d(row_loss[k]) = grad_scale * row_weight[k]
+    // (k < n), the gradients written or added as forward_backward's are.
+    void select_forward(const int32_t* tokens, const int32_t* positions, const int32_t* hidden, const int32_t* rows,
+                        const int32_t* targets, int n, int B, int T, bool train, float* row_loss);
+    void select_backward(const float* row_weight, float grad_scale);
+    // Off: the LoRA adapters add nothing (the frozen base alone: a preference objective's
+    // reference model); training passes need them on.
+    void set_adapters_enabled(bool on) { adapters_on_ = on; }
+    bool adapters_enabled() const { return adapters_on_; }
 
     // Global gradient norm: the one the last first pass took, or one pass over the gradients.
     double grad_norm() const;
@@ -353,9 +375,21 @@ public:
     Profile profile;
     void set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& decayed);  // [begin, end)
 
-    // Generation: KV cache for up to (B, max_len); forward_cached returns last-position logits.
+    // Generation: a KV cache of B sequences (its slots) of up to max_len tokens each, empty.
     void reset_cache(int B, int max_len);
     size_t cache_floats(int B, int max_len) const;  // what reset_cache(B, max_len) allocates
+    int cache_slots() const { return cache_B_; }
+    int cache_length() const { return cache_len_; }
+    int slot_length(int slot) const;  // positions of the slot the cache holds
+    // Runs S segments through the cache: segment s is lengths[s] tokens (the next ones of
+    // tokens) of slot slots[s] at positions starts[s].., each slot at most once, each start at
+    // most what the slot holds (the positions before it are in the cache; those from it on are
+    // replaced). Returns the logits of each segment's last token, (S, V), valid until the next
+    // call. A few rows at a time (new tokens) take the decode kernels (gemv.hpp); prompts go
+    // through the GEMM path in chunks of at most cache_chunk_rows rows.
+    const float* forward_segments(const int32_t* tokens, const int32_t* slots, const int32_t* starts,
+                                  const int32_t* lengths, int S);
+    // Every slot, T tokens each from pos0: (B, T) tokens; the logits of each slot's last token.
     const float* forward_cached(const int32_t* tokens, int B, int T, int pos0);
 
 private:
@@ -392,13 +426,37 @@ private:
     bool poison_dead_ = false;
     GradLifecycle grads_;
     const int32_t* positions_ = nullptr;  // the running forward's (B, T) positions; null: 0..T-1
+    const int32_t* hidden_ = nullptr;     // and its rows' hidden key spans (B, T, 2); null: none
+    bool adapters_on_ = true;
+    // What a training select_forward keeps for its select_backward (copies: the caller's arrays
+    // need not outlive the call; they grow with the largest batch, like the plan).
+    struct Selection {
+        std::vector<int32_t> tokens, positions, hidden, rows, targets;
+        int B = 0, T = 0, n = 0;
+        bool pending = false;  // a training select_forward ran and no other pass since
+    } sel_;
     Arena logits_arena_;  // full logits, for inference calls only
 
-    // KV cache arena for generation.
+    // KV cache arena for generation, and the running call's chunk: its rows' positions and runs.
     Arena cache_;
-    int cache_B_ = 0, cache_len_ = 0;
-    float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_probs_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
+    int cache_B_ = 0, cache_len_ = 0, cache_rows_ = 0, cache_threads_ = 0;
+    float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
+    float *c_attention_scratch_ = nullptr, *c_decode_scratch_ = nullptr;
     LayerActs cached_;  // the generation pass's buffers, the same for every layer
+    // (All sized by reset_cache: a call allocates nothing.)
+    std::vector<int32_t> slot_len_, slot_seen_, chunk_tokens_, chunk_positions_;
+    std::vector<int32_t> all_slots_, all_starts_, all_lengths_;  // forward_cached's segments
+    std::vector<CacheRun> chunk_runs_;
+    std::vector<std::pair<int, int>> chunk_ends_;  // (segment, row) of the segments a chunk ends
+    int chunk_n_runs_ = 0;
+    void cached_chunk(int rows);  // the layers over the chunk's rows, one block call at a time
+    // The same in one parallel region (decode.cpp), where fused_decode(rows) says it applies.
+    bool fused_decode(int rows) const;
+    void decode_chunk(int rows);
+    bool has_adapters_ = false;
+    // A linear layer's forward: in generation (cached), a few rows on the decode kernels.
+    void linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,
+                        int N, const float* residual, float* scratch);
 
     void bind(ModelTensors& t, float* base, const std::vector<ParamBinding>& layout) const;
     void bind_frozen(const std::vector<FrozenBinding>& frozen);
@@ -417,10 +475,16 @@ private:
     uint64_t dropout_seed(int i, LoraSlot slot) const;
     double grad_sum_squares(const std::vector<Range>& ranges) const;
     void check_ids(const int32_t* tokens, const int32_t* targets, int N) const;
-    void check_positions(const int32_t* positions, int B, int T) const;
+    void check_selection(const int32_t* rows, const int32_t* targets, int n, int N) const;
     void check_trainable() const;
     void poison_dead_buffers(unsigned phase);
     void trunk_forward(const int32_t* tokens, int B, int T);
+    // From the LM head's input adjoint (a_.d_norm) back through every layer and the embedding.
+    void trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode, bool first);
+    // The LM head over lnf's first n rows (the selected rows, moved there): their cross-entropy
+    // into row_loss; with row_weight, the pullback too, into d_norm's first n rows.
+    void head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight, float grad_scale,
+                       GradMode mode);
     // The layer, written once: training, the recompute before a checkpointed pullback (which
     // stops before the output projection), and generation against the KV cache from pos0.
     void layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0 = 0);

@@ -8,9 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "kernels/isa.hpp"
 
 namespace zoo {
 
@@ -29,12 +27,61 @@ inline float from_bf16(uint16_t h) {
     return x;
 }
 
-// n values rounded to bf16: one instruction per 16 where the CPU has AVX512_BF16 (which rounds
-// to nearest even and keeps NaN a NaN, as to_bf16), to_bf16's arithmetic elsewhere.
+#if defined(ZOO_X86)
+// 8 or 16 values rounded to bf16 as to_bf16 does (nearest even, a NaN stays a quiet NaN), for
+// the CPUs without AVX512_BF16's conversion instruction.
+namespace vec {
+__attribute__((target("avx2,fma"))) inline __m128i bf16x8_avx2(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i r = _mm256_blendv_epi8(rounded, quiet, nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));  // each < 2^16
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i bf16x16_avx512(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+// One instruction where the CPU has AVX512_BF16. It rounds as to_bf16 does, except that it
+// flushes denormal inputs to zero (below 2^-126: nothing a product of bf16 operands notices).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline __m256i bf16x16_avx512_bf16(__m512 x) {
+    return (__m256i)_mm512_cvtneps_pbh(x);
+}
+
+__attribute__((target("avx2,fma"))) inline size_t to_bf16_row_avx2(const float* x, uint16_t* out, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i*)(out + i), bf16x8_avx2(_mm256_loadu_ps(x + i)));
+    return i;
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline size_t to_bf16_row_avx512(
+    const float* x, uint16_t* out, size_t n, bool native_bf16) {
+    size_t i = 0;
+    if (native_bf16)
+        for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i*)(out + i), bf16x16_avx512_bf16(_mm512_loadu_ps(x + i)));
+    else
+        for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i*)(out + i), bf16x16_avx512(_mm512_loadu_ps(x + i)));
+    return i;
+}
+}  // namespace vec
+#endif
+
+// n values rounded to bf16, on the vector path the CPU has (isa.hpp), the scalar tail after it.
 inline void to_bf16_row(const float* __restrict x, uint16_t* __restrict out, size_t n) {
     size_t i = 0;
-#if defined(__AVX512BF16__)
-    for (; i + 16 <= n; i += 16) _mm256_storeu_si256((__m256i*)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+#if defined(ZOO_X86)
+    switch (vector_isa()) {
+        case VectorIsa::avx512_bf16: i = vec::to_bf16_row_avx512(x, out, n, true); break;
+        case VectorIsa::avx512: i = vec::to_bf16_row_avx512(x, out, n, false); break;
+        case VectorIsa::avx2: i = vec::to_bf16_row_avx2(x, out, n); break;
+        default: break;
+    }
 #endif
     for (; i < n; i++) out[i] = to_bf16(x[i]);
 }

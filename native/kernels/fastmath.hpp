@@ -49,6 +49,11 @@ inline float row_max(const float* x, int n) {
 // logsumexp(x - c) + c do not depend on c, so the gradient through the shift cancels
 // exactly (JAX's logsumexp stops the gradient of its max for the same reason).
 inline float softmax_shift(const float* x, int n) { return row_max(x, n); }
+// The same over a row's keys first..keys-1 without the hidden span [lo, hi) (attention.hpp).
+inline float softmax_shift_skipping(const float* x, int first, int lo, int hi, int keys) {
+    const float a = row_max(x + first, lo - first), b = row_max(x + hi, keys - hi);
+    return a > b ? a : b;
+}
 
 // The exponential as a primitive whose derivative is its own value: the Clad derivatives of
 // these two (below) read the output back, where fast_exp's can only recompute it from its
@@ -80,6 +85,7 @@ inline clad::ValueAndPushforward<float, float> sigmoid_pushforward(float z, floa
 // Shift invariance: nothing flows back through the shift, and the reverse sweep neither
 // recomputes the maximum nor scans for where it is.
 inline void softmax_shift_pullback(const float*, int, float, float*, int*) {}
+inline void softmax_shift_skipping_pullback(const float*, int, int, int, int, float, float*, int*, int*, int*, int*) {}
 // d(e^u) = e^u du, with e^u the output y (flat where fast_exp clamps, as fast_exp_pushforward).
 // y's adjoint is consumed (zeroed): y was written.
 inline void exp_row_pullback(const float* x, float shift, float* y, int n, float* d_x, float* d_shift, float* d_y,

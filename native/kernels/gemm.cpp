@@ -1,15 +1,21 @@
 #include "kernels/gemm.hpp"
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
 
 #include "kernels/bf16.hpp"
+#include "kernels/isa.hpp"
 
+#if defined(ZOO_X86)
 #include <cpuid.h>
+#endif
 #include <omp.h>
 
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 #include <unordered_map>
 
 #include <cblas.h>  // scipy-openblas32: every symbol prefixed scipy_
@@ -63,16 +69,12 @@ struct Matmul {
     dnnl::matmul primitive;
     dnnl::memory a, b, c;
     std::string kernel;  // oneDNN's name for the implementation it picked
-    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (packed, in the layout they
-    // are stored in) before the call: where oneDNN's fpmath_mode::bf16 picks no bf16 kernel.
+    // A bf16 product of fp32 operands that zoo rounds to bf16 itself (rounded_gemm, which runs
+    // it in panels as products of bf16 operands): where oneDNN's fpmath_mode::bf16 picks no bf16
+    // kernel. The primitive here, of the whole product, only names the kernel.
     bool rounds_operands = false;
+    long calls = 0;
 };
-
-// Whether oneDNN's implementation runs on bf16 dot-product instructions.
-bool is_bf16_kernel(const std::string& impl) {
-    return impl.find("amx") != std::string::npos || impl.find("bf16") != std::string::npos ||
-           impl.find("vnni_2") != std::string::npos;
-}
 
 dnnl::engine& engine() {
     static dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -110,16 +112,22 @@ Matmul make_matmul(const Key& k) {
     Matmul m = make(describe(dt::f32, k.lda, k.ldb), fpmath);
     if (is_bf16_kernel(m.kernel)) return m;
     const int packed_a = k.trans_a ? k.M : k.K, packed_b = k.trans_b ? k.K : k.N;
-    Matmul r = make(describe(dt::bf16, packed_a, packed_b), attr);
-    if (!is_bf16_kernel(r.kernel)) return m;  // no bf16 kernel either way: keep oneDNN's own rounding
-    r.rounds_operands = true;
-    return r;
+    try {
+        Matmul r = make(describe(dt::bf16, packed_a, packed_b), attr);
+        if (!is_bf16_kernel(r.kernel)) return m;  // no bf16 kernel either way: keep oneDNN's own rounding
+        r.rounds_operands = true;
+        return r;
+    } catch (const dnnl::error&) {  // no matmul of bf16 operands on this ISA at all (AVX2)
+        return m;
+    }
 }
 
-std::string onednn_kernel(const Key& k) {
-    const Matmul m = make_matmul(k);
-    return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel;
-}
+std::string kernel_name(const Matmul& m) { return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel; }
+std::string onednn_kernel(const Key& k) { return kernel_name(make_matmul(k)); }
+
+// Every oneDNN product made in this process, with its primitive: what kernels_used() reports.
+std::mutex cache_mutex;  // the cached memory objects are rebound on every call
+std::unordered_map<Key, Matmul, KeyHash> cache;
 
 // rows x cols of a (leading dimension lda) rounded to bf16, packed.
 void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
@@ -127,40 +135,108 @@ void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
     for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
 }
 
+void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+                  float beta, float* C, int ldc);
+
+// counted: whether kernels_used() counts this call (not the blocks of a product zoo rounds,
+// which is counted as itself).
 void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
-                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false) {
-    static std::mutex mutex;  // the cached memory objects are rebound on every call
-    static std::unordered_map<Key, Matmul, KeyHash> cache;
+                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, bool counted = true) {
     static dnnl::stream stream(engine());
     const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands};
+    {
+        std::unique_lock<std::mutex> lock(cache_mutex);
+        auto it = cache.find(key);
+        if (it == cache.end()) {
+            // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
+            // a long-lived process that sees many lengths does not keep every primitive forever.
+            if (cache.size() >= 512) cache.clear();
+            it = cache.emplace(key, make_matmul(key)).first;
+        }
+        Matmul& m = it->second;
+        if (counted) m.calls++;
+        if (!m.rounds_operands) {
+            dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
+            dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
+            dnnl_memory_set_data_handle(m.c.get(), C);
+            const dnnl_exec_arg_t args[3] = {
+                {DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
+            if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+                throw std::runtime_error("zoo: oneDNN matmul failed");
+            stream.wait();
+            return;
+        }
+    }
+    rounded_gemm(ta, tb, M, N, K, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
+}
+
+// A bf16 product of fp32 operands that zoo rounds itself (where oneDNN's fpmath mode picks no
+// bf16 kernel), in panels: each rounded right before the product reads it, while it is in
+// cache, and each operand rounded once. The operand with fewer rows outside K (op(A)'s M rows,
+// or op(B)'s N columns) is rounded over all of them in one panel, of a block of K that fills
+// half the buffer; the other a block of its own at a time beside it. One buffer of
+// rounded_budget values, allocated at the first such product: a whole LM head weight rounded at
+// once (GPT-2's: 74 MiB) would cost more memory than the step's activations, and read back from
+// memory, more time.
+constexpr size_t rounded_budget = size_t(4) << 20;  // 8 MiB of bf16
+
+void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+                  float beta, float* C, int ldc) {
+    static std::mutex mutex;  // one buffer for the process
+    static std::vector<uint16_t> rounded;
     std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) {
-        // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
-        // a long-lived process that sees many lengths does not keep every primitive forever.
-        if (cache.size() >= 512) cache.clear();
-        it = cache.emplace(key, make_matmul(key)).first;
+    if (rounded.empty()) rounded.resize(rounded_budget);
+    // Blocks of at most `most` along n, evened out, a multiple of 16 where that still fits.
+    auto block = [](int n, size_t most) {
+        most = std::max<size_t>(1, std::min<size_t>(most, n));
+        const size_t parts = (n + most - 1) / most, b = (n + parts - 1) / parts;
+        return (int)(b % 16 && b / 16 * 16 + 16 <= most ? b / 16 * 16 + 16 : b);
+    };
+    // op(A) rows [m0, m0 + m) x K [k0, k0 + k), packed (m x k, or k x m when ta).
+    auto round_a = [&](int m0, int m, int k0, int k, uint16_t* out) {
+        if (ta) to_bf16_rows(A + (size_t)k0 * lda + m0, lda, k, m, out);
+        else to_bf16_rows(A + (size_t)m0 * lda + k0, lda, m, k, out);
+    };
+    // op(B) K [k0, k0 + k) x columns [n0, n0 + n), packed (k x n, or n x k when tb).
+    auto round_b = [&](int k0, int k, int n0, int n, uint16_t* out) {
+        if (tb) to_bf16_rows(B + (size_t)n0 * ldb + k0, ldb, n, k, out);
+        else to_bf16_rows(B + (size_t)k0 * ldb + n0, ldb, k, n, out);
+    };
+    auto product = [&](int m0, int m, int n0, int n, int k0, int k, const uint16_t* a, const uint16_t* b) {
+        onednn_gemm(Precision::bf16, ta, tb, m, n, k, a, ta ? m : k, b, tb ? k : n, k0 ? 1.0f : beta,
+                    C + (size_t)m0 * ldc + n0, ldc, true, false);
+    };
+    uint16_t* buf = rounded.data();
+    if ((size_t)M * K + (size_t)K * N <= rounded_budget) {  // both whole
+        round_a(0, M, 0, K, buf);
+        round_b(0, K, 0, N, buf + (size_t)M * K);
+        return product(0, M, 0, N, 0, K, buf, buf + (size_t)M * K);
     }
-    Matmul& m = it->second;
-    if (m.rounds_operands) {
-        // One buffer for both rounded operands, grown to the largest product seen: after a
-        // step's first product of each shape, nothing is allocated.
-        static std::vector<uint16_t> rounded;
-        const size_t na = (size_t)M * K, nb = (size_t)K * N;
-        if (rounded.size() < na + nb) rounded.resize(na + nb);
-        uint16_t *a16 = rounded.data(), *b16 = a16 + na;
-        to_bf16_rows(static_cast<const float*>(A), lda, ta ? K : M, ta ? M : K, a16);
-        to_bf16_rows(static_cast<const float*>(B), ldb, tb ? N : K, tb ? K : N, b16);
-        A = a16;
-        B = b16;
+    const bool a_outer = M <= N;  // the operand rounded over all its rows outside K
+    const int outer = a_outer ? M : N, inner = a_outer ? N : M;
+    const size_t half = rounded_budget / 2;
+    const int kb = block(K, std::max<size_t>(16, half / outer));         // outer x kb fills half the buffer
+    const int ob = block(outer, std::max<size_t>(1, half / kb));         // all of outer, but past 131,072
+    const int ib = block(inner, std::max<size_t>(1, (rounded_budget - (size_t)ob * kb) / kb));
+    uint16_t *outer_panel = buf, *inner_panel = buf + (size_t)ob * kb;
+    for (int k0 = 0; k0 < K; k0 += kb) {
+        const int k = std::min(kb, K - k0);
+        for (int o0 = 0; o0 < outer; o0 += ob) {
+            const int o = std::min(ob, outer - o0);
+            if (a_outer) round_a(o0, o, k0, k, outer_panel);
+            else round_b(k0, k, o0, o, outer_panel);
+            for (int i0 = 0; i0 < inner; i0 += ib) {
+                const int i = std::min(ib, inner - i0);
+                if (a_outer) {
+                    round_b(k0, k, i0, i, inner_panel);
+                    product(o0, o, i0, i, k0, k, outer_panel, inner_panel);
+                } else {
+                    round_a(i0, i, k0, k, inner_panel);
+                    product(i0, i, o0, o, k0, k, inner_panel, outer_panel);
+                }
+            }
+        }
     }
-    dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
-    dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
-    dnnl_memory_set_data_handle(m.c.get(), C);
-    const dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
-    if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
-        throw std::runtime_error("zoo: oneDNN matmul failed");
-    stream.wait();
 }
 #endif
 
@@ -295,14 +371,48 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
     }
 }
 
-std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K) {
+std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K, bool bf16_operands) {
     const bool dnnl = p == Precision::bf16 || fp32_library() == Library::onednn;
 #ifdef ZOO_GEMM_ONEDNN
-    if (dnnl) return std::string("onednn:") + onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0, 0});
+    if (dnnl)
+        return std::string("onednn:") +
+               onednn_kernel({(int)p, ta, tb, M, N, K, ta ? M : K, tb ? K : N, N, 0, bf16_operands && p == Precision::bf16});
 #endif
     require_precision(p);
     (void)dnnl;
+    (void)bf16_operands;
     return name(fp32_library());
+}
+
+// oneDNN's names say the ISA of its brgemm kernels (brg:avx512_core_bf16, brg:avx512_core_amx);
+// its jit gemm ("gemm:jit:bf16") runs bf16 dot products only where the CPU has them, and
+// emulates them (in fp32 instructions) elsewhere.
+bool is_bf16_kernel(const std::string& kernel) {
+    auto has = [&](const char* s) { return kernel.find(s) != std::string::npos; };
+    return has("amx") || has("avx512_core_bf16") || has("vnni_2") || (has("bf16") && bf16_native());
+}
+
+std::vector<KernelUse> kernels_used() {
+    std::vector<KernelUse> used;
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (const auto& [k, m] : cache)
+        if (m.calls)
+            used.push_back({(Precision)k.precision, k.trans_a != 0, k.trans_b != 0, k.M, k.N, k.K, k.bf16_operands != 0,
+                            "onednn:" + kernel_name(m), m.calls});
+    std::sort(used.begin(), used.end(), [](const KernelUse& a, const KernelUse& b) {
+        return std::tie(a.precision, a.M, a.N, a.K, a.trans_a, a.trans_b, a.bf16_operands) <
+               std::tie(b.precision, b.M, b.N, b.K, b.trans_a, b.trans_b, b.bf16_operands);
+    });
+#endif
+    return used;
+}
+
+void reset_kernels_used() {
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto& [k, m] : cache) m.calls = 0;
+#endif
 }
 
 const char* name(Library lib) {
@@ -325,6 +435,7 @@ std::vector<Library> built_in() {
 }
 
 std::string cpu_vendor() {
+#if defined(ZOO_X86)
     unsigned a, b, c, d;
     if (!__get_cpuid(0, &a, &b, &c, &d)) return "unknown";
     char v[13];
@@ -333,6 +444,9 @@ std::string cpu_vendor() {
     std::memcpy(v + 8, &c, 4);
     v[12] = 0;
     return v;
+#else
+    return "unknown";  // no CPUID: zoo's choices for this CPU do not depend on its vendor
+#endif
 }
 
 // Measured (docs/benchmarks.md, `python -m zoo.tools.bench_gemm`): on Intel Xeons oneMKL's
@@ -376,6 +490,8 @@ void set_fp32_library(const std::string& lib) {
                                 (lib == "onednn" ? ": install onednn-devel-cpu-gomp and rebuild zoo" : ""));
 }
 
+std::string openblas_core() { return scipy_openblas_get_corename(); }
+
 bool bf16_built() {
 #ifdef ZOO_GEMM_ONEDNN
     return true;
@@ -415,6 +531,33 @@ bool bf16_native() {
     return false;
 #endif
 }
+
+}  // namespace gemm
+
+VectorIsa onednn_vector_isa_cap() {
+#ifdef ZOO_GEMM_ONEDNN
+    const unsigned isa = dnnl_get_effective_cpu_isa();  // the CPU's, lowered by DNNL_MAX_CPU_ISA
+    auto has = [&](unsigned set) { return (isa & set) == set; };
+    if (has(dnnl_cpu_isa_avx512_core_bf16)) return VectorIsa::avx512_bf16;
+    if (has(dnnl_cpu_isa_avx512_core)) return VectorIsa::avx512;
+    if (has(dnnl_cpu_isa_avx2)) return VectorIsa::avx2;
+    return VectorIsa::scalar;
+#else
+    // Without oneDNN, the same variable read as oneDNN reads it (its names, any case), so that
+    // a forced class means the same in every build.
+    const char* v = std::getenv("DNNL_MAX_CPU_ISA");
+    std::string isa = v ? v : "";
+    for (char& c : isa) c = (char)std::toupper((unsigned char)c);
+    if (isa.empty() || isa == "ALL" || isa.rfind("AVX512_CORE_BF16", 0) == 0 || isa.rfind("AVX512_CORE_FP16", 0) == 0 ||
+        isa.rfind("AVX512_CORE_AMX", 0) == 0)
+        return VectorIsa::avx512_bf16;
+    if (isa.rfind("AVX512_CORE", 0) == 0) return VectorIsa::avx512;
+    if (isa.rfind("AVX2", 0) == 0) return VectorIsa::avx2;
+    return VectorIsa::scalar;  // SSE41, AVX
+#endif
+}
+
+namespace gemm {
 
 void require_precision(Precision p) {
     if (p != Precision::bf16) return;

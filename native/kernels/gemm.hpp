@@ -38,8 +38,25 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
                float* scratch);
 
 // What would run op(A) op(B) of this shape, densely stored: the library, and for oneDNN its
-// kernel (e.g. "onednn:brg:avx512_core_amx"). For tests and reports.
-std::string kernel(Precision p, bool trans_a, bool trans_b, int M, int N, int K);
+// kernel (e.g. "onednn:brg:avx512_core_amx"; "... (operands rounded by zoo)" where zoo hands
+// oneDNN bf16 operands it rounded, below). bf16_operands: A and B already in bf16 (a stored bf16
+// matrix's products). For tests and reports.
+std::string kernel(Precision p, bool trans_a, bool trans_b, int M, int N, int K, bool bf16_operands = false);
+// Whether a kernel name (as kernel() gives it) runs on bf16 dot-product instructions.
+bool is_bf16_kernel(const std::string& kernel);
+// The oneDNN products this process ran since the last reset, each shape with the kernel it ran
+// on and how many calls: what a run's products actually used (fp32 products on OpenBLAS or
+// oneMKL are not listed: their library is the kernel).
+struct KernelUse {
+    Precision precision;
+    bool trans_a, trans_b;
+    int M, N, K;
+    bool bf16_operands;
+    std::string kernel;
+    long calls;
+};
+std::vector<KernelUse> kernels_used();
+void reset_kernels_used();
 const char* name(Library lib);
 std::vector<Library> built_in();          // the libraries this build links
 Library fp32_library();                   // the one fp32 products run on now
@@ -53,6 +70,7 @@ bool bf16_built();
 bool bf16_native();
 std::string cpu_isa();     // oneDNN's name for the instruction set it uses ("" without oneDNN)
 std::string cpu_vendor();  // from CPUID: GenuineIntel, AuthenticAMD, ...
+std::string openblas_core();  // the kernels OpenBLAS picked for this CPU (OPENBLAS_CORETYPE forces them)
 void require_precision(Precision p);
 
 void set_threads(int n);  // the threads a GEMM takes (OpenBLAS keeps a pool of its own)

@@ -19,10 +19,7 @@
 #include <string>
 
 #include "kernels/bf16.hpp"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "kernels/isa.hpp"
 
 namespace zoo {
 
@@ -90,96 +87,180 @@ struct Matrix {
     }
 };
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 values at a time: the products widen every stored matrix once per pass, so this runs over
-// the whole model two or three times a step (scalar, it cost more than the products of an 8B
-// model's LoRA step; docs/lora.md).
-namespace simd {
-inline __m512 int8x16(const int8_t* v, __m512 scale) {
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)v))), scale);
-}
-// 8 bytes of nf4 codes (16 values, low nibble first) as fp32.
-inline __m512 nf4x16(const uint8_t* v, __m512 levels, __m512 scale) {
-    const __m128i b = _mm_loadl_epi64((const __m128i*)v), low = _mm_set1_epi8(15);
-    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), levels), scale);
-}
-inline __m512 bf16x16(const uint16_t* v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)v)), 16));
-}
-// Round to nearest even, as to_bf16 (the values here are finite: scales times levels or int8).
-inline void store_bf16x16(uint16_t* out, __m512 x) {
-#if defined(__AVX512BF16__)
-    _mm256_storeu_si256((__m256i*)out, (__m256i)_mm512_cvtneps_pbh(x));
-#else
-    __m512i u = _mm512_castps_si512(x);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16),
-                                                                                          _mm512_set1_epi32(1))));
-    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-#endif
-}
-}  // namespace simd
-#endif
-
 // Values [c0, c1) of row r of m widened, to fp32 (Out float) or bf16 bits (Out uint16_t); c0 a
-// multiple of nf4_block.
+// multiple of nf4_block. The scalar path: every CPU, and the tail of the vector paths.
 template <class Out>
-inline void widen_row_range(const Matrix& m, size_t r, size_t c0, size_t c1, Out* out) {
+inline void widen_row_range_scalar(const Matrix& m, size_t r, size_t c0, size_t c1, Out* out) {
     constexpr bool to_bf16_bits = sizeof(Out) == 2;
     auto put = [&](size_t c, float x) {
         if constexpr (to_bf16_bits) out[c - c0] = to_bf16(x);
         else out[c - c0] = x;
     };
     const size_t C = m.cols;
-    size_t c = c0;
     switch (m.dtype) {
         case DType::bf16: {
             const uint16_t* v = static_cast<const uint16_t*>(m.data) + r * C;
-            if constexpr (to_bf16_bits) {
-                std::memcpy(out, v + c0, 2 * (c1 - c0));
-                return;
-            }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-            for (; c + 16 <= c1; c += 16) _mm512_storeu_ps((float*)out + (c - c0), simd::bf16x16(v + c));
-#endif
-            for (; c < c1; c++) put(c, from_bf16(v[c]));
+            if constexpr (to_bf16_bits) std::memcpy(out, v + c0, 2 * (c1 - c0));
+            else
+                for (size_t c = c0; c < c1; c++) put(c, from_bf16(v[c]));
             return;
         }
         case DType::int8: {
             const int8_t* v = static_cast<const int8_t*>(m.data) + r * C;
             const float s = m.scales()[r];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-            const __m512 sv = _mm512_set1_ps(s);
-            for (; c + 16 <= c1; c += 16) {
-                const __m512 x = simd::int8x16(v + c, sv);
-                if constexpr (to_bf16_bits) simd::store_bf16x16((uint16_t*)out + (c - c0), x);
-                else _mm512_storeu_ps((float*)out + (c - c0), x);
-            }
-#endif
-            for (; c < c1; c++) put(c, v[c] * s);
+            for (size_t c = c0; c < c1; c++) put(c, v[c] * s);
             return;
         }
         case DType::nf4: {
             const size_t nb = nf4_blocks(C);
             const uint8_t* v = static_cast<const uint8_t*>(m.data) + r * nb * (nf4_block / 2);
             const float* s = m.scales() + r * nb;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-            const __m512 levels = _mm512_loadu_ps(nf4_levels);
-            for (; c + 16 <= c1; c += 16) {  // 16 values never straddle a block of 64
-                const __m512 x = simd::nf4x16(v + c / 2, levels, _mm512_set1_ps(s[c / nf4_block]));
-                if constexpr (to_bf16_bits) simd::store_bf16x16((uint16_t*)out + (c - c0), x);
-                else _mm512_storeu_ps((float*)out + (c - c0), x);
-            }
-#endif
-            for (; c < c1; c++) {
+            for (size_t c = c0; c < c1; c++) {
                 const uint8_t byte = v[c / 2];
                 put(c, nf4_levels[(c & 1) ? byte >> 4 : byte & 15] * s[c / nf4_block]);
             }
             return;
         }
         default:
-            for (; c < c1; c++) put(c, m.f32()[r * C + c]);
+            for (size_t c = c0; c < c1; c++) put(c, m.f32()[r * C + c]);
     }
+}
+
+#if defined(ZOO_X86)
+// The vector paths (isa.hpp picks one at run time): the products widen every stored matrix
+// once per pass, so this runs over the whole model two or three times a step (scalar, it cost
+// more than the products of an 8B model's LoRA step; docs/lora.md). Each returns the column
+// where its vectors stop; the scalar path does the rest. Groups of 8 or 16 values never
+// straddle an nf4 block of 64, since c0 is a multiple of 64.
+namespace vec {
+__attribute__((target("avx2,fma"))) inline __m256 int8x8_avx2(const int8_t* v, __m256 scale) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)v))), scale);
+}
+// 4 bytes of nf4 codes (8 values, low nibble first) as fp32: levels 0-7 and 8-15 looked up by
+// the code's low 3 bits, chosen by its fourth.
+__attribute__((target("avx2,fma"))) inline __m256 nf4x8_avx2(const uint8_t* v, __m256 low_levels,
+                                                              __m256 high_levels, __m256 scale) {
+    int32_t four;
+    std::memcpy(&four, v, 4);
+    const __m128i b = _mm_cvtsi32_si128(four), nibble = _mm_set1_epi8(15);
+    const __m256i codes = _mm256_cvtepu8_epi32(
+        _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble)));
+    const __m256 high = _mm256_castsi256_ps(_mm256_cmpgt_epi32(codes, _mm256_set1_epi32(7)));
+    const __m256 x = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low_levels, codes),
+                                      _mm256_permutevar8x32_ps(high_levels, codes), high);
+    return _mm256_mul_ps(x, scale);
+}
+__attribute__((target("avx2,fma"))) inline __m256 bf16x8_to_f32_avx2(const uint16_t* v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)v)), 16));
+}
+template <class Out>
+__attribute__((target("avx2,fma"))) inline void put8_avx2(Out* out, __m256 x) {
+    if constexpr (sizeof(Out) == 2) _mm_storeu_si128((__m128i*)out, bf16x8_avx2(x));
+    else _mm256_storeu_ps((float*)out, x);
+}
+template <class Out>
+__attribute__((target("avx2,fma"))) inline size_t widen_avx2(const Matrix& m, size_t r, size_t c0, size_t c1, Out* out) {
+    const size_t C = m.cols;
+    size_t c = c0;
+    switch (m.dtype) {
+        case DType::bf16: {
+            const uint16_t* v = static_cast<const uint16_t*>(m.data) + r * C;
+            if constexpr (sizeof(Out) == 4)
+                for (; c + 8 <= c1; c += 8) _mm256_storeu_ps((float*)out + (c - c0), bf16x8_to_f32_avx2(v + c));
+            break;
+        }
+        case DType::int8: {
+            const int8_t* v = static_cast<const int8_t*>(m.data) + r * C;
+            const __m256 s = _mm256_set1_ps(m.scales()[r]);
+            for (; c + 8 <= c1; c += 8) put8_avx2(out + (c - c0), int8x8_avx2(v + c, s));
+            break;
+        }
+        case DType::nf4: {
+            const size_t nb = nf4_blocks(C);
+            const uint8_t* v = static_cast<const uint8_t*>(m.data) + r * nb * (nf4_block / 2);
+            const float* s = m.scales() + r * nb;
+            const __m256 low = _mm256_loadu_ps(nf4_levels), high = _mm256_loadu_ps(nf4_levels + 8);
+            for (; c + 8 <= c1; c += 8)
+                put8_avx2(out + (c - c0), nf4x8_avx2(v + c / 2, low, high, _mm256_set1_ps(s[c / nf4_block])));
+            break;
+        }
+        default: break;
+    }
+    return c;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 int8x16_avx512(const int8_t* v, __m512 scale) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)v))), scale);
+}
+// 8 bytes of nf4 codes (16 values, low nibble first) as fp32: one lookup of the 16 levels.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 nf4x16_avx512(const uint8_t* v, __m512 levels,
+                                                                                  __m512 scale) {
+    const __m128i b = _mm_loadl_epi64((const __m128i*)v), nibble = _mm_set1_epi8(15);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, nibble), _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), levels), scale);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 bf16x16_to_f32_avx512(const uint16_t* v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)v)), 16));
+}
+// native_bf16: the CPU has AVX512_BF16's conversion (the one path that executes it).
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void put16_avx512(Out* out, __m512 x,
+                                                                                          bool native_bf16) {
+    if constexpr (sizeof(Out) == 2)
+        _mm256_storeu_si256((__m256i*)out, native_bf16 ? bf16x16_avx512_bf16(x) : bf16x16_avx512(x));
+    else
+        _mm512_storeu_ps((float*)out, x);
+}
+template <class Out>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline size_t widen_avx512(
+    const Matrix& m, size_t r, size_t c0, size_t c1, Out* out, bool native_bf16) {
+    const size_t C = m.cols;
+    size_t c = c0;
+    switch (m.dtype) {
+        case DType::bf16: {
+            const uint16_t* v = static_cast<const uint16_t*>(m.data) + r * C;
+            if constexpr (sizeof(Out) == 4)
+                for (; c + 16 <= c1; c += 16) _mm512_storeu_ps((float*)out + (c - c0), bf16x16_to_f32_avx512(v + c));
+            break;
+        }
+        case DType::int8: {
+            const int8_t* v = static_cast<const int8_t*>(m.data) + r * C;
+            const __m512 s = _mm512_set1_ps(m.scales()[r]);
+            for (; c + 16 <= c1; c += 16) put16_avx512(out + (c - c0), int8x16_avx512(v + c, s), native_bf16);
+            break;
+        }
+        case DType::nf4: {
+            const size_t nb = nf4_blocks(C);
+            const uint8_t* v = static_cast<const uint8_t*>(m.data) + r * nb * (nf4_block / 2);
+            const float* s = m.scales() + r * nb;
+            const __m512 levels = _mm512_loadu_ps(nf4_levels);
+            for (; c + 16 <= c1; c += 16)
+                put16_avx512(out + (c - c0), nf4x16_avx512(v + c / 2, levels, _mm512_set1_ps(s[c / nf4_block])),
+                             native_bf16);
+            break;
+        }
+        default: break;
+    }
+    return c;
+}
+}  // namespace vec
+#endif
+
+// Values [c0, c1) of row r of m widened, to fp32 (Out float) or bf16 bits (Out uint16_t); c0 a
+// multiple of nf4_block: the vector path of this CPU (isa.hpp), then the scalar tail.
+template <class Out>
+inline void widen_row_range(const Matrix& m, size_t r, size_t c0, size_t c1, Out* out) {
+    size_t c = c0;
+    if (m.dtype == DType::bf16 && sizeof(Out) == 2) return widen_row_range_scalar(m, r, c0, c1, out);  // a copy
+#if defined(ZOO_X86)
+    switch (vector_isa()) {
+        case VectorIsa::avx512_bf16: c = vec::widen_avx512(m, r, c0, c1, out, true); break;
+        case VectorIsa::avx512: c = vec::widen_avx512(m, r, c0, c1, out, false); break;
+        case VectorIsa::avx2: c = vec::widen_avx2(m, r, c0, c1, out); break;
+        default: break;
+    }
+#endif
+    if (c < c1) widen_row_range_scalar(m, r, c, c1, out + (c - c0));
 }
 
 // Rows [r0, r1) of m widened to fp32 (out: (r1 - r0) x cols), rows in parallel.

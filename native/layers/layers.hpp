@@ -13,6 +13,7 @@
 #include <string>
 
 #include "kernels/bf16.hpp"
+#include "kernels/gemv.hpp"
 #include "executor/model.hpp"
 
 // Clad treats a type marked so as opaque: a LayerCall argument gets no adjoint, and Clad never
@@ -38,9 +39,13 @@ struct ZOO_CLAD_OPAQUE LayerCall {
     const ActivationPlan* plan;   // the adjoints and scratch its pullback uses (training only)
     const float *rope_cos, *rope_sin;
     const int32_t* positions;     // the step's packed positions, or null
-    float* attention_scratch;
-    float *k_cache, *v_cache, *probs;  // generation: this layer's KV cache
+    const int32_t* hidden;        // and its rows' hidden key spans, or null (block.hpp)
+    float* attention_scratch;     // (generation: the cache's)
+    float *k_cache, *v_cache;     // generation: this layer's KV cache,
     int cache_len;
+    const CacheRun* runs;         // the call's runs of rows (Attention::forward_cached)
+    int n_runs, cache_threads;
+    float* decode_scratch;        // and the decode products' (gemv.hpp)
     int B, T, pos0;
     LayerPass pass;
     GradMode mode;                // the gradient lifecycle's: write or add the parameter gradients
@@ -76,21 +81,6 @@ struct LayerTimer {
     }
 };
 
-// This call's keys and values (rows of qkv) join layer's KV cache at pos0 (B, n_kv_head,
-// cache_len, head_dim).
-inline void append_kv_cache(const Dims& d, const float* qkv, float* kc, float* vc, int B, int T, int pos0,
-                            int cache_len) {
-    const int hd = d.head_dim;
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++)
-            for (int g = 0; g < d.n_kv_head; g++) {
-                const float* row = qkv + ((size_t)b * T + t) * d.qkv_dim();
-                const size_t at = (((size_t)b * d.n_kv_head + g) * cache_len + pos0 + t) * hd;
-                std::memcpy(kc + at, row + (d.n_head + g) * hd, sizeof(float) * hd);
-                std::memcpy(vc + at, row + (d.n_head + d.n_kv_head + g) * hd, sizeof(float) * hd);
-            }
-}
-
 // --- block calls: what an arrangement's forward is written in --------------------------------
 // Each runs its block forward (all of it in training and generation; in a pullback's replay
 // only where the output lives in a buffer every layer shares: the norm output and the MLP
@@ -107,11 +97,21 @@ inline void layer_norm_call(const float* x, const float* w, const float* b, floa
     d.norm->forward({d.d_model, d.norm_eps, c->N(), x, w, b, norm_stats(c, slot)}, y);
 }
 
+// y = r + x W^T + b (r may be null, or y): generation's few rows on the decode kernels.
+inline void layer_product(const float* x, const float* W, const float* b, const float* r, float* y, int in, int out,
+                          const LayerCall* c) {
+    if (c->pass == LayerPass::cached && c->N() <= gemv::max_rows)
+        gemv::product(c->precision, c->N(), x, in, Matrix(W, DType::f32, out, in), b, r, out, y, out,
+                      c->decode_scratch);
+    else
+        c->linear(in, out).forward(x, W, b, y, c->N(), r);
+}
+
 // y = x W^T + b.
 inline void layer_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
                               const LayerCall* c) {
     const LayerTimer timer(c, k_linear, false);
-    if (!c->replay()) c->linear(in, out).forward(x, W, b, y, c->N());
+    if (!c->replay()) layer_product(x, W, b, nullptr, y, in, out, c);
 }
 
 // y = r + x W^T + b: a projection into the residual stream r (r may be y in generation, where
@@ -119,14 +119,14 @@ inline void layer_linear_call(const float* x, const float* W, const float* b, fl
 inline void layer_residual_linear_call(const float* x, const float* W, const float* b, const float* r, float* y,
                                        int in, int out, const LayerCall* c) {
     const LayerTimer timer(c, k_linear, false);
-    if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), r);
+    if (!c->replay() && c->pass != LayerPass::recompute) layer_product(x, W, b, r, y, in, out, c);
 }
 
 // y += x W^T + b: a second projection into the same residual stream.
 inline void layer_accumulate_linear_call(const float* x, const float* W, const float* b, float* y, int in, int out,
                                          const LayerCall* c) {
     const LayerTimer timer(c, k_linear, false);
-    if (!c->replay() && c->pass != LayerPass::recompute) c->linear(in, out).forward(x, W, b, y, c->N(), y);
+    if (!c->replay() && c->pass != LayerPass::recompute) layer_product(x, W, b, y, y, in, out, c);
 }
 
 // RoPE on the q and k heads of qkv, in place (nothing without RoPE positions).
@@ -147,12 +147,12 @@ inline void layer_attention_call(float* qkv, float* att, const LayerCall* c) {
     const size_t N = c->N();
     if (c->replay()) return;
     if (c->pass == LayerPass::cached) {
-        append_kv_cache(d, qkv, c->k_cache, c->v_cache, c->B, c->T, c->pos0, c->cache_len);
-        c->attention().forward_cached(qkv, c->k_cache, c->v_cache, c->probs, att, c->B, c->T, c->pos0, c->cache_len);
+        c->attention().forward_cached(qkv, c->runs, c->n_runs, c->k_cache, c->v_cache, c->cache_len, att,
+                                      c->attention_scratch, c->cache_threads);
         return;
     }
     if (a.qkv_bf16) round_and_save_bf16(qkv, a.qkv_bf16, N * d.qkv_dim());
-    c->attention().forward(qkv, c->positions, a.lse, att, c->attention_scratch, c->B, c->T);
+    c->attention().forward(qkv, c->positions, c->hidden, a.lse, att, c->attention_scratch, c->B, c->T);
     if (a.att_bf16) round_and_save_bf16(att, a.att_bf16, N * d.attn_dim());
 }
 
@@ -230,8 +230,8 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
 // zeroes it first either way).
 inline void layer_attention_call_pullback(float* qkv, float* att, const LayerCall* c, float* d_qkv, float* d_att) {
     const ::zoo::LayerTimer timer(c, ::zoo::k_attention, true);
-    c->pb->attention(c->attention(), qkv, c->positions, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch, c->B,
-                     c->T);
+    c->pb->attention(c->attention(), qkv, c->positions, c->hidden, c->a->lse, d_att, d_qkv, c->plan->pullback_scratch,
+                     c->B, c->T);
 }
 
 // The activation pullback writes d_fc: the arrangement's one reader of fc.

@@ -89,14 +89,14 @@ PRESETS: list[Preset] = [
 _BY_NAME = {p.name: p for p in PRESETS}
 
 
-def preset(name: str) -> ModelConfig:
-    """The ModelConfig of a named preset."""
+def preset_info(name: str) -> Preset:
+    """A named preset: its config, the checkpoints it matches, its licence."""
     try:
-        return _BY_NAME[name].config
+        return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(_BY_NAME)}") from None
 
 
-def preset_info(name: str) -> Preset:
-    preset(name)
-    return _BY_NAME[name]
+def preset(name: str) -> ModelConfig:
+    """The ModelConfig of a named preset."""
+    return preset_info(name).config

@@ -33,6 +33,18 @@ class DistributedError(RuntimeError):
     launcher's, ranks that disagree on their data or weights); the message says which rank."""
 
 
+class TrainError(RuntimeError):
+    """A run that cannot start or go on; the message says why and what was kept."""
+
+
+class TrainInterrupted(Exception):
+    """Ctrl-C: a checkpoint was saved (see .checkpoint) and the run stopped."""
+
+    def __init__(self, step: int, checkpoint: os.PathLike):
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(f"interrupted at step {step}; checkpoint saved to {checkpoint}")
+
+
 class ResourceError(RuntimeError):
     """The machine lacks the memory or disk space something needs; the message gives both numbers
     (what is needed, what there is) and what would make it fit."""

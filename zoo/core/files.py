@@ -1,11 +1,13 @@
 """Reading the files zoo reads: regular files only (a FIFO or a device in place of config.json
 would block or never end), within a size bound, and JSON parsed into a typed model whose errors
 name the file and the field. Every reader of a config, tokenizer, index or state file goes
-through here, so these rules live in one place."""
+through here, so these rules live in one place; the weight files (safetensors, GGUF) are read
+through a memory map, MappedFile, opened and closed here for both formats."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import stat
 from pathlib import Path
@@ -94,6 +96,46 @@ def read_json_model(path: str | os.PathLike, model: type[M], what: str = "JSON f
     """A JSON file parsed into a typed model: regular file, size bound, syntax and every field
     checked, each error naming the file (and the line or the field)."""
     return parse_model(path, model, read_json(path, what), what)
+
+
+class MappedFile:
+    """A regular file of a binary format, read through a read-only memory map (`_map`, `size`
+    bytes) that `with` or close() releases. The subclass parses its header in `_parse` when the
+    object is made; should that fail, the map is released before the error goes on."""
+
+    def __init__(self, path: str | os.PathLike, format_name: str, min_size: int):
+        """format_name: the format's name in messages ("safetensors"); min_size: the bytes its
+        smallest header takes (a shorter file is refused, naming its size)."""
+        self.path = regular_file(path, f"{format_name} file")  # a FIFO would block open()
+        try:
+            with open(self.path, "rb") as f:
+                self.size = os.fstat(f.fileno()).st_size
+                if self.size < min_size:
+                    raise CheckpointError(self.path, f"file is {self.size} bytes, too short for a {format_name} "
+                                                     "header (truncated?)")
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
+        try:
+            self._parse()
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view; the map closes when that view is freed
 
 
 def show_value(value) -> str:

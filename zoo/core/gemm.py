@@ -4,6 +4,7 @@ products run on, whether bf16 products can run here, and the precisions a model 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from .native import _native
 
@@ -58,3 +59,80 @@ def apply_gemm_environment() -> None:
         except ValueError as e:
             raise ValueError(f"ZOO_GEMM={name}: {e}") from None
     _gemm_environment_applied = True
+
+
+# --- which kernels a model's products run on -------------------------------------------------
+
+PRODUCTS = ("forward", "dx", "dW")
+
+
+def linear_shapes(cfg) -> list[dict]:
+    """Every distinct linear layer shape (in, out) of a step, with how many times a step runs
+    it; layers of the same shape are merged (their names joined by '+')."""
+    from . import blocks
+
+    gate_width = blocks.activations()[cfg.mlp]["gate_width"]
+    layers = [
+        ("qkv", cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, cfg.n_layer),
+        ("attn_out", cfg.n_head * cfg.head_dim, cfg.d_model, cfg.n_layer),
+        ("mlp_in", cfg.d_model, gate_width * cfg.d_ff, cfg.n_layer),
+        ("mlp_out", cfg.d_ff, cfg.d_model, cfg.n_layer),
+        ("lm_head", cfg.d_model, cfg.vocab_size, 1),
+    ]
+    shapes: list[dict] = []
+    for name, n_in, n_out, count in layers:
+        same = [s for s in shapes if s["in"] == n_in and s["out"] == n_out]
+        if same:
+            same[0]["layer"] += "+" + name
+            same[0]["count"] += count
+        else:
+            shapes.append({"layer": name, "in": n_in, "out": n_out, "count": count})
+    return shapes
+
+
+def product_shape(product: str, rows: int, n_in: int, n_out: int) -> tuple[bool, bool, int, int, int]:
+    """(trans_a, trans_b, M, N, K) of a linear layer's product, as native/blocks/linear.hpp runs
+    it: forward y = x W^T, dx = dy W, dW += dy^T x."""
+    return {"forward": (False, True, rows, n_out, n_in), "dx": (False, False, rows, n_in, n_out),
+            "dW": (True, False, n_out, n_in, rows)}[product]
+
+
+def is_bf16_kernel(kernel: str) -> bool:
+    """Whether a kernel name (as _native.gemm_kernel gives it) runs on bf16 dot products: oneDNN's
+    AMX, AVX512_BF16 or AVX-NE-CONVERT kernels (gemm.cpp's is_bf16_kernel)."""
+    return _native.is_bf16_kernel(kernel)
+
+
+def product_kernels(cfg, precision: str, rows: int, base_dtype: str = "fp32") -> list[dict]:
+    """The kernel each linear layer's products run on in a step of `rows` rows, as the GEMM
+    library reports it (oneDNN names the implementation it picks): {layer, product, M, N, K,
+    kernel}. A frozen base (base_dtype other than fp32) has no weight-gradient products, and in
+    bf16 its products take bf16 operands (stored, or widened to bf16 a tile at a time)."""
+    apply_gemm_environment()
+    frozen = base_dtype != "fp32"
+    out = []
+    for s in linear_shapes(cfg):
+        for product in PRODUCTS[:2] if frozen else PRODUCTS:
+            ta, tb, M, N, K = product_shape(product, rows, s["in"], s["out"])
+            kernel = _native.gemm_kernel(precision, ta, tb, M, N, K, bf16_operands=frozen and precision == "bf16")
+            out.append({"layer": s["layer"], "product": product, "M": M, "N": N, "K": K, "kernel": kernel})
+    return out
+
+
+def products_report(cfg, precision: str, rows: int, base_dtype: str = "fp32") -> tuple[str, Optional[str]]:
+    """What a run's products run on, for its first lines: a summary ("bf16 products on
+    onednn:brg:avx512_core_bf16 (operands rounded by zoo)"), and a one-line warning where bf16
+    products would run on kernels without bf16 dot products (None where all have them)."""
+    kernels = product_kernels(cfg, precision, rows, base_dtype)
+    names = sorted({k["kernel"] for k in kernels})
+    summary = f"{precision} products on {', '.join(names)}"
+    if precision != "bf16":
+        return summary, None
+    slow = [k for k in kernels if not is_bf16_kernel(k["kernel"])]
+    if not slow:
+        return summary, None
+    first = slow[0]
+    return summary, (f"warning: {len(slow)} of the {len(kernels)} bf16 products of a step run on kernels "
+                     f"without bf16 dot products ({', '.join(sorted({k['kernel'] for k in slow}))}; e.g. "
+                     f"{first['layer']} {first['product']} {first['M']}x{first['N']}x{first['K']}): "
+                     f"rounded to bf16, they run no faster than fp32 here")

@@ -5,6 +5,7 @@ found there (a build moved elsewhere), it is loaded first, globally, from its wh
 
 import ctypes
 import fnmatch
+import numbers
 import os
 from importlib.metadata import PackageNotFoundError, distribution
 
@@ -16,6 +17,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Likewise OpenBLAS's workers spin for 2^28 cycles after each GEMM by default, competing with
 # the OpenMP loops that follow: 2^4 cycles made a GPT-2 step about 10% faster here.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+# A CPU class forced for oneDNN and zoo's own vector code (DNNL_MAX_CPU_ISA, docs/benchmarks.md)
+# forces OpenBLAS's kernels too, unless OPENBLAS_CORETYPE says otherwise: AVX2 and AVX-512
+# without bf16 then run fp32 products on the kernels such a CPU would (OpenBLAS picks its own
+# from CPUID otherwise, AVX-512 ones on any AVX-512 machine).
+_OPENBLAS_CORE_OF_CLASS = {"AVX2": "Haswell", "AVX2_VNNI": "Haswell", "AVX512_CORE": "SkylakeX",
+                           "AVX512_CORE_VNNI": "SkylakeX"}
+if os.environ.get("DNNL_MAX_CPU_ISA", "").upper() in _OPENBLAS_CORE_OF_CLASS:
+    os.environ.setdefault("OPENBLAS_CORETYPE", _OPENBLAS_CORE_OF_CLASS[os.environ["DNNL_MAX_CPU_ISA"].upper()])
 
 # The libraries the extension may miss, by the wheel that ships each.
 _WHEEL_LIBRARIES = {"libscipy_openblas": "scipy-openblas32", "libdnnl": "onednn-cpu-gomp",
@@ -46,14 +55,26 @@ for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
             raise
 
 
+# Far above any machine's cores; below what the native int takes (a larger count would be a
+# cast error, not a message).
+MAX_THREADS = 4096
 
-def set_threads(n: int) -> None:
-    """Threads for zoo's kernels and its BLAS alike."""
-    _native.set_threads(int(n))
+
+def check_threads(n, name: str = "threads") -> int:
+    """n as a thread count, an integer in [1, MAX_THREADS]; a ValueError naming `name` (the flag
+    or field the count was given as) otherwise."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= MAX_THREADS:
+        raise ValueError(f"{name} must be an integer in [1, {MAX_THREADS}], got {n!r}")
+    return int(n)
+
+
+def set_threads(n: int, name: str = "threads") -> None:
+    """Threads for zoo's kernels and its BLAS alike (check_threads checks n; name: as there)."""
+    _native.set_threads(check_threads(n, name))
 
 
 def get_threads() -> int:
     return _native.get_threads()
 
 
-__all__ = ["_native", "get_threads", "set_threads"]
+__all__ = ["_native", "MAX_THREADS", "check_threads", "get_threads", "set_threads"]

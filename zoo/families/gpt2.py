@@ -65,7 +65,8 @@ def read_gguf(key, f) -> dict:
 
 
 def write_gguf(cfg) -> dict:
-    return {"attention.layer_norm_epsilon": (cfg.norm_eps, "FLOAT32")}
+    # vocab_size: what llama.cpp sizes a file without a vocabulary by
+    return {"attention.layer_norm_epsilon": (cfg.norm_eps, "FLOAT32"), "vocab_size": (cfg.vocab_size, "UINT32")}
 
 
 FAMILY = Family(

@@ -35,7 +35,7 @@ from ..text.tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokeniz
 GENERATION_FILE = "generation_config.json"
 
 
-def _is_buffer(cfg: ModelConfig, name: str) -> bool:
+def is_buffer(cfg: ModelConfig, name: str) -> bool:
     """Tensors some checkpoints store that are not parameters (recomputed by every runtime)."""
     return name.endswith(families.get(cfg.family).names.buffers)
 
@@ -66,7 +66,7 @@ def match_tensors(cfg: ModelConfig, reader: CheckpointReader) -> list[TensorMatc
     used = {m.stored for m in matches}
     head = families.get(cfg.family).names.head + ".weight"
     for name in reader.names:
-        if name in used or _is_buffer(cfg, name) or (name == head and cfg.tied_embeddings):
+        if name in used or is_buffer(cfg, name) or (name == head and cfg.tied_embeddings):
             continue  # a tied head stored anyway is the embedding again
         raise CheckpointError(reader.file_of(name).path,
                               f"tensor has no place in the model {CONFIG_FILE} describes", key=name)
@@ -99,7 +99,7 @@ def nonfinite_message(counts: dict[str, int], n_tensors: int) -> str:
             f"{shown}{more}")
 
 
-def _nonfinite_error(reader: CheckpointReader, counts: dict[str, int], n_tensors: int) -> CheckpointError:
+def nonfinite_error(reader: CheckpointReader, counts: dict[str, int], n_tensors: int) -> CheckpointError:
     files = {reader.file_of(name).path for name in counts}
     where = files.pop() if len(files) == 1 else reader.source
     return CheckpointError(where, f"{nonfinite_message(counts, n_tensors)}; a model with them computes NaN. "
@@ -118,7 +118,7 @@ def scan_nonfinite(reader: CheckpointReader, matches: list[TensorMatch]) -> dict
     return counts
 
 
-def _checkpoint_folder(path: str | os.PathLike) -> Path:
+def checkpoint_folder(path: str | os.PathLike) -> Path:
     folder = Path(path)
     if not folder.is_dir():
         if folder.is_file() and folder.suffix.lower() == ".gguf":
@@ -142,7 +142,7 @@ def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Option
     stored in the base's format as they are read, a block of rows at a time; the adapters start
     as PEFT starts them, drawn from adapter_seed.
     """
-    folder = _checkpoint_folder(path)
+    folder = checkpoint_folder(path)
     cfg = read_config(folder, max_seq_len=max_seq_len)
     with CheckpointReader(folder) as reader:
         matches = check_tensors(cfg, reader)  # all checks before the arena is allocated
@@ -159,7 +159,7 @@ def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Option
             if n:
                 nonfinite[m.stored] = n
         if nonfinite:
-            error = _nonfinite_error(reader, nonfinite, len(matches))
+            error = nonfinite_error(reader, nonfinite, len(matches))
             if not allow_nonfinite:
                 raise error
             warnings.warn(f"{error.path}: loaded with {nonfinite_message(nonfinite, len(matches))} "

@@ -41,18 +41,24 @@ from pydantic import ValidationError
 from .. import families
 from ..core.atomic import atomic_path
 from ..arch.config import ModelConfig
-from ..core.rope import RopeScaling
+from ..core.rope import RopeScaling, rope_inv_freq
 from ..core.errors import CheckpointError
 from ..core.files import first_field_error
 from .hf_config import hf_incompatibility
 from ..arch.layout import ParamSpec, parameter_layout
 from .checkpoints import nonfinite_message
 from .safetensors import count_nonfinite
+from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
+from ..text.tokenizers import TOKENIZER_FILES, Tokenizer
 
 ROPE_FREQS = "rope_freqs.weight"
 # Export: what --dtype names -> the GGUF type of the 2-D weights (norms, biases, GPT-2's positions
 # and rope_freqs stay F32, as llama.cpp's converter keeps them) and general.file_type.
-EXPORT_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32), "q8_0": ("Q8_0", 7)}
+EXPORT_TYPES = {"float32": ("F32", 0), "float16": ("F16", 1), "bfloat16": ("BF16", 32), "q8_0": ("Q8_0", 7),
+                "q4_0": ("Q4_0", 2)}
+# What a file without a vocabulary says in its tokenizer key: llama.cpp then loads it with
+# {arch}.vocab_size placeholder tokens and runs token ids (it cannot tokenize text with it).
+NO_VOCABULARY = "none"
 # Which ModelConfig field each metadata key feeds (for errors), with {arch} filled in.
 _KEY_OF_FIELD = {"vocab_size": "token_embd.weight", "max_seq_len": "{arch}.context_length",
                  "d_model": "{arch}.embedding_length", "n_layer": "{arch}.block_count",
@@ -79,7 +85,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 
 def tensor_names(cfg: ModelConfig) -> list[tuple[ParamSpec, str]]:
     """(zoo parameter, its GGUF name) for every parameter of cfg, by llama.cpp's name map."""
-    import gguf
+    import gguf  # imported only where a GGUF file is read or written
 
     arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == _gguf_arch(cfg))
     names = gguf.get_tensor_name_map(arch, cfg.n_layer)
@@ -212,8 +218,6 @@ def _llama3_scaling(f, theta: float, head_dim: int) -> Optional[RopeScaling]:
                               original_max_position_embeddings=original)
     except ValidationError:
         raise unsupported from None
-    from ..core.rope import rope_inv_freq
-
     cfg = ModelConfig(vocab_size=1, max_seq_len=1, d_model=head_dim, n_layer=1, n_head=1, positions="rope",
                       norm="rmsnorm", mlp="swiglu", rope_theta=theta, rope_scaling=scaling)
     expected = _inv_freq(theta, head_dim) / divisors
@@ -249,7 +253,7 @@ def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int
     a frozen base's format, one tensor at a time), the q/k permutation undone, the tokenizer the
     metadata carries as model.pretrained_tokenizer (save_pretrained writes it). The other
     arguments are checkpoints.load_pretrained's."""
-    from ..text.gguf_tokenizer import tokenizer_from_gguf
+    from ..text.gguf_tokenizer import tokenizer_from_gguf  # these two import the gguf package: only for a .gguf
     from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
@@ -288,8 +292,7 @@ def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int
 def chat_template_from_gguf(path: str | os.PathLike):
     """The chat template a GGUF file carries (tokenizer.chat_template), with its bos/eos texts;
     zoo's fallback where it has none."""
-    from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
-    from ..text.gguf_tokenizer import tokenizer_files
+    from ..text.gguf_tokenizer import tokenizer_files  # these two import the gguf package: only for a .gguf
     from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
@@ -307,16 +310,16 @@ def chat_template_from_gguf(path: str | os.PathLike):
 def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokenizer=None,
               name: Optional[str] = None) -> Path:
     """Write `model` as one GGUF file for llama.cpp, atomically (a temporary file renamed over
-    `path`). dtype: float32, float16, bfloat16 or q8_0 for the matrices (norms, biases, GPT-2's
-    positions stay F32). tokenizer: a Tokenizer or a folder holding one, written as the
+    `path`). dtype: float32, float16, bfloat16, q8_0 or q4_0 for the matrices (norms, biases,
+    GPT-2's positions stay F32). tokenizer: a Tokenizer or a folder holding one, written as the
     tokenizer.ggml.* keys with its tokenizer_config.json's chat template and bos/eos settings; by
-    default the model's own (the GGUF or folder it was loaded from). Without one the file has no
-    vocabulary, and llama.cpp cannot tokenize text with it. name: general.name (default: the
-    file's stem)."""
-    import gguf
+    default the model's own (the GGUF or folder it was loaded from). Without one the file says
+    tokenizer.ggml.model = "none" with {arch}.vocab_size, which llama.cpp loads and runs on token
+    ids but cannot tokenize text with; a RuntimeWarning says so in one line. name: general.name
+    (default: the file's stem)."""
+    import gguf  # the gguf package, and the module over it: imported only when a GGUF file is written
 
     from ..text.gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
-    from ..text.tokenizers import TOKENIZER_FILES, Tokenizer
 
     if dtype not in EXPORT_TYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(EXPORT_TYPES)}")
@@ -340,6 +343,13 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
         keys.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab_size,
                                             tokenizer_settings(tokenizer, Path(folder) if folder else None),
                                             folder or "the tokenizer"))
+    else:
+        from gguf.constants import GGUFValueType as T
+
+        keys["tokenizer.ggml.model"] = (NO_VOCABULARY, T.STRING)
+        warnings.warn(f"{path}: no tokenizer to write (the model has none; give one with tokenizer=, or put its files "
+                      "beside the checkpoint): llama.cpp will load the file and run token ids, but cannot turn text "
+                      "into tokens or tokens into text with it", RuntimeWarning, stacklevel=2)
     tensors = _export_tensors(model, EXPORT_TYPES[dtype][0])
     with atomic_path(path) as tmp:
         writer = gguf.GGUFWriter(tmp, _gguf_arch(cfg))
@@ -362,7 +372,7 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
 
 
 def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str, tuple]:
-    from gguf.constants import GGML_QUANT_VERSION
+    from gguf.constants import GGML_QUANT_VERSION  # the gguf package: only where a GGUF file is written
     from gguf.constants import GGUFValueType as T
 
     arch = _gguf_arch(cfg)
@@ -378,9 +388,9 @@ def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str,
 
 def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...], object, Callable[[], np.ndarray]]]:
     """(GGUF name, shape, GGML type, a function making its stored bytes) for every tensor written:
-    matrices in matrix_type (F16 where a row does not divide into Q8_0 blocks, as llama.cpp's
-    converter falls back), 1-D tensors and positions in F32; llama's q/k rows permuted."""
-    import gguf
+    matrices in matrix_type (F16 where a row does not divide into Q8_0's or Q4_0's blocks of 32, as
+    llama.cpp's converter falls back), 1-D tensors and positions in F32; llama's q/k rows permuted."""
+    import gguf  # only where a GGUF file is written
     from gguf.constants import GGMLQuantizationType as Q
 
     cfg = model.config
@@ -407,8 +417,6 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
     if families.get(cfg.family).gguf_writes_tied_head and cfg.tied_embeddings:  # as llama.cpp's converter does
         out.append(("output.weight",) + out[0][1:])
     if cfg.rope_scaling is not None:
-        from ..core.rope import rope_inv_freq
-
         divisors = (_inv_freq(cfg.rope_theta, cfg.head_dim) / rope_inv_freq(cfg).astype(np.float64)).astype(np.float32)
         out.append((ROPE_FREQS, divisors.shape, Q.F32, lambda: divisors))
     return out

@@ -18,7 +18,6 @@ Strings are a u64 byte length and UTF-8 bytes.
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from ..core.errors import CheckpointError
-from ..core.files import regular_file
+from ..core.files import MappedFile
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -110,39 +109,13 @@ class _Cursor:
         return bytes(self.buf[self.take(n):self.at])
 
 
-class GGUFFile:
+class GGUFFile(MappedFile):
     """One GGUF file: `metadata` (key -> value: int, float, bool, str or list) and `tensors`
     (name -> GGUFTensor), the header checked whole when the file opens; `read(name)` gives a
     tensor as float32."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = regular_file(path, "GGUF file")  # a FIFO would block open()
-        try:
-            with open(self.path, "rb") as f:
-                self.size = os.fstat(f.fileno()).st_size
-                if self.size < 24:
-                    raise CheckpointError(self.path, f"file is {self.size} bytes, too short for a GGUF header "
-                                                     "(truncated?)")
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
-        try:
-            self._parse()
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> "GGUFFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a caller still holds a view; the map closes when that view is freed
+        super().__init__(path, "GGUF", min_size=24)
 
     # --- the header ---
 

@@ -18,7 +18,7 @@ from ..arch.memory import available_memory_bytes, finetune_memory_bytes, generat
 from ..arch.presets import PRESETS, preset
 from ..text.tokenizers import TOKENIZER_FILES
 from . import load
-from .checkpoints import _checkpoint_folder, _is_buffer, _nonfinite_error, check_tensors, scan_nonfinite
+from .checkpoints import checkpoint_folder, is_buffer, nonfinite_error, check_tensors, scan_nonfinite
 from .gguf import check_tensors as check_gguf_tensors
 from .gguf import is_gguf
 from .hf_config import CONFIG_FILE, config_from_hf, read_config_json
@@ -74,7 +74,7 @@ def _has_weights(folder: Path) -> bool:
 
 
 def _inspect_weights(path: Path, scan: bool) -> dict:
-    folder = _checkpoint_folder(path)
+    folder = checkpoint_folder(path)
     hf = read_config_json(folder)
     cfg = config_from_hf(hf, folder / CONFIG_FILE)
     with CheckpointReader(folder) as reader:
@@ -84,14 +84,14 @@ def _inspect_weights(path: Path, scan: bool) -> dict:
             if scan:
                 nonfinite = scan_nonfinite(reader, matches)
                 if nonfinite:
-                    raise _nonfinite_error(reader, nonfinite, len(matches))
+                    raise nonfinite_error(reader, nonfinite, len(matches))
             loadable = "yes"
         except CheckpointError as e:
             loadable = f"no: {e}"
         files = sorted({reader.file_of(n).path for n in reader.names})
     dtypes = Counter()
     for info in infos:
-        if not _is_buffer(cfg, info.name):
+        if not is_buffer(cfg, info.name):
             dtypes[info.dtype] += 1
     tokenizer_files = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     return {

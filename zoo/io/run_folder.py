@@ -48,7 +48,7 @@ def run_settings(folder: Path) -> dict:
     """The training settings (TrainConfig's fields, as JSON) of the run whose folder or
     checkpoint `folder` is: its own trainer state, else its newest checkpoint's; {} for a folder
     that is neither. Only read here: the trainer checks a state field by field when it resumes
-    (train/trainer.load_state), and each setting taken from here is checked where it is used."""
+    (train/checkpoint.load_state), and each setting taken from here is checked where it is used."""
     state_dir = folder if is_checkpoint(folder) else latest_checkpoint(folder)
     if state_dir is None:
         return {}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..core.atomic import atomic_open, fsync_dir, write_json
 from ..core.errors import CheckpointError
-from ..core.files import read_json_model, regular_file
+from ..core.files import MappedFile, read_json_model
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -60,45 +59,24 @@ class TensorInfo:
         return self.end - self.begin
 
 
-class SafetensorsFile:
+class SafetensorsFile(MappedFile):
     """One .safetensors file, header parsed and validated, data memory-mapped."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = regular_file(path, "safetensors file")  # a FIFO would block open()
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < 8:
-                    raise CheckpointError(self.path, f"file is {size} bytes, too short for a safetensors header "
-                                                     "(truncated?)")
-                n = int.from_bytes(f.read(8), "little")
-                if n < _MIN_HEADER_BYTES:
-                    raise CheckpointError(self.path, f"header length {n} is too short for a JSON header "
-                                                     "(not a safetensors file, or corrupt)")
-                if n > size - 8:
-                    raise CheckpointError(self.path, f"header length {n} runs past the end of the {size}-byte file "
-                                                     "(truncated?)")
-                if n > _MAX_HEADER_BYTES:
-                    raise CheckpointError(self.path, f"header length {n} exceeds the {_MAX_HEADER_BYTES}-byte limit")
-                header_bytes = f.read(n)
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise CheckpointError(self.path, f"cannot read: {e.strerror or e}") from None
+        super().__init__(path, "safetensors", min_size=8)
+
+    def _parse(self) -> None:
+        n = int.from_bytes(self._map[:8], "little")
+        if n < _MIN_HEADER_BYTES:
+            raise CheckpointError(self.path, f"header length {n} is too short for a JSON header "
+                                             "(not a safetensors file, or corrupt)")
+        if n > self.size - 8:
+            raise CheckpointError(self.path, f"header length {n} runs past the end of the {self.size}-byte file "
+                                             "(truncated?)")
+        if n > _MAX_HEADER_BYTES:
+            raise CheckpointError(self.path, f"header length {n} exceeds the {_MAX_HEADER_BYTES}-byte limit")
         self._data_start = 8 + n
-        data_len = size - self._data_start
-        self.metadata, self.tensors = _parse_header(self.path, header_bytes, data_len)
-
-    def __enter__(self) -> "SafetensorsFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a caller still holds a view; the map closes when that view is freed
+        self.metadata, self.tensors = _parse_header(self.path, self._map[8:8 + n], self.size - self._data_start)
 
     def info(self, name: str) -> TensorInfo:
         try:

@@ -32,6 +32,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from ..core.errors import ChatTemplateError, CheckpointError
 from ..core.files import parse_model, read_json, read_text
 from .tokenizers import Tokenizer, TokenizerConfig, has_tokenizer
@@ -65,8 +70,6 @@ class ChatTemplate:
     texts the template sees under those names. ChatTemplateError on a syntax error."""
 
     def __init__(self, source: str, origin: str, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
-        import jinja2
-
         if not isinstance(source, str):
             raise ChatTemplateError(origin, f"the template is a {type(source).__name__}, not text")
         self.source = source
@@ -169,8 +172,6 @@ class ChatTemplate:
         return chat
 
     def _render(self, chat: list[dict], add_generation_prompt: bool, extra: dict, doing: str = "rendering") -> str:
-        import jinja2
-
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None,
                      **extra}
         try:
@@ -220,8 +221,6 @@ def _text(value) -> Optional[str]:
 
 
 def _raise_exception(message):
-    import jinja2
-
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -236,11 +235,6 @@ def _strftime_now(format):
 
 @lru_cache(maxsize=1)
 def _environment():
-    import jinja2
-    import jinja2.ext
-    import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     class Generation(jinja2.ext.Extension):
         """{% generation %}...{% endgeneration %}: transformers marks assistant text with it
         (for its own masks); here it renders its body."""

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Iterable, Optional, Union
 
 import numpy as np
+import sentencepiece as spm
+import tiktoken
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.atomic import write_bytes
@@ -169,8 +171,6 @@ class _ByteBPE:
 
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], pattern: str, source: Path,
                  add_prefix_space: bool = False, nfc: bool = False):
-        import tiktoken
-
         ranks: dict[bytes, int] = {}
         rank_to_id: list[int] = []
         for b, ch in bytes_to_unicode().items():
@@ -212,8 +212,6 @@ class _ByteBPE:
 
 class _SentencePiece:
     def __init__(self, model_bytes: bytes, source: Path):
-        import sentencepiece as spm
-
         self.sp = spm.SentencePieceProcessor()
         try:
             self.sp.LoadFromSerializedProto(model_bytes)

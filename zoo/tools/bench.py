@@ -255,6 +255,24 @@ def _gemm_rate(runs: list[dict], what: str) -> dict:
     return out
 
 
+def products_table(used: list[dict], system: str) -> list[str]:
+    """The products a worker ran on oneDNN, one line each, with the kernel it ran on; a line
+    of warning first where some bf16 product ran on a kernel without bf16 dot products."""
+    if not used:
+        return []
+    slow = [u for u in used if u["precision"] == "bf16" and not u["bf16_kernel"]]
+    lines = ["", f"{system}'s products on oneDNN, as run (op(A) M x K times op(B) K x N; calls over all its steps):", ""]
+    if slow:
+        lines[1:1] = ["", f"**warning: {len(slow)} of {system}'s {len(used)} bf16 product shapes ran on kernels "
+                          f"without bf16 dot products** ({', '.join(sorted({u['kernel'] for u in slow}))})"]
+    lines += ["| M x N x K | transposed | operands | kernel | calls |", "|---|---|---|---|---:|"]
+    for u in used:
+        trans = "+".join(n for n, t in (("A", u["trans_a"]), ("B", u["trans_b"])) if t) or "none"
+        operands = "bf16" if u["bf16_operands"] else "fp32"
+        lines.append(f"| {u['M']} x {u['N']} x {u['K']} | {trans} | {operands} | {u['kernel']} | {u['calls']} |")
+    return lines
+
+
 def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: int) -> dict:
     """The GEMM libraries, the LM head's kernels and the CPU, as the zoo workers ran them (each
     precision from the worker that ran it)."""
@@ -263,6 +281,9 @@ def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: in
         "fp32_library": zoo_fp32["gemm"]["fp32"],
         "bf16_library": zoo_bf16["gemm"]["bf16"] if zoo_bf16 else None,
         "lm_head_kernel": {"fp32": zoo_fp32["gemm_kernel"], "bf16": zoo_bf16["gemm_kernel"] if zoo_bf16 else None},
+        # Each product (shape) the timed workers ran on oneDNN, with its kernel and calls.
+        "products": {"fp32": zoo_fp32.get("kernels_used", []),
+                     "bf16": zoo_bf16.get("kernels_used", []) if zoo_bf16 else []},
         "lm_head_shape": {"m": m, "k": k, "n": n},
         "built_in": under_test["gemm"]["built_in"],
         "cpu_vendor": under_test["gemm"]["cpu_vendor"],
@@ -531,6 +552,7 @@ def markdown(r: dict) -> str:
     lines.append(f"- GEMM as zoo's workers ran it: {libraries}; CPU {g['cpu'] or 'unknown'} ({g['cpu_vendor']}), "
                  f"flags {' '.join(g['cpu_flags']) or 'none of avx2/avx512f/bf16'}, oneDNN ISA "
                  f"{g['onednn_isa'] or 'none'}, bf16 dot products {'yes' if g['bf16_native'] else 'no'}")
+    lines += products_table(g["products"]["bf16"], "zoo_bf16")
     if r["rounds"] > 1:
         # Each compared system next to the zoo of its precision (the ratios' pairs).
         pairs = [key.split("_over_") for key, ratio in r["ratios"].items() if ratio]

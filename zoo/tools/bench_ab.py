@@ -95,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _worker(argv[1:])
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_ab", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--base", required=True, help="package root of the other build (holds zoo/ with _native)")
+    p.add_argument("--base", required=True, help="package root of the other build (holds zoo/ with its compiled core)")
     p.add_argument("--preset", default="gpt2", help="a named architecture")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")

@@ -91,26 +91,10 @@ def cpu_description() -> dict:
 
 def linear_shapes(cfg) -> list[dict]:
     """Every distinct linear layer shape (in, out) of a step, with how many times a step runs
-    it; layers of the same shape are merged (their names joined by '+')."""
-    from ..core import blocks
+    it (zoo.core.gemm.linear_shapes)."""
+    from ..core.gemm import linear_shapes as shapes
 
-    gate_width = blocks.activations()[cfg.mlp]["gate_width"]
-    layers = [
-        ("qkv", cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, cfg.n_layer),
-        ("attn_out", cfg.n_head * cfg.head_dim, cfg.d_model, cfg.n_layer),
-        ("mlp_in", cfg.d_model, gate_width * cfg.d_ff, cfg.n_layer),
-        ("mlp_out", cfg.d_ff, cfg.d_model, cfg.n_layer),
-        ("lm_head", cfg.d_model, cfg.vocab_size, 1),
-    ]
-    shapes: list[dict] = []
-    for name, n_in, n_out, count in layers:
-        same = [s for s in shapes if s["in"] == n_in and s["out"] == n_out]
-        if same:
-            same[0]["layer"] += "+" + name
-            same[0]["count"] += count
-        else:
-            shapes.append({"layer": name, "in": n_in, "out": n_out, "count": count})
-    return shapes
+    return shapes(cfg)
 
 
 def linear_products(x, w, dy) -> dict[str, tuple]:
@@ -124,6 +108,19 @@ def linear_products(x, w, dy) -> dict[str, tuple]:
         "dx": (dy, w, False, False, rows, n_in, n_out),  # dx = dy W
         "dW": (dy, x, True, False, n_out, n_in, rows),  # dW += dy^T x
     }
+
+
+def kernel_run(precision: str, M: int, N: int, K: int) -> str:
+    """The kernel the calls since the last reset of zoo's record ran on: oneDNN's own name for
+    its implementation (the record of the products it ran), or the fp32 library's name."""
+    import zoo
+    from zoo.core.native import _native
+
+    used = [u["kernel"] for u in _native.gemm_kernels_used() if (u["M"], u["N"], u["K"]) == (M, N, K)]
+    if used:
+        return used[0]
+
+    return zoo.gemm_info()["fp32"] if precision == "fp32" else "unknown"
 
 
 def time_product(call, min_seconds: float) -> dict:
@@ -192,10 +189,12 @@ def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emula
                         _native.gemm(a, b, trans_a, trans_b, precision=precision, c=c,
                                      allow_emulated=bf16_emulated)
 
+                    _native.gemm_kernels_used(reset=True)
                     timing = time_product(call, min_seconds)
                     timing["gflops"] = flops / timing["seconds_median"] / 1e9
                     timing["gflops_best"] = flops / timing["seconds_best"] / 1e9  # JSON only
-                    timing["kernel"] = _native.gemm_kernel(precision, trans_a, trans_b, M, N, K)
+                    timing["kernel"] = kernel_run(precision, M, N, K)
+                    timing["bf16_kernel"] = _native.is_bf16_kernel(timing["kernel"])
                     row["results"][column] = timing
                 results.append(row)
     finally:
@@ -271,6 +270,13 @@ def render(r: dict) -> str:
         + ("agrees" if r["default_is_fastest"] else f"disagrees: {r['default_vs_fastest']:.2f}x the fastest")
         + ")",
         f"- {r['bf16_note']}",
+    ]
+    if has_bf16:
+        on_bf16 = sum(row["results"]["bf16"]["bf16_kernel"] for row in r["measurements"])
+        lines.append(f"- bf16 products on kernels with bf16 dot products (as run): {on_bf16} of "
+                     f"{len(r['measurements'])}" + ("" if on_bf16 == len(r["measurements"]) else
+                                                    ": the others run no faster than fp32 here"))
+    lines += [
         f"- CPU: {r['cpu']['model_name']} ({r['cpu']['vendor']}); oneDNN ISA: {r['cpu']['onednn_isa'] or 'none'}; "
         f"bf16 flags: {' '.join(r['cpu']['bf16_flags']) or 'none'}; bf16 native: "
         f"{'yes' if r['cpu']['bf16_native'] else 'no'}",

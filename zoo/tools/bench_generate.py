@@ -1,15 +1,25 @@
-"""Generation from a preset's shape with its weights in each format, one process each:
-`python -m zoo.tools.bench_generate --preset llama-3.2-3b --base fp32 bf16 int8 nf4`.
+"""Generation, zoo against llama.cpp on the same weights, one process per measurement:
+`python -m zoo.tools.bench_generate --preset smollm-135m tinyllama-1.1b --base bf16 int8 nf4 --threads 2`.
 
-Random weights (zoo's init), a prompt of --prompt-len random tokens, then --new-tokens greedy
-tokens through the KV cache. Per format: the time of the prompt and of each new token, and the
-process's peak RSS (what generation on a machine of that much memory needs: weights, KV cache,
-no training state). Prints a table, writes JSON."""
+For each preset and base format, zoo builds the preset's shape with random weights (zoo's init,
+seed 0) stored in that format, and writes those weights as a GGUF file of the type llama.cpp
+runs fastest for it (fp32: F32, bf16: BF16, int8: Q8_0, nf4: Q4_0), which llama.cpp loads through
+llama-cpp-python where it is installed (an optional side: `pip install llama-cpp-python`, which
+builds llama.cpp from source). Then, zoo and llama.cpp in turn (A B A B, --repeats times), each
+in a fresh process:
+  decode   a prompt of --prompt-len random tokens, then --new-tokens greedy ones: new tokens per
+           second after the first (the prompt's time apart)
+  prompt   --prefill-len random tokens through the model once: tokens per second
+  batched  (zoo) --batch prompts of --prompt-len tokens decoded together, --new-tokens each:
+           new tokens per second of all of them, after the first token of each
+Each figure is the best of its repeats (on a machine shared with other work the best is what the
+code does when it runs; every repeat is in the JSON). Prints a table, writes JSON."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -18,76 +28,221 @@ from pathlib import Path
 
 from .bench_torch import _peak_rss_mib
 from .bench_worker import cpu_info
-from ..arch.layout import num_parameters
+
+# The GGUF type llama.cpp runs for each zoo base format.
+GGUF_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "q8_0", "nf4": "q4_0"}
+GGUF_NAMES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0", "nf4": "Q4_0"}
 
 
-def worker(preset: str, base: str, prompt_len: int, new_tokens: int, threads: int) -> dict:
+def _config(preset: str, context: int):
+    import zoo
+
+    cfg = zoo.preset(preset)
+    return cfg.model_copy(update={"max_seq_len": min(cfg.max_seq_len, context)})
+
+
+def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
     import numpy as np
 
-    import zoo
-    from zoo.generate import generate
-    from zoo.arch.lora import default_precision
+    return np.random.default_rng(seed).integers(0, vocab, (count, length)).tolist()
 
-    zoo.set_threads(threads)
-    cfg = zoo.preset(preset)
-    cfg = cfg.model_copy(update={"max_seq_len": min(cfg.max_seq_len, prompt_len + new_tokens)})
+
+def _rate(stamps: list[float]) -> float:
+    """Tokens per second between the first stamp and the last."""
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
+
+
+def zoo_worker(a, out: Path) -> dict:
+    import zoo
+    from zoo.arch.layout import num_parameters
+    from zoo.arch.lora import default_precision
+    from zoo.generate import generate, generate_batch
+
+    zoo.set_threads(a.threads)
+    cfg = _config(a.preset[0], a.context)
     t0 = time.perf_counter()
-    model = zoo.Model(cfg, seed=0, base_dtype=base, precision=default_precision(base))
+    model = zoo.Model(cfg, seed=0, base_dtype=a.base[0], precision=default_precision(a.base[0]))
     build_s = time.perf_counter() - t0
-    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, prompt_len).tolist()
+    if a.export:
+        import warnings
+
+        from zoo.io.gguf import save_gguf
+
+        with warnings.catch_warnings():  # random weights have no tokenizer: llama.cpp runs token ids
+            warnings.simplefilter("ignore", RuntimeWarning)
+            save_gguf(model, a.export, dtype=GGUF_TYPES[a.base[0]])
+    prompt = _prompts(cfg.vocab_size, 1, a.prompt_len, 1)[0]
+    generate(model, prompt[:8], 4)  # warm: the first call of each product shape
     stamps: list[float] = []
     t0 = time.perf_counter()
-    ids = generate(model, prompt, new_tokens, temperature=0.0, on_token=lambda _: stamps.append(time.perf_counter()))
-    first, per_token = stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    return {"base": base, "precision": model.precision, "build_s": build_s, "prompt_s": first,
-            "per_token_s": per_token, "tokens_per_s": 1.0 / per_token if per_token else None, "new_tokens": len(ids),
-            "peak_rss_mib": _peak_rss_mib(), "arena_bytes": model.arena_bytes(), "parameters": num_parameters(cfg)}
+    ids = generate(model, prompt, a.new_tokens, on_token=lambda _: stamps.append(time.perf_counter()))
+    result = {"system": "zoo", "base": a.base[0], "precision": model.precision, "build_s": build_s,
+              "prompt_s": stamps[0] - t0, "decode_tokens_per_s": _rate(stamps), "new_tokens": len(ids)}
+    if a.prefill_len:
+        long_prompt = _prompts(cfg.vocab_size, 1, a.prefill_len, 2)[0]
+        model.reset_cache(1, a.prefill_len)
+        model.forward_segments([0], [long_prompt[:64]], [0])  # warm
+        t0 = time.perf_counter()
+        model.forward_segments([0], [long_prompt], [0])
+        result["prefill_tokens_per_s"] = a.prefill_len / (time.perf_counter() - t0)
+    if a.batch > 1:
+        prompts = _prompts(cfg.vocab_size, a.batch, a.prompt_len, 3)
+        stamps = []
+        generate_batch(model, prompts, a.new_tokens, batch_size=a.batch,
+                       on_token=lambda i, _: stamps.append(time.perf_counter()))
+        # The first a.batch stamps come from the call that ran the prompts: time from the last of them.
+        decode = stamps[a.batch - 1:]
+        result["batch"] = a.batch
+        result["batch_tokens_per_s"] = (len(decode) - 1) / (decode[-1] - decode[0])
+    result.update(peak_rss_mib=_peak_rss_mib(), arena_bytes=model.arena_bytes(), parameters=num_parameters(cfg))
+    return result
+
+
+def llama_worker(a, gguf_path: str) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    cfg = _config(a.preset[0], a.context)
+    t0 = time.perf_counter()
+    llm = Llama(model_path=gguf_path, n_ctx=max(a.context, a.prefill_len), n_batch=max(512, a.prefill_len),
+                n_ubatch=max(512, a.prefill_len), n_threads=a.threads, n_threads_batch=a.threads, verbose=False)
+    build_s = time.perf_counter() - t0
+
+    def generate(prompt: list[int], new: int, stamps: list[float]) -> list[int]:
+        llm.reset()
+        llm.eval(prompt)
+        out = []
+        while len(out) < new:
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # greedy, as zoo's side
+            stamps.append(time.perf_counter())
+            out.append(tok)
+            if len(out) < new:
+                llm.eval([tok])
+        return out
+
+    prompt = _prompts(cfg.vocab_size, 1, a.prompt_len, 1)[0]
+    generate(prompt[:8], 4, [])  # warm
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    ids = generate(prompt, a.new_tokens, stamps)
+    result = {"system": "llama.cpp", "base": a.base[0], "gguf_type": GGUF_NAMES[a.base[0]], "build_s": build_s,
+              "prompt_s": stamps[0] - t0, "decode_tokens_per_s": _rate(stamps), "new_tokens": len(ids)}
+    if a.prefill_len:
+        long_prompt = _prompts(cfg.vocab_size, 1, a.prefill_len, 2)[0]
+        llm.reset()
+        llm.eval(long_prompt[:64])  # warm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(long_prompt)
+        result["prefill_tokens_per_s"] = a.prefill_len / (time.perf_counter() - t0)
+    result["peak_rss_mib"] = _peak_rss_mib()
+    return result
+
+
+def _run_worker(a, system: str, base: str, preset: str, gguf: Path, export: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "zoo.tools.bench_generate", "--preset", preset, "--base", base,
+               "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--prefill-len",
+               str(a.prefill_len), "--batch", str(a.batch), "--context", str(a.context), "--threads", str(a.threads),
+               "--worker", system, "--result", str(out), "--gguf", str(gguf)]
+        if export:
+            cmd += ["--export", str(gguf)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        r = subprocess.run(cmd, env=env)
+        if r.returncode:
+            raise RuntimeError(f"bench_generate: the {system} worker ({preset}, {base}) failed (status {r.returncode})")
+        return json.loads(out.read_text())
+
+
+def _best(runs: list[dict], key: str):
+    values = [r[key] for r in runs if r.get(key)]
+    return max(values) if values else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="llama-3.2-3b")
-    ap.add_argument("--base", nargs="+", default=["bf16"], choices=["fp32", "bf16", "int8", "nf4"],
-                    help="formats of the weights, one process each (fp32: a plain model)")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--preset", nargs="+", default=["smollm-135m", "tinyllama-1.1b"])
+    ap.add_argument("--base", nargs="+", default=["bf16", "int8", "nf4"], choices=list(GGUF_TYPES),
+                    help="formats of the weights (fp32: a plain model)")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prefill-len", type=int, default=512, help="the prompt-processing test (0: none)")
+    ap.add_argument("--batch", type=int, default=8, help="prompts of the batched test (zoo; 1: none)")
+    ap.add_argument("--context", type=int, default=1024, help="max_seq_len the models are built with")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="zoo and llama.cpp runs in turn, each this many times")
+    ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
+                    help="zoo alone, even where llama-cpp-python is installed")
     ap.add_argument("--json", default=None, metavar="FILE")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=["zoo", "llama.cpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--gguf", help=argparse.SUPPRESS)
+    ap.add_argument("--export", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    import zoo
-
-    threads = a.threads or zoo.get_threads()
     if a.worker:
-        result = worker(a.preset, a.base[0], a.prompt_len, a.new_tokens, threads)
-        Path(a.worker).write_text(json.dumps(result))
+        result = zoo_worker(a, Path(a.result)) if a.worker == "zoo" else llama_worker(a, a.gguf)
+        Path(a.result).write_text(json.dumps(result))
         return 0
+    have_llama = False
+    if a.llama_cpp:
+        try:
+            import llama_cpp  # noqa: F401
+
+            have_llama = True
+        except ImportError:
+            print("bench_generate: llama-cpp-python is not installed: zoo alone (pip install llama-cpp-python)",
+                  file=sys.stderr)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for base in a.base:
-            out = Path(tmp) / f"{base}.json"
-            print(f"bench_generate: {a.preset}, {base} ...", file=sys.stderr)
-            r = subprocess.run([sys.executable, "-m", "zoo.tools.bench_generate", "--preset", a.preset, "--base", base,
-                                "--prompt-len", str(a.prompt_len), "--new-tokens", str(a.new_tokens), "--threads",
-                                str(threads), "--worker", str(out)])
-            if r.returncode:
-                print(f"bench_generate: the {base} worker failed (status {r.returncode})", file=sys.stderr)
-                return r.returncode
-            rows.append(json.loads(out.read_text()))
-    print(f"## bench_generate: {a.preset} ({rows[0]['parameters']:,} parameters), prompt {a.prompt_len} tokens, "
-          f"{a.new_tokens} new tokens, {threads} threads\n")
-    print("| weights | products | prompt s | s / new token | tokens/s | peak RSS GiB | build s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['base']} | {r['precision']} | {r['prompt_s']:.2f} | {r['per_token_s']:.3f} | "
-              f"{r['tokens_per_s']:.2f} | {r['peak_rss_mib'] / 1024:.2f} | {r['build_s']:.1f} |")
+        for preset in a.preset:
+            for base in a.base:
+                gguf = Path(tmp) / f"{preset}-{base}.gguf"
+                runs: dict[str, list[dict]] = {"zoo": [], "llama.cpp": []}
+                for rep in range(a.repeats):
+                    for system in ["zoo"] + (["llama.cpp"] if have_llama else []):
+                        print(f"bench_generate: {preset}, {base}, {system} ({rep + 1}/{a.repeats}) ...",
+                              file=sys.stderr)
+                        runs[system].append(_run_worker(a, system, base, preset, gguf, system == "zoo" and rep == 0))
+                gguf.unlink(missing_ok=True)
+                rows.append({"preset": preset, "base": base, "runs": runs})
+    _print_table(a, rows, have_llama)
     if a.json:
         from zoo.core.atomic import write_json
 
-        write_json(Path(a.json), {"schema": "zoo-bench-generate/1", "preset": a.preset, "prompt_len": a.prompt_len,
-                                  "new_tokens": a.new_tokens, "threads": threads, "cpu": cpu_info(), "results": rows})
+        write_json(Path(a.json), {"schema": "zoo-bench-generate/2", "presets": a.preset, "prompt_len": a.prompt_len,
+                                  "new_tokens": a.new_tokens, "prefill_len": a.prefill_len, "batch": a.batch,
+                                  "threads": a.threads, "repeats": a.repeats, "cpu": cpu_info(),
+                                  "llama_cpp": _llama_cpp_version() if have_llama else None, "results": rows})
         print(f"\nwrote {a.json}")
     return 0
+
+
+def _llama_cpp_version() -> str:
+    import llama_cpp
+
+    return getattr(llama_cpp, "__version__", "unknown")
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _print_table(a, rows: list[dict], have_llama: bool) -> None:
+    print(f"## bench_generate: prompt {a.prompt_len} tokens then {a.new_tokens} new (greedy), prompt processing "
+          f"{a.prefill_len} tokens, batch {a.batch}; {a.threads} threads; best of {a.repeats}\n")
+    print("| model | zoo weights (products) | llama.cpp | decode tok/s zoo | llama.cpp | ratio | "
+          f"prompt {a.prefill_len} tok/s zoo | llama.cpp | ratio | batch {a.batch} tok/s | vs one | peak RSS GiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        z, l = row["runs"]["zoo"], row["runs"]["llama.cpp"]
+        zd, ld = _best(z, "decode_tokens_per_s"), _best(l, "decode_tokens_per_s")
+        zp, lp = _best(z, "prefill_tokens_per_s"), _best(l, "prefill_tokens_per_s")
+        zb = _best(z, "batch_tokens_per_s")
+        print(f"| {row['preset']} | {row['base']} ({z[0]['precision']}) | "
+              f"{GGUF_NAMES[row['base']] if have_llama else '-'} | {zd:.1f} | {ld or 0:.1f} | {_ratio(zd, ld)} | "
+              f"{zp or 0:.1f} | {lp or 0:.1f} | {_ratio(zp, lp)} | {zb or 0:.1f} | {_ratio(zb, zd)} | "
+              f"{max(r['peak_rss_mib'] for r in z) / 1024:.2f} |")
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     systems = {}
     for name, result in raw.items():
         s = _summary([result], tokens, flops["total"])
-        s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "trainable_params", "imported_zoo")
+        s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "trainable_params", "imported_zoo",
+                                         "kernels_used")
                   if k in result})
         s["checkpointing"] = args.checkpointing if name.startswith("zoo_") else args.torch_checkpointing
         systems[name] = s
@@ -231,6 +232,14 @@ def markdown(r: dict) -> str:
     lines.append(f"- FLOPs per step: {f['total'] / 1e9:,.1f} GFLOP = frozen products 4 x {f['matmul_params']:,} x "
                  f"{r['tokens_per_step']} ({f['frozen'] / 1e9:,.1f}) + adapters ({f['adapters'] / 1e9:,.2f}); "
                  "attention not counted")
+    for name, s in r["systems"].items():  # the kernels zoo's products ran on, as oneDNN named them
+        used = s.get("kernels_used")
+        if used:
+            kernels = sorted({u["kernel"] for u in used})
+            slow = sum(u["precision"] == "bf16" and not u["bf16_kernel"] for u in used)
+            lines.append(f"- {name}'s products ran on {', '.join(kernels)}"
+                         + (f" (**{slow} of its {len(used)} bf16 product shapes on kernels without bf16 dot products**)"
+                            if slow else ""))
     versions = dict.fromkeys(s["implementation"].split(": ", 1)[0] for s in r["systems"].values())
     lines.append(f"- {r['machine']['cpu']}; {'; '.join(versions)}")
     return "\n".join(lines)

@@ -27,6 +27,7 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     import zoo
     from zoo.arch.config import ModelConfig
     from zoo.arch.lora import LoraConfig, default_precision
+    from zoo.core.native import _native
 
     zoo.set_threads(threads)
     rss_imported = _rss_now_mib()
@@ -57,6 +58,8 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
         "implementation": f"zoo {zoo.__version__}: {base_dtype} base, fp32 adapters, {model.precision} matmuls"
                           + (", checkpointing" if checkpointing else ""),
         "gemm": zoo.gemm_info(), "cpu": cpu_info(),
+        # Every product the steps ran on oneDNN, with the kernel oneDNN picked for it.
+        "kernels_used": _native.gemm_kernels_used(),
     }
 
 

@@ -138,6 +138,9 @@ def run(workdir: str, mode: str, steps: int, warmup: int, threads: int, ad: str,
     cfg = manifest["config"]
     # The LM head forward: x (B*T, d_model) times W (vocab, d_model) transposed.
     out["gemm_kernel"] = _native.gemm_kernel(precision, False, True, B * T, cfg["vocab_size"], cfg["d_model"])
+    # Every oneDNN product the steps ran, with the kernel oneDNN picked for it (fp32 products on
+    # OpenBLAS or oneMKL are not listed: their library is the kernel).
+    out["kernels_used"] = _native.gemm_kernels_used()
     if mode == "profile":
         out["blocks_s"] = {k: list(v) for k, v in model.block_profile().items()}
         model.set_profiling(False)

@@ -28,7 +28,7 @@ from .. import families
 from ..arch.config import ModelConfig
 from ..arch.layout import num_parameters, parameter_layout
 from ..arch.memory import finetune_memory_bytes, human_bytes
-from ..arch.presets import PRESETS, Preset
+from ..arch.presets import PRESETS, Preset, preset_info
 
 CARD_SCHEMA = "zoo-card/1"
 CARDS_DIR = "model_cards"
@@ -46,17 +46,6 @@ def default_root() -> Path:
     directory: model_cards/ and benchmarks/ live there."""
     here = Path(__file__).resolve().parents[2]  # zoo/tools/cards.py -> the checkout
     return here if (here / "pyproject.toml").is_file() else Path.cwd()
-
-
-def presets_by_name() -> dict[str, Preset]:
-    return {p.name: p for p in PRESETS}
-
-
-def find_preset(name: str) -> Preset:
-    by_name = presets_by_name()
-    if name not in by_name:
-        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(by_name)}")
-    return by_name[name]
 
 
 # --- the facts on a card ------------------------------------------------------------------
@@ -469,7 +458,7 @@ def render_all(benchmarks_dir: Optional[Path]) -> dict[str, str]:
 
 
 def render_card(name: str, benchmarks_dir: Optional[Path]) -> str:
-    return card_markdown(card_data(find_preset(name), read_benchmarks(benchmarks_dir)))
+    return card_markdown(card_data(preset_info(name), read_benchmarks(benchmarks_dir)))
 
 
 def stale_files(out_dir: Path, files: dict[str, str]) -> list[Path]:

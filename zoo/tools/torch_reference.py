@@ -52,6 +52,11 @@ def relu2(h):
     return F.relu(h).square()
 
 
+def geglu(h):
+    gate, up = h.chunk(2, dim=-1)  # fc_w holds [gate; up]
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rotate_half(t):
     half = t.shape[-1] // 2
     return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
@@ -98,7 +103,7 @@ def rotary_positions(model, x):
 # (zoo.core.blocks: norms, MLP activations) goes here too; tests/test_torch_reference.py checks that
 # every value a config may name is here.
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm}  # (x, weight, bias, eps)
-MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2}  # fc's output -> proj's input
+MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2, "geglu": geglu}  # fc's output -> proj's input
 POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
 # Whether attention and MLP both read the one norm's output and add into the stream together
 # (the parallel residual, GPT-J style) or run one after the other, each after its own norm.

@@ -8,12 +8,18 @@ flags from the fields here; add a field and the flag follows.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..arch.config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
+from ..arch.lora import BASE_DTYPES, LoraConfig, default_precision
+from ..arch.presets import PRESETS
+from ..core.gemm import PRECISIONS, check_precision
+from ..core.native import check_threads
 
 DEFAULT_STEPS = 1000
 
@@ -80,7 +86,8 @@ class TrainConfig(BaseModel):
 
     # --- batch shape ------------------------------------------------------------------
     # Bounded by the native core's limits (zoo/arch/config.py); batch_size x seq_len too (_check).
-    batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch")
+    batch_size: int = Field(8, gt=0, le=MAX_TOKENS, description="sequences per micro-batch (pairs under a preference "
+                                                                   "--method)")
     seq_len: int = Field(128, gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")
     grad_accum: int = Field(1, gt=0, le=MAX_GRAD_ACCUM, description="micro-batches per optimizer step")
 
@@ -116,19 +123,29 @@ class TrainConfig(BaseModel):
 
     # --- run control ------------------------------------------------------------------
     seed: int = Field(0, ge=0, description="seed for initialization and data order")
-    threads: Optional[int] = Field(None, gt=0, description="CPU threads (default: all; in a distributed run, "
+    threads: Optional[int] = Field(None, description="CPU threads (default: all; in a distributed run, "
                                                                   "the host's cores shared among its ranks)")
     resume: bool = Field(False, description="continue the run in --out from its latest checkpoint; "
                                                 "with a larger --steps, --epochs or --tokens, extend it")
     train_on_everything: bool = Field(False, description="loss on every token, prompts and user turns included, "
                                                          "not only on completions and assistant turns")
     checkpointing: bool = Field(False, description="activation checkpointing (less memory, more compute)")
+    # --- preference tuning: pairs of a prompt, a chosen and a rejected answer (docs/preference.md)
+    method: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = Field(
+        "sft", description="sft: next-token loss on the data; dpo, ipo, orpo, simpo: preference tuning on JSONL "
+                           "records {prompt, chosen, rejected} (or {chosen, rejected}), losses as TRL defines them")
+    beta: float = Field(0.1, gt=0, description="preference methods: the loss's beta (IPO's tau, ORPO's lambda)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="dpo, simpo: the probability that a pair's "
+                                                                  "preference is flipped (conservative DPO)")
+    simpo_gamma: float = Field(0.5, description="simpo: the target reward margin gamma")
+    cpo_alpha: float = Field(0.0, ge=0, description="simpo: the weight of the chosen answers' NLL added to the "
+                                                   "loss (CPO; 0: SimPO)")
     # --- distributed runs (several processes under mpirun, srun or zoo launch) ------------
     zero: int = Field(0, ge=0, le=1, description="ZeRO stage of a distributed run: 0, every rank keeps all AdamW "
                                                  "moments; 1, each of N ranks keeps 1/N of them")
     rank_timeout: float = Field(300.0, gt=0, description="distributed runs: seconds a rank waits for the others at an "
                                                          "exchange before it names the missing ones and stops every rank")
-    precision: Optional[Literal["fp32", "bf16"]] = Field(
+    precision: Optional[Literal[PRECISIONS]] = Field(
         None, description="of the matrix products: fp32, or bf16 (bf16 operands, fp32 sums; weights, "
                           "gradients and AdamW stay fp32; needs a CPU with bf16 dot products). Default fp32; "
                           "under --lora with a bf16, int8 or nf4 base, bf16 where the CPU has bf16 dot products")
@@ -140,7 +157,7 @@ class TrainConfig(BaseModel):
     lora_targets: Optional[list[str]] = Field(None, description="modules to adapt, by Hugging Face name: q_proj k_proj "
                                                                 "v_proj o_proj gate_proj up_proj down_proj (Llama), "
                                                                 "c_attn c_proj c_fc (GPT-2); default: every linear layer")
-    base_dtype: Optional[Literal["fp32", "bf16", "int8", "nf4"]] = Field(
+    base_dtype: Optional[Literal[BASE_DTYPES]] = Field(
         None, description="format of the frozen base under --lora: bf16 (default), int8 (a scale per output "
                           "channel), nf4 (4 bits, a scale per 64 values) or fp32")
     ad: Union[Literal["manual", "clad"], dict[str, Literal["manual", "clad"]]] = Field(
@@ -153,12 +170,25 @@ class TrainConfig(BaseModel):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, name: Optional[str]) -> Optional[str]:
-        from ..arch.presets import PRESETS
-
         known = [p.name for p in PRESETS]
         if name is not None and name not in known:
             raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(known)}")
         return name
+
+    # The thread count and the precision are checked where they enter, here: a run that cannot
+    # start is refused before it touches its run folder (check_precision: bf16 needs a CPU with
+    # bf16 dot products).
+    @field_validator("threads")
+    @classmethod
+    def _thread_count(cls, n: Optional[int]) -> Optional[int]:
+        return None if n is None else check_threads(n)
+
+    @field_validator("precision")
+    @classmethod
+    def _precision_runs_here(cls, precision: Optional[str]) -> Optional[str]:
+        if precision is not None:
+            check_precision(precision)
+        return precision
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -174,11 +204,19 @@ class TrainConfig(BaseModel):
                              if getattr(self, f) != TrainConfig.model_fields[f].default)
         if lora_fields and not self.lora:
             raise ValueError(f"{', '.join(flag(f) for f in lora_fields)} apply to a LoRA run: add {flag('lora')}")
+        # Preference settings away from their defaults: each belongs to the methods that use it.
+        for names, methods in ((("beta",), ("dpo", "ipo", "orpo", "simpo")), (("label_smoothing",), ("dpo", "simpo")),
+                               (("simpo_gamma", "cpo_alpha"), ("simpo",))):
+            given = [f for f in names if getattr(self, f) != TrainConfig.model_fields[f].default]
+            if given and self.method not in methods:
+                raise ValueError(f"{', '.join(flag(f) for f in given)} apply to {flag('method')} "
+                                 f"{' or '.join(methods)}, not {self.method}")
+        if self.method != "sft" and self.train_on_everything:
+            raise ValueError(f"{flag('train_on_everything')} is for {flag('method')} sft: a preference method's loss "
+                             "is on the answers")
         if self.lora and self.base_dtype is None:
             self.base_dtype = "bf16"
         if self.precision is None:  # a narrow frozen base runs its products in bf16 where the CPU has them
-            from ..arch.lora import default_precision
-
             self.precision = default_precision(self.base_dtype) if self.lora else "fp32"
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr {self.lr}")
@@ -195,8 +233,6 @@ class TrainConfig(BaseModel):
 
     def lora_config(self):
         """The run's zoo.LoraConfig (None without --lora)."""
-        from ..arch.lora import LoraConfig
-
         if not self.lora:
             return None
         return LoraConfig(r=self.lora_r, alpha=self.lora_alpha, dropout=self.lora_dropout, targets=self.lora_targets)
@@ -227,14 +263,18 @@ class TrainConfig(BaseModel):
         a, b = self.model_dump(), other.model_dump()
         return [k for k in a if k not in RESUMABLE_CHANGES and a[k] != b[k]]
 
-    # --- files ------------------------------------------------------------------------
 
-    @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
-        return validate(read_config_file(path), f"config file {path}")
-
-    def to_json(self) -> str:
-        return self.model_dump_json(indent=2, by_alias=True)
+def lr_at(cfg: TrainConfig, step: int, total_steps: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then the schedule
+    from lr down to the final lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - 1 - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * frac)) if cfg.schedule == "cosine" else 1.0 - frac
+    return cfg.final_lr + (cfg.lr - cfg.final_lr) * coeff
 
 
 def read_config_file(path: str | Path) -> dict:
@@ -250,8 +290,6 @@ def read_config_file(path: str | Path) -> dict:
         if path.suffix.lower() == ".json":
             raw = json.loads(text)
         else:
-            import yaml
-
             raw = yaml.safe_load(text)
     except Exception as e:  # json.JSONDecodeError or yaml.YAMLError, with line and column
         raise ValueError(f"config file {path}: not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {e}") from None

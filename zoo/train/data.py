@@ -34,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from ..core.atomic import atomic_open, write_json
-from ..core.errors import CheckpointError
+from ..core.errors import ChatTemplateError, CheckpointError
 from ..core.files import read_json_model, regular_file
 
 CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
@@ -210,8 +210,6 @@ class _Encoder:
         return ids, trained + [pieces[-1][1]] * (len(ids) - len(trained))
 
     def chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
-        from ..text.chat_template import ChatTemplateError
-
         if self.chat_template is None:
             raise DataError(f"{where}: a chat needs a chat template, and none was given")
         try:

@@ -3,6 +3,8 @@ carry loss, as the trainer's validation loss and `zoo eval` both report it."""
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Iterable
 
 import numpy as np
@@ -24,9 +26,6 @@ def validation_loss(model, batches: Iterable[Batch]) -> tuple[float, int]:
 def evaluate(model, windows, split: str) -> dict:
     """Loss and perplexity of the model over the windows' validation batches (split "val", the
     trainer's) or over all of the data (split "all"), with the time it took."""
-    import math
-    import time
-
     batches = windows.val_batches() if split == "val" else windows.all_batches()
     start = time.perf_counter()
     loss, n_tokens = validation_loss(model, batches)

@@ -1,5 +1,7 @@
 """The loss plot of a run: train loss per logged step and validation loss per evaluation,
-read from the run's metrics.jsonl and written to loss.png (matplotlib, no display needed)."""
+read from the run's metrics.jsonl and written to loss.png (matplotlib, no display needed). A
+preference run (zoo/train/preference_step.py) gets a second panel beside the loss: the reward
+margin and the preference accuracy, train and validation."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
+from ..core.atomic import atomic_open
 from ..core.errors import CheckpointError
 from ..core.files import parse_model, read_text
 
@@ -70,20 +73,40 @@ def read_metrics(run_dir: str | os.PathLike) -> tuple[list[tuple[int, float]], l
     return train, val
 
 
+PREFERENCE_CURVES = ("rewards/margins", "rewards/accuracies")
+
+
+def read_preference_metrics(run_dir: str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """A preference run's reward margin and accuracy, train and val, as (step, value) lists keyed
+    by their names in metrics.jsonl (val_ prefixed); empty for any other run."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for _, rec in read_records(Path(run_dir) / METRICS_FILE):
+        extra = rec.model_extra or {}
+        for name in PREFERENCE_CURVES:
+            for key in (name, "val_" + name):
+                if isinstance(extra.get(key), (int, float)):
+                    out.setdefault(key, []).append((rec.step, float(extra[key])))
+    return out
+
+
 def plot_run(run_dir: str | os.PathLike) -> Path:
     """Write run_dir/loss.png (atomically) and return its path."""
-    import matplotlib
+    import matplotlib  # heavy: imported when a plot is drawn, not with zoo
 
     matplotlib.use("Agg")  # files only; works without a display
     import matplotlib.pyplot as plt
 
-    from ..core.atomic import atomic_open
-
     train, val = read_metrics(run_dir)
     if not train and not val:
         raise ValueError(f"{Path(run_dir) / METRICS_FILE}: no losses recorded yet")
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    preference = read_preference_metrics(run_dir)
+    if preference:
+        fig, (ax, pref_ax) = plt.subplots(1, 2, figsize=(13, 4), dpi=100)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     try:
+        if preference:
+            _plot_preference(pref_ax, preference)
         if train:
             ax.plot(*zip(*train), label="train", linewidth=1)
         if val:
@@ -100,3 +123,23 @@ def plot_run(run_dir: str | os.PathLike) -> Path:
     finally:
         plt.close(fig)  # a failed write (a full disk) leaves no figure behind in a long session
     return out
+
+
+def _plot_preference(ax, curves: dict[str, list[tuple[int, float]]]) -> None:
+    """The reward margin (left axis) and the preference accuracy (right axis, 0 to 1)."""
+    acc_ax = ax.twinx()
+    styles = {"rewards/margins": (ax, "margin (train)", dict(linewidth=1, color="C0")),
+              "val_rewards/margins": (ax, "margin (validation)", dict(marker="o", linewidth=1.5, color="C1")),
+              "rewards/accuracies": (acc_ax, "accuracy (train)", dict(linewidth=1, color="C2", alpha=0.6)),
+              "val_rewards/accuracies": (acc_ax, "accuracy (validation)", dict(marker="s", linewidth=1.5,
+                                                                               color="C3"))}
+    lines = []
+    for key, (axis, label, style) in styles.items():
+        if curves.get(key):
+            lines += axis.plot(*zip(*curves[key]), label=label, **style)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward margin (chosen - rejected)")
+    acc_ax.set_ylabel("preference accuracy")
+    acc_ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(lines, [line.get_label() for line in lines], loc="best")
