@@ -25,13 +25,6 @@ BYTES = zoo.Tokenizer.byte_level()
 TEMPLATE = ChatTemplate(FALLBACK_TEMPLATE, "zoo's fallback", BYTES.bos_token, BYTES.eos_token)
 
 
-@pytest.fixture(autouse=True)
-def restore_threads():
-    n = zoo.get_threads()
-    yield
-    zoo.set_threads(n)
-
-
 def write_jsonl(path, records):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records), encoding="utf-8")
     return path

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import zoo
-from test_model_parity import GPT2_TINY, LLAMA_TINY
+from helpers import GPT2_TINY, LLAMA_TINY
 from zoo.arch.lora import LoraConfig
 
 torch = pytest.importorskip("torch")
