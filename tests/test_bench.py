@@ -292,9 +292,10 @@ def test_bench_weights_are_zoos_init(tmp_path, name):
         np.testing.assert_array_equal(got, expected[p["name"]], err_msg=p["name"])
 
 
-def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path):
+@pytest.mark.parametrize("clock", ["wall", "cpu"])
+def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path, clock):
     """python -m zoo.tools.bench_ab: the base build is imported from its own root (here a copy of
-    this zoo), not through the editable install; both give the same losses."""
+    this zoo), not through the editable install; both give the same losses; on either clock."""
     import shutil
 
     from zoo.core.native import _native
@@ -305,8 +306,10 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path):
     shutil.copy(_native.__file__, root / "zoo" / "core")  # where the package keeps its extension
     out = tmp_path / "ab.json"
     assert bench_ab.main(["--base", str(root), "--preset", "tiny-gpt2", "--batch-size", "2", "--seq-len", "8",
-                          "--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--json", str(out)]) == 0
+                          "--steps", "2", "--warmup", "1", "--rounds", "1", "--threads", "1", "--clock", clock,
+                          "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["clock"] == clock
     (r,) = result["rounds"]
     assert r["same_losses"] and r["base_ms"] > 0 and r["current_ms"] > 0
     assert r["base_zoo"] == str(root / "zoo") and r["current_zoo"] != r["base_zoo"]

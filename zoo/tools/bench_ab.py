@@ -7,6 +7,10 @@ seed=0) and a fixed token batch.
     python -m zoo.tools.bench_ab --base /tmp/zoo-base --preset gpt2 --batch-size 4 --seq-len 64 \\
         --steps 10 --rounds 3 --json ab.json
 
+On a machine other jobs share, wall-clock steps move with the load; --clock cpu compares the
+CPU time each step's process used instead (time.process_time(), all its threads together),
+which moves far less (with --threads 1 it is the step's own work).
+
 The base root is a folder holding a `zoo/` package with its native module built in place
 (docs/benchmarks.md shows how to make one from a commit). It is imported with `python -S`, the
 root first on sys.path, so an editable install of this checkout cannot redirect `import zoo`.
@@ -48,12 +52,13 @@ def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int) -
 
     for _ in range(warmup):
         step()
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step())
+        cpu_times.append(time.process_time() - c0)
         times.append(time.perf_counter() - t0)
-    return {"step_s": times, "losses": losses, "zoo": str(Path(zoo.__file__).parent)}
+    return {"step_s": times, "cpu_s": cpu_times, "losses": losses, "zoo": str(Path(zoo.__file__).parent)}
 
 
 def _worker(argv: list[str]) -> int:
@@ -103,6 +108,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=3, help="processes per build, in turn")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for both")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="compare wall-clock step times, or the CPU time of the step's process")
     p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
     base = os.path.abspath(args.base)
@@ -112,12 +119,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in range(args.rounds):
         print(f"bench_ab: round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
         before, after = _run(base, args, args.threads), _run(None, args, args.threads)
-        rounds.append({"base_ms": 1000 * statistics.median(before["step_s"]),
-                       "current_ms": 1000 * statistics.median(after["step_s"]),
+        key = "step_s" if args.clock == "wall" else "cpu_s"
+        rounds.append({"base_ms": 1000 * statistics.median(before[key]),
+                       "current_ms": 1000 * statistics.median(after[key]),
                        "same_losses": before["losses"] == after["losses"],
                        "base_zoo": before["zoo"], "current_zoo": after["zoo"]})
     print(f"\n{args.preset}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
-          f"median of {args.steps} steps per process\n")
+          f"median of {args.steps} steps per process, {'wall-clock' if args.clock == 'wall' else 'CPU'} time\n")
     print("| round | base ms | current ms | current / base | same losses |\n|---:|---:|---:|---:|---|")
     for i, r in enumerate(rounds, 1):
         print(f"| {i} | {r['base_ms']:,.1f} | {r['current_ms']:,.1f} | {r['current_ms'] / r['base_ms']:.3f}x | "
@@ -127,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"base: {rounds[0]['base_zoo']}\ncurrent: {rounds[0]['current_zoo']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "batch": args.batch_size,
-                                               "seq_len": args.seq_len, "threads": args.threads,
+                                               "seq_len": args.seq_len, "threads": args.threads, "clock": args.clock,
                                                "steps": args.steps, "rounds": rounds, "ratio": ratio}, indent=2))
     return 0
 
