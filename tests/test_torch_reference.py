@@ -67,8 +67,8 @@ def test_an_unknown_block_is_refused_by_name(field, value):
 
 def test_an_unknown_config_field_is_refused_by_name():
     cfg = RELU2_TINY.model_dump()
-    with pytest.raises(NotImplementedError, match="config field qk_norm=True is not implemented"):
-        tr.Decoder(dict(cfg, qk_norm=True), tr.zoo_layout(cfg))
+    with pytest.raises(NotImplementedError, match="config field future_option=True is not implemented"):
+        tr.Decoder(dict(cfg, future_option=True), tr.zoo_layout(cfg))
 
 
 def test_relu2_is_relu_squared():

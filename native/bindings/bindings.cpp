@@ -1,5 +1,6 @@
 // Python bindings: one Executor object; every call below is a whole forward, pullback or
 // optimizer step, run with the GIL released.
+#include <cmath>
 #include <omp.h>
 #include <time.h>
 #include <pybind11/numpy.h>
@@ -69,6 +70,47 @@ zoo::Dims dims_from(const py::dict& c) {
     d.attention_bias = c["attention_bias"].cast<bool>();
     d.mlp_bias = c["mlp_bias"].cast<bool>();
     d.tied_embeddings = c["tied_embeddings"].cast<bool>();
+    // The variants' options (zoo/arch/config.py), each at its default where the dict lacks it.
+    auto opt = [&](const char* key) { return c.contains(key) && !c[key].is_none(); };
+    d.attention_out_bias = opt("attention_out_bias") ? c["attention_out_bias"].cast<bool>() : d.attention_bias;
+    if (opt("qk_norm")) {
+        const std::string qk = c["qk_norm"].cast<std::string>();
+        d.qk_norm = qk == "head" ? 1 : qk == "projection" ? 2 : 0;
+        if (!d.qk_norm && qk != "none") throw std::invalid_argument("zoo: qk_norm must be none, head or projection");
+    }
+    if (opt("branch_norms")) {
+        const std::string where = c["branch_norms"].cast<std::string>();
+        if (where != "pre" && where != "post" && where != "both")
+            throw std::invalid_argument("zoo: branch_norms must be pre, post or both");
+        d.pre_norm = where != "post", d.post_norm = where != "pre";
+    }
+    d.layer_window.assign(d.n_layer, 0);
+    d.layer_rope.assign(d.n_layer, 1);
+    auto layer_index = [&](const py::handle& v, const char* key) {
+        const int i = v.cast<int>();
+        if (i < 0 || i >= d.n_layer)
+            throw std::invalid_argument(std::string("zoo: ") + key + " lists layer " + std::to_string(i) + " of " +
+                                        std::to_string(d.n_layer));
+        return i;
+    };
+    if (opt("sliding_window")) {
+        const int window = size_field(c, "sliding_window", max_seq_len);
+        if (opt("sliding_layers"))
+            for (const auto& v : c["sliding_layers"]) d.layer_window[layer_index(v, "sliding_layers")] = window;
+        else
+            d.layer_window.assign(d.n_layer, window);
+    }
+    if (opt("nope_layers"))
+        for (const auto& v : c["nope_layers"]) d.layer_rope[layer_index(v, "nope_layers")] = 0;
+    for (const char* key : {"embedding_scale", "residual_scale", "attention_scale", "logit_scale"}) {
+        if (!opt(key)) continue;
+        const float v = c[key].cast<float>();
+        if (!std::isfinite(v) || v <= 0.0f) throw std::invalid_argument(std::string("zoo: ") + key + " must be positive");
+        (std::string(key) == "embedding_scale" ? d.embedding_scale
+         : std::string(key) == "residual_scale" ? d.residual_scale
+         : std::string(key) == "attention_scale" ? d.attention_scale
+                                                 : d.logit_scale) = v;
+    }
     // The run's setup (zoo/arch/lora.py), absent for a trainable base without adapters.
     if (c.contains("frozen")) {
         d.frozen = c["frozen"].cast<bool>();

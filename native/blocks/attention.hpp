@@ -278,7 +278,17 @@ struct CacheRun {
 
 struct Attention {
     int n_head, n_kv_head, head_dim;
+    int window = 0;      // a sliding window: each query sees its last `window` keys (0: all before it)
+    float scale = 0.0f;  // the scores' scale; 0: 1/sqrt(head_dim)
     static constexpr int kBlockRows = kAttentionBlockRows;
+
+    float softmax_scale() const { return scale != 0.0f ? scale : 1.0f / std::sqrt((float)head_dim); }
+    // The keys row t of a sequence sees (block.hpp), within the window.
+    VisibleKeys visible(const int32_t* pos, const int32_t* hid, int t) const {
+        return windowed_keys(visible_keys(pos, hid, t), t, window);
+    }
+    // Generation: the first key a query at position p sees.
+    int first_key(int p) const { return window > 0 && p + 1 > window ? p + 1 - window : 0; }
 
     int qkv_dim() const { return (n_head + 2 * n_kv_head) * head_dim; }
     static int padded(int T) { return (T + 15) / 16 * 16; }
@@ -295,7 +305,7 @@ struct Attention {
     void forward(const float* qkv, const int32_t* positions, const int32_t* hidden, float* lse, float* out,
                  float* scratch, int B, int T) const {
         const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
-        const float scale = 1.0f / std::sqrt((float)hd);
+        const float scale = softmax_scale();
 #pragma omp parallel for collapse(2) schedule(static)
         for (int b = 0; b < B; b++)
             for (int h = 0; h < n_head; h++) {
@@ -329,7 +339,7 @@ struct Attention {
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
             const int keys = t0 + r + 1;
-            const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+            const VisibleKeys vis = visible(pos, hid, t0 + r);
             // The row's keys in two runs: first..lo-1 and hi..t (one run where nothing is hidden).
             const int run_begin[2] = {vis.first, vis.hi}, run_end[2] = {vis.lo, keys};
             const float mx = softmax_shift_skipping(s, vis.first, vis.lo, vis.hi, keys);
@@ -363,7 +373,7 @@ struct Attention {
     void forward_cached(const float* qkv, const CacheRun* runs, int n_runs, float* k_cache, float* v_cache,
                         int max_len, float* out, float* scratch, int threads) const {
         const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
-        const float scale = 1.0f / std::sqrt((float)hd);
+        const float scale = softmax_scale();
         auto cache_at = [&](int slot, int g) { return ((size_t)slot * n_kv_head + g) * max_len * hd; };
         double work = 0;  // multiply-adds, to decide whether threads pay
         for (int r = 0; r < n_runs; r++) {
@@ -388,9 +398,12 @@ struct Attention {
                 float* o = out + (size_t)run.row * n_head * hd + h * hd;
                 float* mine = scratch + (size_t)omp_get_thread_num() * cached_thread_floats(max_len);
                 if (run.len < kBlockRows) {
-                    for (int t = 0; t < run.len; t++)
-                        attention_forward_row(q + (size_t)t * stride, kc, vc, mine, o + (size_t)t * n_head * hd, hd,
-                                              run.start + t + 1, hd, scale);
+                    for (int t = 0; t < run.len; t++) {
+                        const int first = first_key(run.start + t);
+                        attention_forward_row(q + (size_t)t * stride, kc + (size_t)first * hd, vc + (size_t)first * hd,
+                                              mine, o + (size_t)t * n_head * hd, hd, run.start + t + 1 - first, hd,
+                                              scale);
+                    }
                     continue;
                 }
                 const int keys = run.start + run.len, Tp = padded(keys);
@@ -412,15 +425,16 @@ struct Attention {
         tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
-            const int keys = start + t0 + r + 1;
-            const float mx = row_max(s, keys);
+            const int keys = start + t0 + r + 1, first = first_key(keys - 1);
+            const float mx = row_max(s + first, keys - first);
             float sum = 0.0f;
-            for (int j = 0; j < keys; j++) {
+            for (int j = first; j < keys; j++) {
                 s[j] = fast_exp(scale * (s[j] - mx));
                 sum += s[j];
             }
             const float inv = 1.0f / sum;
-            for (int j = 0; j < keys; j++) s[j] *= inv;
+            for (int j = 0; j < first; j++) s[j] = 0.0f;
+            for (int j = first; j < keys; j++) s[j] *= inv;
             for (int j = keys; j < n; j++) s[j] = 0.0f;
         }
         tile_weighted_rows<R>(block, Tp, v, hd, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
@@ -514,7 +528,7 @@ inline void attention_weighted_values_pullback(const float* p, const float* v, c
 void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, const int32_t* hidden,
                                    const float* d_out, float* d_qkv, float* scratch, int B, int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T), ldo = n_head * hd;
-    const float scale = 1.0f / std::sqrt((float)hd);
+    const float scale = softmax_scale();
 #pragma omp parallel
     {
         auto grad = clad::gradient(attention_forward_rows, "q, k, v, s, e, p, o");
@@ -550,7 +564,7 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
                         // keys first..t less [lo, hi): the row's packed example less a hidden span
                         int first[kBlockRows], lo[kBlockRows], hi[kBlockRows];
                         for (int r = 0; r < R; r++) {
-                            const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+                            const VisibleKeys vis = visible(pos, hid, t0 + r);
                             first[r] = vis.first, lo[r] = vis.lo, hi[r] = vis.hi;
                         }
                         // The output's adjoint passes through the add: read where it lies.
@@ -575,7 +589,7 @@ inline void zoo::Attention::pullback(const float* qkv, const int32_t* positions,
                                      const float* lse, const float* d_out, float* d_qkv, float* scratch, int B,
                                      int T) const {
     const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim, Tp = padded(T);
-    const float scale = 1.0f / std::sqrt((float)hd);
+    const float scale = softmax_scale();
 #pragma omp parallel for collapse(2) schedule(static)
     for (int b = 0; b < B; b++)
         for (int g = 0; g < n_kv_head; g++) {
@@ -627,7 +641,7 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
     tile_rows_dot_cols<R>(dout0, ldo, vt, Tp, hd, padded(n), ds, Tp);     // dP = dO V^T
     for (int r = 0; r < R; r++) {
         const int keys = t0 + r + 1;
-        const VisibleKeys vis = visible_keys(pos, hid, t0 + r);
+        const VisibleKeys vis = visible(pos, hid, t0 + r);
         const int run_begin[2] = {vis.first, vis.hi}, run_end[2] = {vis.lo, keys};  // as in forward_rows
         const float l = lse[t0 + r];
         float* pr = pb + (size_t)r * Tp;

@@ -41,6 +41,16 @@ inline VisibleKeys visible_keys(const int32_t* pos, const int32_t* hidden, int t
     return {first, first, first};
 }
 
+// The keys row t sees under an attention window of `window` keys (0: none): the last `window`
+// of those vis leaves it (Mistral's sliding window, Gemma's local layers), itself included.
+inline VisibleKeys windowed_keys(VisibleKeys vis, int t, int window) {
+    const int before = vis.lo - vis.first, drop = before + (t + 1 - vis.hi) - window;
+    if (window <= 0 || drop <= 0) return vis;
+    if (drop <= before) return {vis.first + drop, vis.lo, vis.hi};
+    const int first = vis.hi + (drop - before);
+    return {first, first, first};
+}
+
 // Throws std::invalid_argument, naming the row and column at fault, where positions (B*T) and
 // hidden spans (B*T pairs; may be null) would send a row's keys outside its row: without a
 // hidden span a position is 0 (an example begins) or the one before it plus one (a row begins

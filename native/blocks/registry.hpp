@@ -25,7 +25,8 @@
 
 namespace zoo {
 
-inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block};
+inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block,
+                                               &rmsnorm_1p_block};
 inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block, &geglu_block};
 
 // Every block by the name ad= takes, with the pullbacks this build has for it.

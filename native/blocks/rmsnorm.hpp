@@ -1,4 +1,6 @@
-// RMSNorm over the last dimension: y = x / sqrt(mean(x^2) + eps) * w.
+// RMSNorm over the last dimension: y = x / sqrt(mean(x^2) + eps) * (w + offset). Two registry
+// entries: rmsnorm (offset 0, Llama) and rmsnorm_1p (offset 1: Gemma stores its norm weights
+// around 0 and scales by 1 + w, computed in fp32 as transformers does).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -10,11 +12,11 @@
 namespace zoo {
 
 inline void rmsnorm_forward_row(const float* x, const float* w, float* y, float* rstd_out, int C,
-                                float eps) {
+                                float eps, float offset) {
     float sq = 0.0f;
     for (int i = 0; i < C; i++) sq += x[i] * x[i];
     float rstd = 1.0f / std::sqrt(sq / C + eps);
-    for (int i = 0; i < C; i++) y[i] = x[i] * rstd * w[i];
+    for (int i = 0; i < C; i++) y[i] = x[i] * rstd * (w[i] + offset);
     rstd_out[0] = rstd;
 }
 
@@ -22,12 +24,12 @@ inline void rmsnorm_forward_row(const float* x, const float* w, float* y, float*
 // function of its own with restrict pointers so that it vectorizes, as layernorm_pullback_row).
 inline void rmsnorm_pullback_row(const float* __restrict__ x, const float* __restrict__ w, float rstd,
                                  const float* __restrict__ dy, float* __restrict__ dx,
-                                 float* __restrict__ dw, int C) {
+                                 float* __restrict__ dw, int C, float offset) {
     float sum_gx = 0.0f;
-    for (int i = 0; i < C; i++) sum_gx += dy[i] * w[i] * x[i];
+    for (int i = 0; i < C; i++) sum_gx += dy[i] * (w[i] + offset) * x[i];
     const float k = rstd * rstd * rstd * sum_gx / C;
     for (int i = 0; i < C; i++) {
-        dx[i] += rstd * dy[i] * w[i] - k * x[i];
+        dx[i] += rstd * dy[i] * (w[i] + offset) - k * x[i];
         dw[i] += dy[i] * x[i] * rstd;
     }
 }
@@ -35,11 +37,12 @@ inline void rmsnorm_pullback_row(const float* __restrict__ x, const float* __res
 struct RMSNorm {
     int C;
     float eps;
+    float offset = 0.0f;
 
     void forward(const float* x, const float* w, float* y, float* rstd, int N) const {
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < N; n++)
-            rmsnorm_forward_row(x + (size_t)n * C, w, y + (size_t)n * C, rstd + n, C, eps);
+            rmsnorm_forward_row(x + (size_t)n * C, w, y + (size_t)n * C, rstd + n, C, eps, offset);
     }
 
     // Adds into dx; writes or adds dw per mode. One pass over x
@@ -59,7 +62,7 @@ struct RMSNorm {
 #pragma omp for schedule(static)
             for (int n = 0; n < N; n++)
                 rmsnorm_pullback_row(x + (size_t)n * C, w, rstd[n], dy + (size_t)n * C, dx + (size_t)n * C,
-                                     dw_t, C);
+                                     dw_t, C, offset);
             add_thread_parts(dw, scratch, C, threads, C);
         }
     }
@@ -75,20 +78,25 @@ struct RMSNorm {
 };
 
 // The registry entry (native/blocks/registry.hpp). Statistics: rstd.
+template <int Offset>
 void rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float* db,
                            float* scratch, GradMode mode);
-inline const NormBlock rmsnorm_block{
-    "rmsnorm", /*bias=*/false, /*stats_per_row=*/1,
-    [](const NormArgs& a, float* y) { RMSNorm{a.C, a.eps}.forward(a.x, a.w, y, a.stats, a.N); },
+// The registry entries, one per offset (a NormBlock's functions take no state).
+template <int Offset>
+inline const NormBlock rmsnorm_entry{
+    Offset ? "rmsnorm_1p" : "rmsnorm", /*bias=*/false, /*stats_per_row=*/1,
+    [](const NormArgs& a, float* y) { RMSNorm{a.C, a.eps, Offset}.forward(a.x, a.w, y, a.stats, a.N); },
     [](const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*, float* scratch, GradMode mode) {
-        const RMSNorm rms{a.C, a.eps};
+        const RMSNorm rms{a.C, a.eps, Offset};
         if (y) rms.forward(a.x, a.w, y, a.stats, a.N);
         rms.pullback(a.x, a.w, a.stats, dy, dx, dw, scratch, a.N, mode);
     },
     [](int C, int threads) { return RMSNorm{C, 0.0f}.scratch_floats(threads); },
-    ZOO_CLAD_FN(rmsnorm_pullback_clad),
+    ZOO_CLAD_FN(rmsnorm_pullback_clad<Offset>),
     [](int C, int threads) { return RMSNorm{C, 0.0f}.clad_scratch_floats(threads); },
 };
+inline const NormBlock& rmsnorm_block = rmsnorm_entry<0>;
+inline const NormBlock& rmsnorm_1p_block = rmsnorm_entry<1>;
 
 }  // namespace zoo
 
@@ -113,15 +121,20 @@ void zoo::RMSNorm::pullback_clad(const float* x, const float* w, const float* dy
             const float* dyr = dy + (size_t)n * C;
             for (int i = 0; i < C; i++) seed[i] = dyr[i];  // the gradient consumes its seed
             st[1] = 0.0f;
-            grad.execute(x + (size_t)n * C, w, y ? y + (size_t)n * C : y_row, st, C, eps, dx + (size_t)n * C, dw_t,
-                         seed, st + 1);
+            grad.execute(x + (size_t)n * C, w, y ? y + (size_t)n * C : y_row, st, C, eps, offset, dx + (size_t)n * C,
+                         dw_t, seed, st + 1);
         }
         add_thread_parts(dw, scratch, S, threads, C);
     }
 }
 
+template <int Offset>
 void zoo::rmsnorm_pullback_clad(const NormArgs& a, const float* dy, float* y, float* dx, float* dw, float*,
                                 float* scratch, GradMode mode) {
-    RMSNorm{a.C, a.eps}.pullback_clad(a.x, a.w, dy, y, dx, dw, scratch, a.N, mode);
+    RMSNorm{a.C, a.eps, Offset}.pullback_clad(a.x, a.w, dy, y, dx, dw, scratch, a.N, mode);
 }
+template void zoo::rmsnorm_pullback_clad<0>(const NormArgs&, const float*, float*, float*, float*, float*, float*,
+                                            GradMode);
+template void zoo::rmsnorm_pullback_clad<1>(const NormArgs&, const float*, float*, float*, float*, float*, float*,
+                                            GradMode);
 #endif

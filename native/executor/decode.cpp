@@ -32,7 +32,9 @@ size_t decode_thread_floats(const Dims& d) {
            line_floats(gemv::scratch_floats(gemv::max_rows, d.widest_input())) + line_floats(d.fc_dim());
 }
 
-bool Executor::fused_decode(int rows) const { return rows <= gemv::max_rows && !d_.layer->forward && !has_adapters_; }
+bool Executor::fused_decode(int rows) const {
+    return rows <= gemv::max_rows && !d_.layer->forward && !has_adapters_ && !d_.variant();
+}
 
 void Executor::decode_chunk(int rows) {
     const Dims& d = d_;

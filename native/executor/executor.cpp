@@ -32,6 +32,10 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
         throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
                                     "' runs on a trainable fp32 base only: no frozen base (LoRA, or weights in "
                                     "bf16, int8 or nf4) yet");
+    if (d_.layer->forward && d_.variant())  // its block calls compute the Llama layer's blocks only
+        throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
+                                    "' computes none of q/k norms, post-branch norms, windows, NoPE layers or the "
+                                    "attention, embedding and residual scales");
     if (d_.lora_dropout < 0.0f || !(d_.lora_dropout < 1.0f))
         throw std::invalid_argument("zoo: lora dropout must be in [0, 1)");
     plan_grad_ranges(layout, adapters);  // checks the tables before anything is bound
@@ -39,7 +43,7 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     moment_end_ = n_params_;
     if (d_.frozen) {
         bind_frozen(frozen);
-        frozen_grad_sink_.resize(2 * (size_t)d_.d_model);
+        frozen_grad_sink_.resize(2 * (size_t)d_.widest_input());
     } else {
         bind(w_, params(), layout);
     }
@@ -135,12 +139,18 @@ static size_t kernel_floats(const Dims& d, const std::string& role) {
     if (role == "wpe") return d.rope ? 0 : (size_t)d.max_seq_len * D;
     if (role == "lm_head_w") return d.tied_embeddings ? 0 : V * D;
     if ((role == "ln2_w" || role == "ln2_b") && !d.layer->second_norm) return 0;
+    if ((role == "ln1_w" || role == "ln2_w" || role == "ln1_b" || role == "ln2_b") && !d.pre_norm) return 0;
     if (role == "ln1_w" || role == "ln2_w" || role == "lnf_w") return D;
     if (role == "ln1_b" || role == "ln2_b" || role == "lnf_b") return d.norm->bias ? D : 0;
     if (role == "qkv_w") return (size_t)d.qkv_dim() * D;
     if (role == "qkv_b") return d.attention_bias ? d.qkv_dim() : 0;
     if (role == "attn_out_w") return D * d.attn_dim();
-    if (role == "attn_out_b") return d.attention_bias ? D : 0;
+    if (role == "attn_out_b") return d.attention_out_bias ? D : 0;
+    const size_t qk_width = d.qk_norm == 1 ? d.head_dim : 0;
+    if (role == "q_norm_w") return d.qk_norm ? (qk_width ? qk_width : (size_t)d.attn_dim()) : 0;
+    if (role == "k_norm_w") return d.qk_norm ? (qk_width ? qk_width : (size_t)d.n_kv_head * d.head_dim) : 0;
+    if (role == "post_attn_w" || role == "post_mlp_w") return d.post_norm ? D : 0;
+    if (role == "post_attn_b" || role == "post_mlp_b") return d.post_norm && d.norm->bias ? D : 0;
     if (role == "fc_w") return (size_t)d.fc_dim() * D;
     if (role == "fc_b") return d.mlp_bias ? d.fc_dim() : 0;
     if (role == "proj_w") return D * d.d_ff;
@@ -446,10 +456,14 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
     const Attention attn{d.n_head, d.n_kv_head, d.head_dim};
     auto need = [&](ScratchFloats f, int C) { return f ? f(C, threads) : 0; };
     size_t n = need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats, d.d_model);
+    if (d.qk_norm)  // the norm over q's width (at least k's)
+        n = std::max(n, need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats,
+                             d.qk_norm == 1 ? d.head_dim : d.attn_dim()));
     n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
     if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
         int widest = 0;
-        if (d.attention_bias) widest = std::max(d.qkv_dim(), d.d_model);
+        if (d.attention_bias) widest = d.qkv_dim();
+        if (d.attention_out_bias) widest = std::max(widest, d.d_model);
         if (d.mlp_bias) widest = std::max({widest, d.fc_dim(), d.d_model});
         n = std::max(n, Linear{0, widest}.clad_scratch_floats(B * T));  // B * T: check_batch bounds it
     }
@@ -514,6 +528,16 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
             take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
         }
         take_saved(&l.fc, &fc_bf16[i], at + "fc", N * d.fc_dim());
+        if (d.qk_norm) {
+            take(&l.qk_raw, at + "qk_raw", N * d.qk_dim(), internals);
+            take(&l.qk_stats, at + "qk_stats", (size_t)stats * N * (d.qk_norm == 1 ? d.n_head + d.n_kv_head : 2), internals);
+        }
+        if (d.post_norm) {  // (without one, the pullback needs no branch output)
+            take(&l.attn_branch, at + "attn_branch", N * D, internals);
+            take(&l.attn_branch_stats, at + "attn_branch_stats", stats * N, internals);
+            take(&l.mlp_branch, at + "mlp_branch", N * D, internals);
+            take(&l.mlp_branch_stats, at + "mlp_branch_stats", stats * N, internals);
+        }
     }
     take(&p.lnf, "lnf", N * D, kForward | kHead);
     take(&p.lnf_stats, "lnf_stats", stats * N, kAllPhases);
@@ -524,6 +548,12 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     float *norm_out = nullptr, *act_out = nullptr;
     take(&norm_out, "norm_out", N * D, kForward | kPullback);
     take(&act_out, "act_out", N * d.d_ff, kForward | kPullback);
+    float *qk_work = nullptr, *branch_out = nullptr, *post_out = nullptr;
+    if (d.qk_norm) take(&qk_work, "qk_work", N * d.qk_dim(), kForward | kPullback);
+    // A branch's output before its add: kept per layer under a post-norm (above), else one
+    // buffer the layers share; the post-norm's output likewise.
+    if (d.branch_buffer() && !d.post_norm) take(&branch_out, "branch_out", N * D, kForward | kPullback);
+    if (d.post_norm) take(&post_out, "post_out", N * D, kForward | kPullback);
     float *qkv_work = nullptr, *att_work = nullptr, *fc_work = nullptr;
     if (bf16_saved) {
         take(&qkv_work, "qkv_work", N * d.qkv_dim(), kForward | kPullback);
@@ -539,6 +569,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
     take(&p.d_act, "d_act", N * d.d_ff, kPullback);
     if (d.layer->forward) take(&p.d_layer_in, "d_layer_in", N * D, kPullback);
+    if (d.qk_norm) take(&p.d_qk, "d_qk", 2 * N * d.qk_dim(), kPullback);
+    if (d.branch_buffer()) take(&p.d_branch, "d_branch", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     if (d.frozen && d.matrix_dtype != DType::f32)
         take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
@@ -561,6 +593,9 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
         l.act = act_out;
+        l.qk_work = qk_work;
+        l.post_out = post_out;
+        if (!d.post_norm) l.attn_branch = l.mlp_branch = branch_out;
         l.matrix_scratch = p.matrix_scratch;
         l.lora_scratch = p.lora_scratch;
         if (bf16_saved) {
@@ -684,17 +719,111 @@ void Executor::plan(int B, int T) {
     cap_threads_ = omp_get_max_threads();
 }
 
-void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const {
-    d_.norm->forward({d_.d_model, d_.norm_eps, N, x, w, b, stats}, y);
+void Executor::norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N,
+                            int C) const {
+    d_.norm->forward({C ? C : d_.d_model, d_.norm_eps, N, x, w, b, stats}, y);
 }
 
 void Executor::norm_pullback(const float* x, const float* w, const float* b, float* stats, const float* dy, float* y,
-                             float* dx, float* dw, float* db, int N, GradMode mode) const {
+                             float* dx, float* dw, float* db, int N, GradMode mode, int C) const {
+    C = C ? C : d_.d_model;
     if (d_.frozen) {  // a frozen norm's dw and db go to a sink nobody reads
         float* sink = frozen_grad_sink_.data();
-        dw = sink, db = b ? sink + d_.d_model : nullptr, mode = GradMode::write;
+        dw = sink, db = b ? sink + C : nullptr, mode = GradMode::write;
     }
-    pb_.norm({d_.d_model, d_.norm_eps, N, x, w, b, stats}, dy, y, dx, dw, db, a_.pullback_scratch, mode);
+    pb_.norm({C, d_.norm_eps, N, x, w, b, stats}, dy, y, dx, dw, db, a_.pullback_scratch, mode);
+}
+
+// q|k of each qkv row (its first qk_dim floats) to or from [all q rows (N, attn_dim) | all k
+// rows (N, n_kv_head x head_dim)], where a norm reads them as contiguous rows.
+static void gather_qk(const Dims& d, const float* qkv, float* qk, int N) {
+    const size_t q = d.attn_dim(), k = (size_t)d.n_kv_head * d.head_dim;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        std::memcpy(qk + n * q, qkv + (size_t)n * d.qkv_dim(), sizeof(float) * q);
+        std::memcpy(qk + N * q + n * k, qkv + (size_t)n * d.qkv_dim() + q, sizeof(float) * k);
+    }
+}
+static void scatter_qk(const Dims& d, const float* qk, float* qkv, int N) {
+    const size_t q = d.attn_dim(), k = (size_t)d.n_kv_head * d.head_dim;
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        std::memcpy(qkv + (size_t)n * d.qkv_dim(), qk + n * q, sizeof(float) * q);
+        std::memcpy(qkv + (size_t)n * d.qkv_dim() + q, qk + N * q + n * k, sizeof(float) * k);
+    }
+}
+// The q|k norm's rows: per head (rows of head_dim) or over the projection (a row per token).
+struct QkRows {
+    int q_rows, k_rows, q_width, k_width;
+};
+static QkRows qk_rows(const Dims& d, int N) {
+    if (d.qk_norm == 1) return {N * d.n_head, N * d.n_kv_head, d.head_dim, d.head_dim};
+    return {N, N, d.attn_dim(), d.n_kv_head * d.head_dim};
+}
+
+void Executor::qk_norm_forward(int i, const LayerActs& a, int N) {
+    const LayerTensors& w = w_.layers[i];
+    const QkRows r = qk_rows(d_, N);
+    const int stats = d_.norm->stats_per_row;
+    const size_t q_floats = (size_t)N * d_.attn_dim();
+    gather_qk(d_, a.qkv, a.qk_raw, N);
+    TIMED(forward, norm, norm_forward(a.qk_raw, w.q_norm_w, nullptr, a.qk_work, a.qk_stats, r.q_rows, r.q_width));
+    TIMED(forward, norm, norm_forward(a.qk_raw + q_floats, w.k_norm_w, nullptr, a.qk_work + q_floats,
+                                      a.qk_stats + (size_t)stats * r.q_rows, r.k_rows, r.k_width));
+    scatter_qk(d_, a.qk_work, a.qkv, N);
+}
+
+// d_qkv's q|k parts: the normalized q and k's adjoints in, the raw ones' out.
+void Executor::qk_norm_pullback(int i, const LayerActs& a, int N, GradMode mode) {
+    const LayerTensors& w = w_.layers[i];
+    LayerTensors& g = g_.layers[i];
+    const QkRows r = qk_rows(d_, N);
+    const int stats = d_.norm->stats_per_row;
+    const size_t q_floats = (size_t)N * d_.attn_dim(), qk = (size_t)N * d_.qk_dim();
+    float *dy = a_.d_qk, *dx = a_.d_qk + qk;
+    gather_qk(d_, a_.d_qkv, dy, N);
+    std::memset(dx, 0, sizeof(float) * qk);  // the norm pullback adds into dx
+    TIMED(pullback, norm, norm_pullback(a.qk_raw, w.q_norm_w, nullptr, a.qk_stats, dy, nullptr, dx, g.q_norm_w,
+                                        nullptr, r.q_rows, mode, r.q_width));
+    TIMED(pullback, norm, norm_pullback(a.qk_raw + q_floats, w.k_norm_w, nullptr, a.qk_stats + (size_t)stats * r.q_rows,
+                                        dy + q_floats, nullptr, dx + q_floats, g.k_norm_w, nullptr, r.k_rows, mode,
+                                        r.k_width));
+    scatter_qk(d_, dx, a_.d_qkv, N);
+}
+
+// out = r + residual_scale x post_norm(y) (no post-norm: y). out may be r (generation).
+void Executor::branch_add(const float* y, const float* post_w, const float* post_b, float* stats, float* post_out,
+                          const float* r, float* out, int N) {
+    if (d_.post_norm) {
+        TIMED(forward, norm, norm_forward(y, post_w, post_b, post_out, stats, N));
+        y = post_out;
+    }
+    const float s = d_.residual_scale;
+    const size_t n = (size_t)N * d_.d_model;
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < n; k++) out[k] = r[k] + s * y[k];
+}
+
+// dL/dy of a branch_add, from a_.d_res = dL/d(out), into a_.d_branch (returned). d_norm is
+// free here: it takes the scaled adjoint where a post-norm follows.
+const float* Executor::branch_pullback(const float* y, const float* post_w, const float* post_b, float* stats,
+                                       float* d_post_w, float* d_post_b, int N, GradMode mode) {
+    const float s = d_.residual_scale;
+    const size_t n = (size_t)N * d_.d_model;
+    if (!d_.post_norm) {
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) a_.d_branch[k] = s * a_.d_res[k];
+        return a_.d_branch;
+    }
+    const float* dy = a_.d_res;
+    if (s != 1.0f) {
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) a_.d_norm[k] = s * a_.d_res[k];
+        dy = a_.d_norm;
+    }
+    std::memset(a_.d_branch, 0, sizeof(float) * n);
+    TIMED(pullback, norm, norm_pullback(y, post_w, post_b, stats, dy, nullptr, a_.d_branch, d_post_w, d_post_b, N, mode));
+    return a_.d_branch;
 }
 
 void Executor::check_ids(const int32_t* tokens, const int32_t* targets, int N) const {
@@ -761,14 +890,17 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const LayerMatrices& wm = wm_.layers[i];
-    const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
+    const Attention attn = attention(i);
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     const bool cached = pass == LayerPass::cached;
-    TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(forward, linear, linear_forward(qkv, cached, a.ln1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_qkv, a.ln1, a.qkv, N, a);
-    if (d_.rope)  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
+    // Each branch reads its input's norm, or the stream itself where the norms follow the branches.
+    const float* h1 = d_.pre_norm ? a.ln1 : a.x;
+    if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
+    TIMED(forward, linear, linear_forward(qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
+    adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
+    if (d_.qk_norm) qk_norm_forward(i, a, N);
+    if (layer_rotates(i))  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
     if (cached) {
@@ -782,17 +914,39 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         TIMED(forward, attention, attn.forward(a.qkv, positions_, hidden_, a.lse, a.att, a_.attention_scratch, B, T));
         if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
-    // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
-    // profile counts them as linear.
-    TIMED(forward, linear,
-          linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
-    adapter_forward(i, lora_attn_out, a.att, a.res_mid, N, a);
-    TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
-    TIMED(forward, linear, linear_forward(fc, cached, a.ln2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_fc, a.ln2, a.fc, N, a);
+    if (d_.branch_buffer()) {
+        TIMED(forward, linear,
+              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N, nullptr,
+                             a.matrix_scratch));
+        adapter_forward(i, lora_attn_out, a.att, a.attn_branch, N, a);
+        branch_add(a.attn_branch, w.post_attn_w, w.post_attn_b, a.attn_branch_stats, a.post_out, a.x, a.res_mid, N);
+    } else {
+        // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
+        // profile counts them as linear.
+        TIMED(forward, linear,
+              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
+        adapter_forward(i, lora_attn_out, a.att, a.res_mid, N, a);
+    }
+    const float* h2 = d_.pre_norm ? a.ln2 : a.res_mid;
+    if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
+    adapter_forward(i, lora_fc, h2, a.fc, N, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
-    if (pass == LayerPass::recompute) return;  // the MLP output only feeds the next layer's input
+    // The MLP output only feeds the next layer's input, which the recompute before a pullback
+    // keeps; a post-norm's pullback reads the MLP output and its statistics, though.
+    if (pass == LayerPass::recompute && !d_.post_norm) return;
+    if (d_.branch_buffer()) {
+        TIMED(forward, linear,
+              linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.mlp_branch, N, nullptr, a.matrix_scratch));
+        adapter_forward(i, lora_proj, a.act, a.mlp_branch, N, a);
+        if (pass == LayerPass::recompute) {
+            TIMED(forward, norm, norm_forward(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.post_out, a.mlp_branch_stats, N));
+            return;
+        }
+        branch_add(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.mlp_branch_stats, a.post_out, a.res_mid, a.out, N);
+        return;
+    }
     TIMED(forward, linear,
           linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N, a.res_mid, a.matrix_scratch));
     adapter_forward(i, lora_proj, a.act, a.out, N, a);
@@ -861,7 +1015,7 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     const LayerMatrices& wm = wm_.layers[i];
     LayerTensors& g = g_.layers[i];
     const LayerActs& a = a_.layers[i];
-    const Attention attn{d_.n_head, d_.n_kv_head, d_.head_dim};
+    const Attention attn = attention(i);
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     float* scratch = a_.pullback_scratch;
@@ -883,17 +1037,31 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
                                  float* dW, float* db) {
         TIMED(pullback, linear, pb_.linear(l, x, W, b, dy, nullptr, dW, db, N, mode, scratch));
     };
+    // A branch without a norm on its input adds its input's adjoint straight into the stream's.
+    const auto add_to_stream = [&](const float* dx) {
+        const size_t n = (size_t)N * d;
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) a_.d_res[k] += dx[k];
+    };
+    // The MLP's output adjoint: the stream's, or through the branch's post-norm and scale.
+    const float* d_mlp = d_.branch_buffer() ? branch_pullback(a.mlp_branch, w.post_mlp_w, w.post_mlp_b,
+                                                              a.mlp_branch_stats, g.post_mlp_w, g.post_mlp_b, N, mode)
+                                            : a_.d_res;
     if (!d_.frozen && pb_.activation_fused) {  // (an activation may have no fused pullback)
-        input_half(proj, w.proj_w, w.proj_b, a_.d_res, a_.d_act);
+        input_half(proj, w.proj_w, w.proj_b, d_mlp, a_.d_act);
         TIMED(pullback, activation, pb_.activation_fused(d_.d_ff, a.fc, a_.d_act, a.act, a_.d_fc, N));
-        weight_half(proj, a.act, w.proj_w, w.proj_b, a_.d_res, g.proj_w, g.proj_b);
+        weight_half(proj, a.act, w.proj_w, w.proj_b, d_mlp, g.proj_w, g.proj_b);
     } else {
         TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
-        linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w,
+        linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, d_mlp, a_.d_act, g.proj_w,
                         g.proj_b, N, mode, a);
         TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, N));
     }
-    if (!d_.frozen) {
+    const float* h2 = d_.pre_norm ? a.ln2 : a.res_mid;
+    if (!d_.pre_norm) {
+        linear_pullback(i, lora_fc, fc, h2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode, a);
+        add_to_stream(a_.d_norm);
+    } else if (!d_.frozen) {
         input_half(fc, w.fc_w, w.fc_b, a_.d_fc, a_.d_norm);
         TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, a.ln2, a_.d_res,
                                             g.ln2_w, g.ln2_b, N, mode));
@@ -905,14 +1073,23 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
         TIMED(pullback, norm, norm_pullback(a.res_mid, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, nullptr, a_.d_res,
                                             g.ln2_w, g.ln2_b, N, mode));
     }
-    linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
+    const float* d_attn = d_.branch_buffer() ? branch_pullback(a.attn_branch, w.post_attn_w, w.post_attn_b,
+                                                               a.attn_branch_stats, g.post_attn_w, g.post_attn_b, N,
+                                                               mode)
+                                             : a_.d_res;
+    linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, d_attn, a_.d_att,
                     g.attn_out_w, g.attn_out_b, N, mode, a);
     TIMED(pullback, attention,
           pb_.attention(attn, a.qkv, positions_, hidden_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
-    if (d_.rope)
+    if (layer_rotates(i))
         TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
                                        rope_cos_.data(), rope_sin_.data(), B, T, positions_));
-    if (!d_.frozen) {
+    if (d_.qk_norm) qk_norm_pullback(i, a, N, mode);
+    if (!d_.pre_norm) {
+        linear_pullback(i, lora_qkv, qkv, a.x, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
+                        mode, a);
+        add_to_stream(a_.d_norm);
+    } else if (!d_.frozen) {
         input_half(qkv, w.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm);
         TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, a.ln1, a_.d_res, g.ln1_w,
                                             g.ln1_b, N, mode));
@@ -926,10 +1103,18 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     }
 }
 
+// x *= s over n floats (the embedding and logit scales; a no-op at 1).
+static void scale_floats(float* x, size_t n, float s) {
+    if (s == 1.0f) return;
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < n; k++) x[k] *= s;
+}
+
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
     TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, wm_.wte, w_.wpe, a_.residual, B, T));
+    scale_floats(a_.residual, (size_t)N * d, d_.embedding_scale);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
     TIMED(forward, norm, norm_forward(a_.layers.back().out, w_.lnf_w, w_.lnf_b, a_.lnf, a_.lnf_stats, N));
 }
@@ -950,6 +1135,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         int counted = 0;
         double chunk_mean = 0.0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
         if (!pullback) {
             TIMED(forward, cross_entropy,
                   chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
@@ -961,6 +1147,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
                                              grad_scale, &counted, nullptr, a_.head_scratch));
         total += chunk_mean * counted;
+        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);  // the adjoint of the unscaled logits
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
                                                       false, a_.matrix_scratch));
@@ -1003,6 +1190,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     TIMED(forward, linear,
           linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_matrix(), nullptr, logits_arena_.data, N, nullptr,
                                                     a_.matrix_scratch));
+    scale_floats(logits_arena_.data, need, d_.logit_scale);
     return NAN;
 }
 
@@ -1058,6 +1246,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
         if (!row_weight) {
             TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
             continue;
@@ -1065,6 +1254,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         TIMED(forward, cross_entropy,
               pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
                                 row_weight + r0, a_.head_scratch));
+        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
         float* dx = a_.d_norm + (size_t)r0 * d;
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
@@ -1142,9 +1332,11 @@ void Executor::trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode
     // A tied dwte holds the LM head's gradient already: the embedding adds to it. (A frozen
     // base's embedding has no gradient.)
     const Embedding emb{d, d_.vocab_size, d_.max_seq_len};
-    if (!d_.frozen)
+    if (!d_.frozen) {
+        scale_floats(a_.d_res, (size_t)N * d, d_.embedding_scale);
         TIMED(pullback, embedding, pb_.embedding(emb, tokens, positions_, w_.wte, w_.wpe, a_.d_res, g_.wte, g_.wpe, B,
                                                  T, d_.tied_embeddings ? GradMode::add : mode, mode));
+    }
     passes_since_step_++;
     if (first) {
         TIMED(forward, adamw, sumsq += grad_sum_squares(other_grad_ranges_));
@@ -1223,6 +1415,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
 // other. One function, so that reset_cache and cache_floats (the memory check) agree.
 struct CacheLayout {
     size_t k, v, x, norm, stats, qkv, att, fc, act, attention, last, logits, matrix, decode, lora, floats;
+    size_t qk_raw, qk_stats, qk_work, branch, branch_stats, post_out;  // the variants' (Dims)
     int rows;
 };
 static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) {
@@ -1246,6 +1439,11 @@ static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) 
     c.matrix = pl.take(std::max(matrix_scratch_floats(d, Precision::fp32, N), matrix_scratch_floats(d, Precision::bf16, N)));
     c.decode = pl.take((size_t)threads * decode_thread_floats(d));
     c.lora = pl.take(lora_scratch_floats(d, N, false));
+    const size_t qk = d.qk_norm ? N * d.qk_dim() : 0, stats = d.norm->stats_per_row * N;
+    c.qk_raw = pl.take(qk), c.qk_work = pl.take(qk);
+    c.qk_stats = pl.take(d.qk_norm ? stats * (d.qk_norm == 1 ? d.n_head + d.n_kv_head : 2) : 0);
+    c.branch = pl.take(d.branch_buffer() ? N * D : 0), c.branch_stats = pl.take(d.post_norm ? stats : 0);
+    c.post_out = pl.take(d.post_norm ? N * D : 0);
     c.floats = pl.used;
     return c;
 }
@@ -1271,6 +1469,10 @@ void Executor::reset_cache(int B, int max_len) {
                         a + c.x,  a + c.norm, a + c.stats, a + c.fc,  a + c.act,  a + c.x};
     cached_.matrix_scratch = a + c.matrix;
     cached_.lora_scratch = a + c.lora;
+    cached_.qk_raw = a + c.qk_raw, cached_.qk_work = a + c.qk_work, cached_.qk_stats = a + c.qk_stats;
+    cached_.attn_branch = cached_.mlp_branch = a + c.branch;
+    cached_.attn_branch_stats = cached_.mlp_branch_stats = a + c.branch_stats;
+    cached_.post_out = a + c.post_out;
     cache_B_ = B;
     cache_len_ = max_len;
     cache_rows_ = c.rows;
@@ -1296,6 +1498,7 @@ void Executor::cached_chunk(int rows) {
     const PositionsScope scope(positions_, chunk_positions_.data());
     TIMED(forward, embedding,
           Embedding{d_.d_model}.forward(chunk_tokens_.data(), positions_, wm_.wte, w_.wpe, cached_.out, 1, rows));
+    scale_floats(cached_.out, (size_t)rows * d_.d_model, d_.embedding_scale);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, cached_, 1, rows, LayerPass::cached);
 }
 
@@ -1365,6 +1568,7 @@ const float* Executor::forward_segments(const int32_t* tokens, const int32_t* sl
     TIMED(forward, linear,
           linear_forward(linear(d, V), true, cached_.ln1, head_matrix(), nullptr, c_logits_, S, nullptr,
                          cached_.matrix_scratch));
+    scale_floats(c_logits_, (size_t)S * V, d_.logit_scale);
     return c_logits_;
 }
 

@@ -4,6 +4,7 @@
 // (registry.hpp); activations are planned here by liveness (plan.hpp) for a (B, T).
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cstdint>
 #include <set>
@@ -41,6 +42,16 @@ struct Dims {
     bool rope;
     float norm_eps;
     bool attention_bias, mlp_bias, tied_embeddings;
+    // The options of the Llama variants (ModelConfig; docs/config.md), each off by default.
+    bool attention_out_bias = false;  // o_proj's bias (attention_bias is q, k and v's)
+    int qk_norm = 0;                  // RMS-normalize q and k after the projection: 0 no, 1 per head, 2 over all heads
+    bool pre_norm = true, post_norm = false;  // norms on each branch's input, on its output (before the add)
+    std::vector<int> layer_window;    // per layer: keys a query sees (itself included), 0: all before it
+    std::vector<char> layer_rope;     // per layer: 1 rotates q and k (RoPE models), 0 not (NoPE layers)
+    float embedding_scale = 1.0f;     // token embeddings times this (Gemma: sqrt(d_model); Granite)
+    float residual_scale = 1.0f;      // each branch's output times this before its residual add (Granite)
+    float attention_scale = 0.0f;     // the softmax's scale; 0: 1/sqrt(head_dim)
+    float logit_scale = 1.0f;         // logits times this (Granite: 1 / logits_scaling)
     // The run's setup beside the architecture (zoo/arch/lora.py): a frozen base (a LoRA run, or a
     // model that only runs forward) with its matrices in matrix_dtype, and the adapters' widest
     // stack (segments x rank) and whether they drop their input: these size the scratch.
@@ -56,6 +67,17 @@ struct Dims {
     int attn_dim() const { return n_head * head_dim; }
     int fc_dim() const { return mlp->gate_width * d_ff; }
     int widest_input() const { return std::max({d_model, attn_dim(), d_ff}); }
+    int qk_dim() const { return (n_head + n_kv_head) * head_dim; }  // the q|k prefix of a qkv row
+    // The branch output goes through a buffer of its own (not fused into the residual add).
+    bool branch_buffer() const { return post_norm || residual_scale != 1.0f; }
+    // The options the fused decode step and the Clad-chained layers do not compute.
+    bool variant() const {
+        if (qk_norm || !pre_norm || branch_buffer() || attention_scale != 0.0f || embedding_scale != 1.0f) return true;
+        for (int w : layer_window) if (w) return true;
+        for (char r : layer_rope) if (!r) return true;
+        return false;
+    }
+    float softmax_scale() const { return attention_scale != 0.0f ? attention_scale : 1.0f / std::sqrt((float)head_dim); }
 };
 
 // Throws std::invalid_argument, naming the field or product, if a size of d is outside the
@@ -87,8 +109,8 @@ inline void check_dims(const Dims& d) {
 // field of the structs below, and the binding loop matches role names against this one list.
 #define ZOO_MODEL_ROLES(X) X(wte) X(wpe) X(lnf_w) X(lnf_b) X(lm_head_w)
 #define ZOO_LAYER_ROLES(X)                                                                       \
-    X(ln1_w) X(ln1_b) X(qkv_w) X(qkv_b) X(attn_out_w) X(attn_out_b) X(ln2_w) X(ln2_b) X(fc_w) \
-        X(fc_b) X(proj_w) X(proj_b)
+    X(ln1_w) X(ln1_b) X(qkv_w) X(qkv_b) X(q_norm_w) X(k_norm_w) X(attn_out_w) X(attn_out_b) X(post_attn_w) \
+        X(post_attn_b) X(ln2_w) X(ln2_b) X(fc_w) X(fc_b) X(proj_w) X(proj_b) X(post_mlp_w) X(post_mlp_b)
 #define ZOO_POINTER_FIELD(role) float* role = nullptr;
 // The roles whose tensors feed matrix products (and the token embedding's lookups): a frozen
 // base may store them in a narrower format (quant.hpp). Each is also a Matrix field below.
@@ -161,6 +183,12 @@ struct LayerActs {
     const float* x;  // (with the parallel layer, res_mid, ln2 and ln2_stats are unused)
     float *ln1, *ln1_stats, *qkv, *lse, *att, *res_mid, *ln2, *ln2_stats, *fc, *act, *out;
     uint16_t *qkv_bf16 = nullptr, *att_bf16 = nullptr, *fc_bf16 = nullptr;
+    // The variants' (Dims): q and k before their norm, as [all q rows | all k rows], with the
+    // norm's statistics, and the normalized ones before they go back into qkv; each branch's
+    // output before its add (with its post-norm statistics), and the post-norm output.
+    float *qk_raw = nullptr, *qk_stats = nullptr, *qk_work = nullptr;
+    float *attn_branch = nullptr, *attn_branch_stats = nullptr, *mlp_branch = nullptr, *mlp_branch_stats = nullptr,
+          *post_out = nullptr;
     // Where a frozen base's products widen its matrices, and the adapters' scratch.
     float *matrix_scratch = nullptr, *lora_scratch = nullptr;
 };
@@ -176,6 +204,8 @@ struct ActivationPlan {
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
           *d_act = nullptr;
     float* d_layer_in = nullptr;  // a Clad-chained layer's input adjoint (its seed, d_res, must not alias it)
+    float* d_qk = nullptr;        // q|k norm: the output's adjoint gathered, then the input's (2 x N x qk_dim)
+    float* d_branch = nullptr;    // a branch output's adjoint (through its post-norm and residual scale)
     float* attention_scratch = nullptr;  // the attention forward's
     float* pullback_scratch = nullptr;   // the largest need of the model's pullbacks (one runs at a time)
     float* head_scratch = nullptr;       // the cross-entropy pullback's
@@ -492,10 +522,25 @@ private:
     // A layer arrangement's call (layers.hpp): layer i's weights, gradients, buffers and pass.
     LayerCall layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode);
     double head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode);
-    void norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N) const;
+    void norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N,
+                      int C = 0) const;  // C: the row width, 0 for d_model
     // y: null, or where the norm's output is recomputed (NormPullback).
     void norm_pullback(const float* x, const float* w, const float* b, float* stats, const float* dy, float* y,
-                       float* dx, float* dw, float* db, int N, GradMode mode) const;
+                       float* dx, float* dw, float* db, int N, GradMode mode, int C = 0) const;
+    // The variants' steps of the sequential layer (Dims): q|k norm and its pullback on qkv
+    // (d_qkv) in place; a branch's output (y) into the residual stream r (out = r + scale
+    // post_norm(y)), and the adjoint of y from the output's.
+    void qk_norm_forward(int i, const LayerActs& a, int N);
+    void qk_norm_pullback(int i, const LayerActs& a, int N, GradMode mode);
+    void branch_add(const float* y, const float* post_w, const float* post_b, float* stats, float* post_out,
+                    const float* r, float* out, int N);
+    const float* branch_pullback(const float* y, const float* post_w, const float* post_b, float* stats, float* d_post_w,
+                                 float* d_post_b, int N, GradMode mode);
+    Attention attention(int i) const {
+        return Attention{d_.n_head, d_.n_kv_head, d_.head_dim, d_.layer_window.empty() ? 0 : d_.layer_window[i],
+                         d_.softmax_scale()};
+    }
+    bool layer_rotates(int i) const { return d_.rope && (d_.layer_rope.empty() || d_.layer_rope[i]); }
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head_w; }
     const Matrix& head_matrix() const { return d_.tied_embeddings ? wm_.wte : wm_.lm_head_w; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head_w; }

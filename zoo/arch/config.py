@@ -56,6 +56,19 @@ class ModelConfig(BaseModel):
     attention_bias: bool = True
     mlp_bias: bool = True
     tied_embeddings: bool = True
+    # The options of the Llama variants (Qwen, Mistral, OLMo-2, SmolLM3, Granite, Gemma), each
+    # off by default and usable in any mix with the sequential layer (docs/config.md).
+    attention_out_bias: Optional[bool] = None  # the output projection's bias; None: as attention_bias (q, k, v)
+    qk_norm: Literal["none", "head", "projection"] = "none"  # q and k normalized after their projection:
+    # over each head (Qwen3, Gemma 3) or over all heads at once (OLMo-2), with the model's norm
+    branch_norms: Literal["pre", "post", "both"] = "pre"  # norms on each branch's input, output (OLMo-2) or both
+    sliding_window: Optional[int] = Field(default=None, gt=0, le=MAX_SEQ_LEN)  # keys a query sees, itself included
+    sliding_layers: Optional[tuple[int, ...]] = None  # the layers with the window; None: all (with a window)
+    nope_layers: tuple[int, ...] = ()  # layers whose attention rotates nothing (SmolLM3's NoPE layers)
+    embedding_scale: float = Field(default=1.0, gt=0)  # token embeddings times this (Gemma: sqrt(d_model))
+    residual_scale: float = Field(default=1.0, gt=0)  # each branch's output times this before its add (Granite)
+    attention_scale: Optional[float] = Field(default=None, gt=0)  # the softmax scale; None: head_dim ** -0.5
+    logit_scale: float = Field(default=1.0, gt=0)  # logits times this (Granite: 1 / logits_scaling)
     # The Hugging Face architecture its tensors are named after and it saves as (zoo/families/);
     # None: gpt2 for learned positions, llama for RoPE.
     family: Optional[str] = None
@@ -79,6 +92,8 @@ class ModelConfig(BaseModel):
                 data["head_dim"] = d_model // n_head
         if data.get("d_ff") is None and isinstance(data.get("d_model"), int):
             data["d_ff"] = 4 * data["d_model"]
+        if data.get("attention_out_bias") is None:
+            data["attention_out_bias"] = data.get("attention_bias", cls.model_fields["attention_bias"].default)
         if data.get("family") is None:
             data["family"] = families.default_for(data.get("positions", "learned"))
         return data
@@ -108,8 +123,32 @@ class ModelConfig(BaseModel):
             raise ValueError(f"head_dim: RoPE needs an even head_dim, got {self.head_dim}")
         if self.positions != "rope" and self.rope_scaling is not None:
             raise ValueError("rope_scaling: set only with positions='rope'")
+        self._check_variant()
         self._check_products()
         return self
+
+    def _check_variant(self) -> None:
+        for field in ("sliding_layers", "nope_layers"):
+            layers = getattr(self, field) or ()
+            if any(i < 0 or i >= self.n_layer for i in layers) or list(layers) != sorted(set(layers)):
+                raise ValueError(f"{field}: layer indices in increasing order within 0..{self.n_layer - 1}, "
+                                 f"got {list(layers)}")
+        if self.sliding_layers is not None and self.sliding_window is None:
+            raise ValueError("sliding_layers: set only with a sliding_window")
+        if self.nope_layers and self.positions != "rope":
+            raise ValueError("nope_layers: set only with positions='rope'")
+        if self.qk_norm != "none" and blocks.norms()[self.norm]["bias"]:
+            raise ValueError(f"qk_norm: the q/k norm is the model's norm without a bias; {self.norm!r} has one")
+        if self.layer != "sequential" and self.is_variant:
+            raise ValueError(f"layer: {self.layer!r} computes none of qk_norm, branch_norms, sliding_window, "
+                             "nope_layers and the embedding, residual and attention scales (sequential does)")
+
+    @property
+    def is_variant(self) -> bool:
+        """Whether any option of the Llama variants beyond Llama's own is on."""
+        return (self.qk_norm != "none" or self.branch_norms != "pre" or self.sliding_window is not None
+                or bool(self.nope_layers) or self.embedding_scale != 1.0 or self.residual_scale != 1.0
+                or self.attention_scale is not None)
 
     def _check_products(self) -> None:
         """The products that size one activation row or one weight tensor, within the bounds (the

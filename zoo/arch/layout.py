@@ -103,13 +103,13 @@ def layout_table(layout: list[ParamSpec]) -> list[tuple[str, int, int, int]]:
 
 # Norm weights start at one, biases at zero, matrices at normal(0, 0.02), the projections into
 # the residual stream scaled down by depth (GPT-2). A fused neighbour shares its role's init.
-_ONES = ("ln1_w", "ln2_w", "lnf_w")
+_ONES = ("ln1_w", "ln2_w", "lnf_w", "q_norm_w", "k_norm_w", "post_attn_w", "post_mlp_w")
 _RESIDUAL = ("attn_out_w", "proj_w")
 
 
-def _init(role: str, shape) -> str:
-    if role in _ONES:
-        return "ones"
+def _init(role: str, shape, cfg) -> str:
+    if role in _ONES:  # (a norm that scales by 1 + w starts at w = 0)
+        return "zeros" if cfg.norm == "rmsnorm_1p" else "ones"
     if len(shape) == 1:
         return "zeros"
     return "residual" if role in _RESIDUAL else "normal"
@@ -125,12 +125,15 @@ def _layout(cfg: ModelConfig) -> list[ParamSpec]:
     out: list[ParamSpec] = []
 
     def add(name, shape, role, layer=-1, transposed=False, decay=False):
-        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay, _init(role, shape)))
+        out.append(ParamSpec(name, tuple(shape), role, layer, transposed, decay, _init(role, shape, cfg)))
 
-    def norm(name, role, layer=-1):
-        add(name + ".weight", (d,), role + "_w", layer)
-        if norm_bias:
-            add(name + ".bias", (d,), role + "_b", layer)
+    def norm(name, role, layer=-1, width=d, bias=True):
+        add(name + ".weight", (width,), role + "_w", layer)
+        if norm_bias and bias:
+            add(name + ".bias", (width,), role + "_b", layer)
+
+    pre_norms, post_norms = cfg.branch_norms != "post", cfg.branch_norms != "pre"
+    qk_widths = {"head": (hd, hd), "projection": (q_out, kv_out)}.get(cfg.qk_norm)
 
     def linear(prefix, parts, rows, d_in, role, bias, layer):
         """One GEMM's weight (and bias): its parts next to each other, the first bound to role."""
@@ -147,17 +150,25 @@ def _layout(cfg: ModelConfig) -> list[ParamSpec]:
         add(names.positions + ".weight", (cfg.max_seq_len, d), "wpe")
     for i in range(cfg.n_layer):
         p = names.layer.format(i=i)
-        norm(p + names.norm1, "ln1", i)
+        if pre_norms:
+            norm(p + names.norm1, "ln1", i)
         # q, k and v adjacent: one (q_out + 2 kv_out, d) GEMM; gate and up likewise
         linear(p, names.qkv, [q_out, kv_out, kv_out], d, "qkv", cfg.attention_bias, i)
-        linear(p, (names.attn_out,), [d], q_out, "attn_out", cfg.attention_bias, i)
-        if second_norm:
+        if qk_widths:
+            norm(p + names.q_norm, "q_norm", i, qk_widths[0], bias=False)
+            norm(p + names.k_norm, "k_norm", i, qk_widths[1], bias=False)
+        linear(p, (names.attn_out,), [d], q_out, "attn_out", cfg.attention_out_bias, i)
+        if post_norms:
+            norm(p + names.post_norm1, "post_attn", i)
+        if second_norm and pre_norms:
             norm(p + names.norm2, "ln2", i)
         if gated:
             linear(p, names.mlp_in_gated, [cfg.d_ff, cfg.d_ff], d, "fc", cfg.mlp_bias, i)
         else:
             linear(p, (names.mlp_in,), [cfg.d_ff], d, "fc", cfg.mlp_bias, i)
         linear(p, (names.mlp_out,), [d], cfg.d_ff, "proj", cfg.mlp_bias, i)
+        if post_norms:
+            norm(p + names.post_norm2, "post_mlp", i)
     norm(names.final_norm, "lnf")
     if not cfg.tied_embeddings:
         add(names.head + ".weight", (cfg.vocab_size, d), "lm_head_w", decay=True)

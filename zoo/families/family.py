@@ -37,6 +37,10 @@ class TensorNames:
     transposed: bool  # layer matrices stored (in, out), as GPT-2's Conv1D: transposed on load and save
     base_prefix: str  # dropped by checkpoints of the bare model (GPT2Model, LlamaModel)
     buffers: tuple[str, ...] = ()  # name endings of stored tensors that are no parameters (masks, inv_freq)
+    q_norm: str = "self_attn.q_norm"  # the q and k norms (ModelConfig.qk_norm)
+    k_norm: str = "self_attn.k_norm"
+    post_norm1: str = "post_attention_norm"  # the norms on the branches' outputs (ModelConfig.branch_norms)
+    post_norm2: str = "post_feedforward_norm"
 
 
 class Getter:

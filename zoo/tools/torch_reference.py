@@ -39,6 +39,11 @@ def rms_norm(x, w, b, eps):
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
+def rms_norm_1p(x, w, b, eps):
+    # Gemma's: the weight is stored around 0 and scales by 1 + w, all in float32 or wider
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * (1.0 + w)
+
+
 def gelu(h):
     return F.gelu(h, approximate="tanh")
 
@@ -102,7 +107,7 @@ def rotary_positions(model, x):
 # What this file implements, one dict per config field. A block added to zoo's registry
 # (zoo.core.blocks: norms, MLP activations) goes here too; tests/test_torch_reference.py checks that
 # every value a config may name is here.
-NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm}  # (x, weight, bias, eps)
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm, "rmsnorm_1p": rms_norm_1p}  # (x, weight, bias, eps)
 MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2, "geglu": geglu}  # fc's output -> proj's input
 POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
 # Whether attention and MLP both read the one norm's output and add into the stream together
@@ -116,12 +121,15 @@ BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "
 # family names the tensors only: the reference reads them by role, so every family computes alike.
 CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "d_ff",
                  "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
-                 "mlp_bias", "tied_embeddings", "layer", "family"}
+                 "mlp_bias", "tied_embeddings", "layer", "family", "attention_out_bias", "qk_norm", "branch_norms",
+                 "sliding_window", "sliding_layers", "nope_layers", "embedding_scale", "residual_scale",
+                 "attention_scale", "logit_scale"}
 ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # zoo's parameter roles (zoo/arch/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
-LAYER_ROLES = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "attn_out_w", "attn_out_b", "ln2_w", "ln2_b",
-               "fc_w", "fc_b", "proj_w", "proj_b")
+LAYER_ROLES = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "q_norm_w", "k_norm_w", "attn_out_w", "attn_out_b",
+               "post_attn_w", "post_attn_b", "ln2_w", "ln2_b", "fc_w", "fc_b", "proj_w", "proj_b", "post_mlp_w",
+               "post_mlp_b")
 
 
 def check_config(cfg: dict) -> None:
@@ -197,24 +205,46 @@ class Decoder(nn.Module):
         c = self.cfg
         B, T = tokens.shape
         nh, nkv, hd, eps = c["n_head"], c["n_kv_head"], c["head_dim"], c["norm_eps"]
-        x = F.embedding(tokens, self.wte)
+        pre, post = c.get("branch_norms", "pre") != "post", c.get("branch_norms", "pre") != "pre"
+        qk_norm = c.get("qk_norm", "none")
+        window = c.get("sliding_window")
+        sliding = set(range(c["n_layer"]) if c.get("sliding_layers") is None else c["sliding_layers"])
+        nope = set(c.get("nope_layers") or ())
+        scale_residual = c.get("residual_scale", 1.0)
+        x = F.embedding(tokens, self.wte) * c.get("embedding_scale", 1.0)
         x, rotate = self.positions(self, x)
-        for layer in self.layers:
-            h = self.norm(x, layer.ln1_w, layer.ln1_b, eps)
+        for i, layer in enumerate(self.layers):
+            h = self.norm(x, layer.ln1_w, layer.ln1_b, eps) if pre else x
             q, k, v = F.linear(h, layer.qkv_w, layer.qkv_b).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-            q = rotate(q.view(B, T, nh, hd).transpose(1, 2))
-            k = rotate(k.view(B, T, nkv, hd).transpose(1, 2))
+            if qk_norm == "projection":  # over all heads of the token at once (OLMo-2)
+                q, k = self.norm(q, layer.q_norm_w, None, eps), self.norm(k, layer.k_norm_w, None, eps)
+            q, k = q.view(B, T, nh, hd).transpose(1, 2), k.view(B, T, nkv, hd).transpose(1, 2)
+            if qk_norm == "head":  # over each head (Qwen3, Gemma 3)
+                q, k = self.norm(q, layer.q_norm_w, None, eps), self.norm(k, layer.k_norm_w, None, eps)
+            if i not in nope:
+                q, k = rotate(q), rotate(k)
             v = v.view(B, T, nkv, hd).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=nkv != nh)
+            # The mask: causal, and within the window on the layers that have one.
+            t = torch.arange(T)
+            allowed = t[None, :] <= t[:, None]
+            if window is not None and i in sliding:
+                allowed = allowed & (t[:, None] - t[None, :] < window)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=c.get("attention_scale"),
+                                               enable_gqa=nkv != nh)
             attn_out = F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), layer.attn_out_w, layer.attn_out_b)
+            if post:
+                attn_out = self.norm(attn_out, layer.post_attn_w, layer.post_attn_b, eps)
             if not self.parallel:
-                x = x + attn_out
-                h = self.norm(x, layer.ln2_w, layer.ln2_b, eps)
-            x = x + F.linear(self.mlp(F.linear(h, layer.fc_w, layer.fc_b)), layer.proj_w, layer.proj_b)
+                x = x + scale_residual * attn_out
+                h = self.norm(x, layer.ln2_w, layer.ln2_b, eps) if pre else x
+            mlp_out = F.linear(self.mlp(F.linear(h, layer.fc_w, layer.fc_b)), layer.proj_w, layer.proj_b)
+            if post:
+                mlp_out = self.norm(mlp_out, layer.post_mlp_w, layer.post_mlp_b, eps)
+            x = x + scale_residual * mlp_out
             if self.parallel:
                 x = x + attn_out
         x = self.norm(x, self.lnf_w, self.lnf_b, eps)
-        return F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w)
+        return F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w) * c.get("logit_scale", 1.0)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(tokens)

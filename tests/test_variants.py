@@ -1,0 +1,143 @@
+"""The options of the Llama variants (ModelConfig: q/k norms, post-branch norms, sliding windows,
+NoPE layers, the Granite and Gemma scales, the (1 + w) norm), alone and mixed, against the
+independent PyTorch reference (zoo/tools/torch_reference.py): logits in fp32, gradients against
+float64, with and without activation checkpointing, and generation against the full forward."""
+
+import math
+
+import numpy as np
+import pytest
+
+import zoo
+from helpers import needs, random_batch, randomize_norms
+from zoo import ModelConfig
+
+LLAMA = dict(vocab_size=61, max_seq_len=32, d_model=32, n_layer=3, n_head=4, n_kv_head=2, d_ff=48, norm="rmsnorm",
+             mlp="swiglu", positions="rope", attention_bias=False, mlp_bias=False, tied_embeddings=False,
+             rope_theta=500.0)
+
+VARIANTS = {
+    "qkv_bias_only": dict(attention_bias=True, attention_out_bias=False),
+    "qk_norm_head_wide_heads": dict(qk_norm="head", head_dim=16),
+    "qk_norm_projection_post_norms": dict(qk_norm="projection", branch_norms="post"),
+    "window_on_two_layers": dict(sliding_window=5, sliding_layers=(0, 2)),
+    "window_everywhere_gqa": dict(sliding_window=3, n_kv_head=1),
+    "nope_layer": dict(nope_layers=(1,)),
+    "granite_scales": dict(embedding_scale=3.0, residual_scale=0.3, attention_scale=0.2, logit_scale=0.25,
+                           tied_embeddings=True),
+    "gemma_like": dict(norm="rmsnorm_1p", mlp="geglu", embedding_scale=math.sqrt(32), branch_norms="both",
+                       qk_norm="head", sliding_window=4, sliding_layers=(0, 2), head_dim=16, tied_embeddings=True,
+                       attention_scale=0.125),
+    "post_norms_residual_scale_layernorm": dict(norm="layernorm", branch_norms="both", residual_scale=0.5,
+                                                attention_bias=True, mlp_bias=True),
+}
+
+
+def config(name: str) -> ModelConfig:
+    return ModelConfig(**{**LLAMA, **VARIANTS[name]})
+
+
+def model_of(name: str, **kw) -> zoo.Model:
+    cfg = config(name)
+    model = zoo.Model(cfg, seed=1, **kw)
+    randomize_norms(model, 2, scale=0.3)
+    if cfg.norm == "rmsnorm_1p":  # its weights sit around 0, and near -1 the (1 + w) matters most
+        for k, v in model.parameters().items():
+            if "norm" in k:
+                v[...] -= 1.0 if "q_norm" not in k else 0.5
+    return model
+
+
+@needs("torch")
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_logits_and_gradients_match_the_reference(name, checkpointing):
+    import torch
+
+    from zoo.tools.torch_reference import Reference
+
+    model = model_of(name, checkpointing=checkpointing)
+    cfg = model.config
+    tokens, targets = random_batch(cfg, B=2, T=20)
+    ref32 = Reference(cfg, model.parameters())
+    ref_logits = ref32.logits(tokens).detach().numpy()
+    logits = model.logits(tokens)
+    assert np.abs(logits - ref_logits).max() <= 1e-4 * np.abs(ref_logits).max()
+
+    loss, grads = model.loss_and_grads(tokens, targets)
+    ref_loss, ref_grads = Reference(cfg, model.parameters(), dtype=torch.float64).loss_and_grads(tokens, targets)
+    _, fp32_grads = ref32.loss_and_grads(tokens, targets)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert set(grads) == set(ref_grads)
+    for k in grads:
+        # Within 1e-5 of float64, or as close as PyTorch's own float32 gets where the gradient
+        # is ill-conditioned (q and k's under a post-LayerNorm: PyTorch float32 is 1e-4 off).
+        scale = np.abs(ref_grads[k]).max() + 1e-30
+        err, fp32_err = (np.abs(g - ref_grads[k]).max() / scale for g in (grads[k], fp32_grads[k]))
+        assert err <= max(1e-5, 2 * fp32_err), f"{k}: relative error {err:.2e} (PyTorch float32: {fp32_err:.2e})"
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_generation_with_the_cache_matches_the_full_forward(name):
+    model = model_of(name)
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, model.config.vocab_size, (2, 14))
+    full = model.logits(tokens)
+    model.reset_cache(2, 16)
+    first = model.forward_cached(tokens[:, :9], 0)  # a prompt longer than the windows
+    scale = np.abs(full).max()
+    np.testing.assert_allclose(first, full[:, 8], atol=1e-5 * scale)
+    for t in range(9, 14):
+        np.testing.assert_allclose(model.forward_cached(tokens[:, t:t + 1], t), full[:, t], atol=1e-5 * scale)
+
+
+def test_window_changes_what_a_query_sees():
+    base = zoo.Model(ModelConfig(**LLAMA), seed=3)
+    windowed = zoo.Model(ModelConfig(**LLAMA, sliding_window=4), seed=3)
+    for k, v in base.parameters().items():
+        windowed.parameters()[k][...] = v
+    tokens = np.random.default_rng(0).integers(0, 61, (1, 12))
+    a, b = base.logits(tokens), windowed.logits(tokens)
+    np.testing.assert_allclose(a[:, :4], b[:, :4], atol=1e-5)  # within the window: the same keys
+    assert np.abs(a[:, 4:] - b[:, 4:]).max() > 1e-3
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(sliding_layers=(0,)), "sliding_layers: set only with a sliding_window"),
+    (dict(sliding_window=4, sliding_layers=(3,)), "sliding_layers: layer indices"),
+    (dict(nope_layers=(1, 0)), "nope_layers: layer indices"),
+    (dict(qk_norm="head", norm="layernorm"), "qk_norm: the q/k norm"),
+    (dict(qk_norm="head", layer="parallel"), "layer: 'parallel' computes none"),
+    (dict(residual_scale=0.0), "residual_scale"),
+])
+def test_bad_variant_options_name_the_field(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**LLAMA, **bad})
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_lora_gradients_are_the_merged_models_pulled_back(name):
+    """LoRA over a frozen base of each variant: the adapted model is the base with W + s B A, and
+    the adapters' gradients are the merged model's weight gradient G pulled back (dB = s G A^T,
+    dA = s B^T G), the merged model being the trainable one checked against PyTorch above."""
+    from test_lora import merged, randomize_adapters
+    from zoo.arch.lora import adapters
+
+    full = model_of(name)
+    cfg = full.config
+    model = zoo.Model(cfg, seed=3, lora=zoo.LoraConfig(r=4, alpha=6), base_dtype="fp32")
+    for k, v in full.parameters().items():
+        model.set_base_tensor(k, v)
+    randomize_adapters(model)
+    tokens, targets = random_batch(cfg, B=2, T=20)
+    reference = merged(model)
+    want = reference.logits(tokens)
+    assert np.abs(model.logits(tokens) - want).max() <= 1e-4 * np.abs(want).max()
+    _, grads = model.loss_and_grads(tokens, targets)
+    _, full_grads = reference.loss_and_grads(tokens, targets)
+    s, p = model.lora.alpha / model.lora.r, model.parameters()
+    for a in adapters(cfg, model.lora):
+        G = full_grads[a.module + ".weight"].astype(np.float64)
+        A, B = p[a.module + ".lora_A.weight"], p[a.module + ".lora_B.weight"]
+        for got, want in ((grads[a.module + ".lora_B.weight"], s * G @ A.T), (grads[a.module + ".lora_A.weight"], s * B.T @ G)):
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), a.module
