@@ -37,6 +37,31 @@ def tiny_llama(*, n_kv_head=4, tie=False, head_dim=None, rope_parameters=None, a
     return _randomized(transformers.LlamaForCausalLM, cfg, seed)
 
 
+# The Llama variants: tiny random models of each class, with what makes it differ switched on
+# where the published models leave it off (Qwen2's window on its second layer, SmolLM3's NoPE
+# layer, Granite's four scalars away from 1). Shapes shared: 3 layers of 32 wide, 4 heads.
+_SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1,
+              pad_token_id=None)  # (a pad id makes torch freeze that embedding row: zoo trains every row)
+
+
+def tiny_variant(family: str, seed: int = 3):
+    t = transformers
+    made = {
+        "mistral": lambda: (t.MistralForCausalLM, t.MistralConfig(**_SHAPE, head_dim=12, sliding_window=5)),
+        "qwen2": lambda: (t.Qwen2ForCausalLM, t.Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=5,
+                                                             max_window_layers=1)),
+        "qwen3": lambda: (t.Qwen3ForCausalLM, t.Qwen3Config(**_SHAPE, head_dim=16, tie_word_embeddings=True)),
+        "olmo2": lambda: (t.Olmo2ForCausalLM, t.Olmo2Config(**_SHAPE)),
+        "smollm3": lambda: (t.SmolLM3ForCausalLM, t.SmolLM3Config(**{**_SHAPE, "num_hidden_layers": 4})),
+        "granite": lambda: (t.GraniteForCausalLM, t.GraniteConfig(**_SHAPE, embedding_multiplier=6.0,
+                                                                   residual_multiplier=0.4, attention_multiplier=0.3,
+                                                                   logits_scaling=3.0)),
+    }
+    cls, cfg = made[family]()
+    return _randomized(cls, cfg, seed)
+
+
 def _randomized(cls, cfg, seed):
     """A model whose every parameter (norm weights and biases too) is random, so each
     gradient path is exercised; eager attention so autograd runs through plain ops."""

@@ -6,10 +6,11 @@ the family up here and read its table.
 
 from __future__ import annotations
 
-from . import gpt2, llama, mistral
+from . import gpt2, granite, llama, mistral, olmo2, qwen2, qwen3, smollm3
 from .family import Family, Getter, TensorNames
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,
+                                                   olmo2.FAMILY, smollm3.FAMILY, granite.FAMILY)}
 
 
 def get(name: str) -> Family:

@@ -125,3 +125,21 @@ class Family:
             if short not in out:
                 out.append(short)
         return tuple(out)
+
+
+# The options of the Llama variants (ModelConfig) and their values in a plain Llama (or GPT-2).
+VARIANT_OPTIONS = {"qk_norm": "none", "branch_norms": "pre", "sliding_window": None, "sliding_layers": None,
+                   "nope_layers": (), "embedding_scale": 1.0, "residual_scale": 1.0, "attention_scale": None,
+                   "logit_scale": 1.0}
+
+
+def unexpressed(cfg, arch: str, expresses: tuple[str, ...] = ()) -> Optional[tuple[str, str]]:
+    """(field, why) for the first variant option cfg sets that arch does not hold (expresses:
+    those it does), including an output-projection bias unlike q, k and v's; else None."""
+    if "attention_out_bias" not in expresses and cfg.attention_out_bias != cfg.attention_bias:
+        return "attention_out_bias", (f"{arch} gives o_proj a bias exactly when q, k and v have one "
+                                      f"(attention_bias={cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias})")
+    for field, plain in VARIANT_OPTIONS.items():
+        if field not in expresses and getattr(cfg, field) != plain:
+            return field, f"{arch} cannot express {field}={getattr(cfg, field)!r}"
+    return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .family import Family, Getter, TensorNames
+from .family import Family, Getter, TensorNames, unexpressed
 
 NAMES = TensorNames(
     embedding="transformer.wte", positions="transformer.wpe", layer="transformer.h.{i}.",
@@ -48,7 +48,7 @@ def cannot_express(cfg) -> Optional[tuple[str, str]]:
                             ("attention_bias", True), ("mlp_bias", True), ("n_kv_head", cfg.n_head)):
         if getattr(cfg, field) != expected:
             return field, f"{arch} cannot express {field}={getattr(cfg, field)!r} (it has {expected!r})"
-    return None
+    return unexpressed(cfg, arch)
 
 
 def write_config(cfg) -> dict:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from ..core.rope import RopeScaling
 from ..core.errors import CheckpointError
 from ..core.files import show_value
-from .family import Family, Getter, TensorNames
+from .family import Family, Getter, TensorNames, unexpressed
 
 NAMES = TensorNames(
     embedding="model.embed_tokens", positions="model.embed_positions", layer="model.layers.{i}.",
@@ -32,18 +32,66 @@ HF_KEYS = {"vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings",
            "mlp_bias": "mlp_bias", "tied_embeddings": "tie_word_embeddings"}
 
 
-def read_config(hf: dict, get: Getter) -> dict:
+# LlamaConfig's defaults, for keys a config.json leaves out; the families derived from Llama
+# pass their own config class's where they differ.
+DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "hidden_size": 4096, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": None, "intermediate_size": 11008,
+            "rms_norm_eps": 1e-6, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+            "tie_word_embeddings": False}
+
+
+def read_config(hf: dict, get: Getter, family: str = "llama", defaults: Optional[dict] = None) -> dict:
+    """The ModelConfig fields of a LlamaConfig-shaped config.json (the families derived from
+    Llama start from these and set what differs)."""
+    d = {**DEFAULTS, **(defaults or {})}
     theta, scaling = read_rope(hf, get)
     return dict(
-        family="llama", vocab_size=get("vocab_size", 32000, int), max_seq_len=get("max_position_embeddings", 2048, int),
-        d_model=get("hidden_size", 4096, int), n_layer=get("num_hidden_layers", 32, int),
-        n_head=get("num_attention_heads", 32, int), n_kv_head=get("num_key_value_heads", None, int),
-        head_dim=get("head_dim", None, int), d_ff=get("intermediate_size", 11008, int),
-        norm="rmsnorm", norm_eps=get("rms_norm_eps", 1e-6, float), mlp=get.activation("hidden_act", "silu", ACTIVATIONS),
-        positions="rope", rope_theta=theta, rope_scaling=scaling,
-        attention_bias=get("attention_bias", False, bool), mlp_bias=get("mlp_bias", False, bool),
-        tied_embeddings=get("tie_word_embeddings", False, bool),
+        family=family, vocab_size=get("vocab_size", d["vocab_size"], int),
+        max_seq_len=get("max_position_embeddings", d["max_position_embeddings"], int),
+        d_model=get("hidden_size", d["hidden_size"], int), n_layer=get("num_hidden_layers", d["num_hidden_layers"], int),
+        n_head=get("num_attention_heads", d["num_attention_heads"], int),
+        n_kv_head=get("num_key_value_heads", d["num_key_value_heads"], int), head_dim=get("head_dim", None, int),
+        d_ff=get("intermediate_size", d["intermediate_size"], int), norm="rmsnorm",
+        norm_eps=get("rms_norm_eps", d["rms_norm_eps"], float),
+        mlp=get.activation("hidden_act", d["hidden_act"], ACTIVATIONS), positions="rope", rope_theta=theta,
+        rope_scaling=scaling, attention_bias=get("attention_bias", d["attention_bias"], bool),
+        mlp_bias=get("mlp_bias", d["mlp_bias"], bool),
+        tied_embeddings=get("tie_word_embeddings", d["tie_word_embeddings"], bool),
     )
+
+
+def read_windows(hf: dict, get: Getter, n_layer: int) -> dict:
+    """sliding_window and sliding_layers from the keys transformers uses: `layer_types` (a
+    "sliding_attention" or "full_attention" per layer) where given, else Qwen's
+    `use_sliding_window` and `max_window_layers` (the layers from it on slide); a window that is
+    null, or off by use_sliding_window, is none."""
+    window = get("sliding_window", None, int)
+    if "use_sliding_window" in hf and not get("use_sliding_window", False, bool):
+        window = None
+    if window is None:
+        return {}
+    types = hf.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n_layer or any(
+                t not in ("sliding_attention", "full_attention") for t in types):
+            raise CheckpointError(get.source, f"expected {n_layer} entries of 'sliding_attention' or "
+                                              f"'full_attention', got {show_value(types)}", key="layer_types")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif "max_window_layers" in hf:
+        layers = tuple(range(min(get("max_window_layers", 0, int), n_layer), n_layer))
+    else:
+        layers = tuple(range(n_layer))
+    if not layers:
+        return {}
+    return dict(sliding_window=window, sliding_layers=None if len(layers) == n_layer else layers)
+
+
+def write_windows(cfg) -> dict:
+    """The keys of read_windows for cfg: the window and each layer's type."""
+    sliding = set(range(cfg.n_layer) if cfg.sliding_layers is None else cfg.sliding_layers)
+    on = cfg.sliding_window is not None
+    return {"use_sliding_window": on, "sliding_window": cfg.sliding_window,
+            "layer_types": ["sliding_attention" if on and i in sliding else "full_attention" for i in range(cfg.n_layer)]}
 
 
 def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
@@ -87,16 +135,18 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
     return float(theta), scaling
 
 
-def cannot_express(cfg) -> Optional[tuple[str, str]]:
-    arch = "LlamaForCausalLM"
+def cannot_express(cfg, arch: str = "LlamaForCausalLM", expresses: tuple[str, ...] = (),
+                   norm: str = "rmsnorm") -> Optional[tuple[str, str]]:
+    """What a LlamaConfig-shaped class cannot hold of cfg (the families derived from Llama name
+    their class, the variant options it holds and its norm)."""
     if cfg.d_model % cfg.n_head != 0:  # transformers' LlamaConfig rejects this even with an explicit head_dim
         return "n_head", f"{arch} needs d_model divisible by n_head, got {cfg.d_model} and {cfg.n_head}"
     if cfg.mlp not in ACTIVATIONS.values():
         return "mlp", f"{arch} cannot express mlp={cfg.mlp!r} (it has {', '.join(sorted(set(ACTIVATIONS.values())))})"
-    for field, expected in (("layer", "sequential"), ("norm", "rmsnorm"), ("positions", "rope")):
+    for field, expected in (("layer", "sequential"), ("norm", norm), ("positions", "rope")):
         if getattr(cfg, field) != expected:
             return field, f"{arch} cannot express {field}={getattr(cfg, field)!r} (it has {expected!r})"
-    return None
+    return unexpressed(cfg, arch, expresses)
 
 
 def write_config(cfg) -> dict:
@@ -120,7 +170,7 @@ def write_common(cfg) -> dict[str, Any]:
     }
 
 
-def read_gguf(key, f) -> dict:
+def read_gguf(key, f, family: str = "llama") -> dict:
     d_model, n_head = key("embedding_length", int), key("attention.head_count", int)
     head_dim = key("attention.key_length", int, d_model // n_head if n_head and d_model % n_head == 0 else None)
     arch = f.value("general.architecture", str)
@@ -137,10 +187,11 @@ def read_gguf(key, f) -> dict:
                                       "which GGUF stores as rope_freqs.weight)", key=f"{arch}.rope.scaling.type")
     if key("rope.scale_linear", float, 1.0) != 1.0:
         raise CheckpointError(f.path, "linear rope scaling is not supported", key=f"{arch}.rope.scale_linear")
-    return dict(family="llama", n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim,
+    return dict(family=family, n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim,
                 norm="rmsnorm", norm_eps=key("attention.layer_norm_rms_epsilon", float), mlp="swiglu",
                 positions="rope", rope_theta=key("rope.freq_base", float, 10000.0),
-                attention_bias="blk.0.attn_q.bias" in f.tensors, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
+                attention_bias="blk.0.attn_q.bias" in f.tensors,
+                attention_out_bias="blk.0.attn_output.bias" in f.tensors, mlp_bias="blk.0.ffn_up.bias" in f.tensors)
 
 
 def write_gguf(cfg) -> dict:

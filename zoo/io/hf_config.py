@@ -150,5 +150,7 @@ def config_to_zoo(cfg: ModelConfig, *, dtype: str = "float32", bos_token_id: int
 
 
 def _common(cfg: ModelConfig, dtype: str, bos_token_id, eos_token_id) -> dict:
+    # pad_token_id null: zoo trains every embedding row, and a class's default pad id (OLMo-2's 1,
+    # SmolLM3's 128004) would freeze one in transformers, or fall outside a smaller vocabulary.
     return {"tie_word_embeddings": cfg.tied_embeddings, "bos_token_id": bos_token_id, "eos_token_id": eos_token_id,
-            "dtype": dtype, "torch_dtype": dtype}  # torch_dtype: the key transformers 4.x reads
+            "pad_token_id": None, "dtype": dtype, "torch_dtype": dtype}  # torch_dtype: the key transformers 4.x reads

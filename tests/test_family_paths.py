@@ -1,0 +1,141 @@
+"""The whole path for each Llama variant family (Mistral, Qwen2, Qwen3, OLMo-2, SmolLM3,
+Granite), on tiny random checkpoints transformers wrote (test_families.py checks loading, fp32
+parity and saving back): gradients against transformers in float64, both backends; a LoRA
+adapter both ways with PEFT; greedy generation with the KV cache against transformers' (a
+prompt longer than the windows); GGUF export read back equal to the safetensors import, and in
+llama.cpp itself where llama-cpp-python is installed; zoo merge back to the same class."""
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import zoo  # noqa: E402
+from helpers import needs_clad  # noqa: E402
+from hf_helpers import VOCAB, hf_logits, hf_loss_and_grads, load_hf_fp32, tiny_variant, tokens  # noqa: E402
+
+# (the tiny checkpoints have no tokenizer: the GGUF files say so, llama.cpp runs their token ids)
+pytestmark = pytest.mark.filterwarnings("ignore:.*no tokenizer to write:RuntimeWarning")
+FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite"]
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory):
+    """(family, folder transformers saved, the transformers model)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = tiny_variant(request.param)
+    hf.save_pretrained(folder)
+    return request.param, folder, hf
+
+
+def test_gradients_equal_transformers_in_float64(checkpoint):
+    family, folder, hf = checkpoint
+    tok, tgt = tokens(2, seq=14)
+    hf64 = load_hf_fp32(folder).double()
+    _, want = hf_loss_and_grads(hf64, tok, tgt)
+    _, fp32 = hf_loss_and_grads(hf, tok, tgt)
+    backends = ["manual", "clad"] if zoo.build_info()["clad"] else ["manual"]
+    for ad in backends:
+        _, got = zoo.Model.from_pretrained(folder, ad=ad).loss_and_grads(tok, tgt)
+        for name, ref in want.items():
+            scale = np.abs(ref).max() + 1e-300
+            err, fp32_err = np.abs(got[name] - ref).max() / scale, np.abs(fp32[name] - ref).max() / scale
+            assert err <= max(1e-5, 4 * fp32_err), f"{ad} {name}: {err:.2e} (transformers float32: {fp32_err:.2e})"
+
+
+def test_lora_adapters_go_both_ways_with_peft(checkpoint, tmp_path):
+    peft = pytest.importorskip("peft")
+    from zoo.io.load import load_with_adapter
+    from zoo.io.peft import save_adapter
+
+    family, folder, _ = checkpoint
+    tok, tgt = tokens(3, seq=14)
+    # PEFT's adapter (random factors, every one counts) into zoo: logits and factor gradients.
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(load_hf_fp32(folder), peft.LoraConfig(r=4, lora_alpha=8, target_modules=MODULES,
+                                                                   init_lora_weights=False, task_type="CAUSAL_LM"))
+    pm.eval().save_pretrained(tmp_path / "peft")
+    model = load_with_adapter(folder, tmp_path / "peft", zoo.Model, base_dtype="fp32")
+    np.testing.assert_allclose(model.logits(tok), hf_logits(pm, tok), atol=1e-4 * np.abs(hf_logits(pm, tok)).max())
+    _, grads = model.loss_and_grads(tok, tgt)
+    pm.zero_grad(set_to_none=True)
+    logits = pm(torch.from_numpy(tok)).logits
+    torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(tgt).reshape(-1),
+                                      ignore_index=-100).backward()
+    for n, p in pm.named_parameters():
+        if ".lora_" in n:
+            name = n.removeprefix("base_model.model.").replace(".default.", ".")
+            ref = p.grad.numpy()
+            assert np.abs(grads[name] - ref).max() <= 1e-3 * np.abs(ref).max(), name
+    # zoo's adapter back into PEFT.
+    save_adapter(model, tmp_path / "zoo")
+    back = peft.PeftModel.from_pretrained(load_hf_fp32(folder), tmp_path / "zoo").eval()
+    np.testing.assert_allclose(hf_logits(back, tok), model.logits(tok), atol=1e-4 * np.abs(model.logits(tok)).max())
+
+
+def test_greedy_generation_with_the_cache_equals_transformers(checkpoint):
+    from zoo.generate import generate
+
+    family, folder, hf = checkpoint
+    model = zoo.Model.from_pretrained(folder)
+    prompt = [2, 17, 42, 9, 77, 31, 5, 60, 11]  # longer than the windows (5)
+    ours = generate(model, prompt, 24, temperature=0.0)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].numpy()
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    ties = np.flatnonzero(top2[:, 1] - top2[:, 0] < 1e-4)  # a near-tie may go either way
+    free = ties[0] if len(ties) else len(ours)
+    assert free >= 8 and ours[:free] == ref[:free]
+
+
+def test_gguf_reads_back_as_the_safetensors_import(checkpoint, tmp_path):
+    pytest.importorskip("gguf")
+    from zoo.io.gguf import save_gguf
+
+    family, folder, _ = checkpoint
+    model = zoo.Model.from_pretrained(folder)
+    save_gguf(model, tmp_path / "m.gguf")
+    back = zoo.Model.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.family == ("llama" if family == "mistral" else family)
+    tok, _ = tokens(4, seq=5)  # within Mistral's window, which llama.cpp's llama has not
+    np.testing.assert_array_equal(back.logits(tok), model.logits(tok))
+
+
+def test_llama_cpp_computes_the_gguf_zoo_writes(checkpoint, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from zoo.io.gguf import save_gguf
+
+    family, folder, _ = checkpoint
+    model = zoo.Model.from_pretrained(folder)
+    save_gguf(model, tmp_path / "m.gguf")
+    ids = [2, 17, 42, 9, 77]  # within the windows
+    want = model.logits(np.asarray([ids]))[0]
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, n_threads=1, logits_all=True, verbose=False,
+                          type_k=0, type_v=0)
+    llm.eval(ids)
+    got = np.asarray(llm.scores[:len(ids)])
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max(), np.abs(got - want).max()
+
+
+def test_merge_saves_the_same_class(checkpoint, tmp_path):
+    from zoo.cli import main
+
+    family, folder, hf = checkpoint
+    model = zoo.Model.from_pretrained(folder, lora=zoo.LoraConfig(r=2), base_dtype="fp32")
+    rng = np.random.default_rng(0)
+    for v in model.parameters().values():
+        v[...] = 0.05 * rng.standard_normal(v.shape)
+    from zoo.io.peft import save_adapter
+
+    save_adapter(model, tmp_path / "adapter")
+    assert main(["merge", str(folder), str(tmp_path / "adapter"), str(tmp_path / "merged")]) == 0
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["architectures"] == [type(hf).__name__]
+    tok, _ = tokens(5)
+    np.testing.assert_allclose(hf_logits(load_hf_fp32(tmp_path / "merged"), tok), model.logits(tok),
+                               atol=1e-4 * np.abs(model.logits(tok)).max())
