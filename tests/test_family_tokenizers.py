@@ -32,14 +32,23 @@ import unicodedata
 from pathlib import Path
 
 import pytest
-
 from helpers import SHAKESPEARE
+
 from zoo.core.errors import CheckpointError
 from zoo.text.chat_template import ChatTemplate, ChatTemplateError
 from zoo.text.tokenizers import Tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
+from tokenizers import (
+    AddedToken,
+    Regex,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 SPACE = "\u2581"
 # English, accented Latin (composed and decomposed), Cyrillic, Chinese, Japanese, Korean, Arabic,
@@ -425,7 +434,7 @@ def test_tokens_across_a_space_mark_keep_one_piece(family):
     "▁", so zoo cannot cut the text at the "▁" runs and encodes each stretch as one piece; the
     Mistral one was trained over words and is cut. Both give the library's ids (above)."""
     gemma_ref, gemma_folder = family("gemma")
-    mistral_ref, mistral_folder = family("mistral")
+    _, mistral_folder = family("mistral")
     crossing = [t for t in gemma_ref.get_vocab() if len(t) > 1 and SPACE in t.lstrip(SPACE)]
     assert crossing, "the paragraph-trained vocabulary has tokens across a space mark"
     assert Tokenizer.from_pretrained(gemma_folder)._backend.encoding._pat_str == r"[\s\S]+"
@@ -547,7 +556,7 @@ def test_qwen_default_system_prompt(family):
 def test_gemma_system_message(family, tmp_path):
     """Gemma 1/2's template refuses a system message, as in transformers; Gemma 3's folds it
     into the first user turn."""
-    ref, folder = family("gemma")
+    _, folder = family("gemma")
     old = tmp_path / "gemma1"
     old.mkdir()
     (old / "tokenizer.json").write_bytes((folder / "tokenizer.json").read_bytes())
@@ -609,3 +618,19 @@ def test_templates_zoo_cannot_mask_are_refused(family):
     # One assistant turn is fine: Phi-3's EOS after it is the assistant's.
     pieces = ChatTemplate.for_folder(phi3_folder).segments(CHAT[:2])
     assert [t for t, mine in pieces if mine] == [CHAT[1]["content"] + "<|end|>\n<|endoftext|>"]
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_random_texts_equal_the_tokenizers_library(family, name):
+    """Short random texts over what is hard: spaces and "▁" runs, newlines, tabs, digits,
+    composed and decomposed accents, rare characters, added tokens next to all of them."""
+    import random
+    ref, folder = family(name)
+    tok = Tokenizer.from_pretrained(folder)
+    added = [t.content for t in ref.get_added_tokens_decoder().values()]
+    pieces = [" ", "  ", "   ", SPACE, "\n", "\t", "\r\n", "a", "the", "The", "'s", "12", "7", "é", "e\u0301", "日本",
+              "ж", "🙂", "ꙮ", "𝔘", "-", ".", "(", "x"] + added
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert tok.encode(text) == ref.encode(text, add_special_tokens=False).ids, repr(text)

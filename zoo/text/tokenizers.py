@@ -6,11 +6,17 @@ Kinds read (the first one found in a folder wins):
                             pre-tokenizer regex the file gives
   tokenizer.model           SentencePiece (Llama-2 style), through sentencepiece
   vocab.json + merges.txt   GPT-2 byte-level BPE, through tiktoken with GPT-2's regex
+  tokenizer.json            SentencePiece-style BPE (byte fallback, spaces as "▁": Mistral,
+                            Gemma, Phi-3) where no tokenizer.model is beside it, through tiktoken
+                            (_SpaceBPE says how)
 
 tiktoken merges by the rank of a pair's concatenation; the ranks built here put the 256 bytes
 first and then the merges in file order, which makes that the same as Hugging Face's
 merge-order BPE for vocabularies trained by BPE. Special (added) tokens are matched in the text
-first, as transformers does, and each stretch between them is encoded on its own.
+first, as the tokenizers library does, and each stretch between them is encoded on its own;
+their flags are kept (lstrip/rstrip take the whitespace beside them; normalized ones are matched
+in the normalized stretch). A tokenizer.json zoo cannot encode exactly is refused, the error
+naming the file and the field.
 
 bos/eos come from the checkpoint's own files, first found wins: tokenizer_config.json,
 special_tokens_map.json, generation_config.json, config.json, then the tokenizer itself.
