@@ -6,11 +6,17 @@ Kinds read (the first one found in a folder wins):
                             pre-tokenizer regex the file gives
   tokenizer.model           SentencePiece (Llama-2 style), through sentencepiece
   vocab.json + merges.txt   GPT-2 byte-level BPE, through tiktoken with GPT-2's regex
+  tokenizer.json            SentencePiece-style BPE (byte fallback, spaces as "▁": Mistral,
+                            Gemma, Phi-3) where no tokenizer.model is beside it, through tiktoken
+                            (_SpaceBPE says how)
 
 tiktoken merges by the rank of a pair's concatenation; the ranks built here put the 256 bytes
 first and then the merges in file order, which makes that the same as Hugging Face's
 merge-order BPE for vocabularies trained by BPE. Special (added) tokens are matched in the text
-first, as transformers does, and each stretch between them is encoded on its own.
+first, as the tokenizers library does, and each stretch between them is encoded on its own;
+their flags are kept (lstrip/rstrip take the whitespace beside them; normalized ones are matched
+in the normalized stretch). A tokenizer.json zoo cannot encode exactly is refused, the error
+naming the file and the field.
 
 bos/eos come from the checkpoint's own files, first found wins: tokenizer_config.json,
 special_tokens_map.json, generation_config.json, config.json, then the tokenizer itself.
@@ -31,7 +37,7 @@ import os
 import re
 import unicodedata
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterable, Optional, Union
+from typing import Annotated, Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import numpy as np
 import sentencepiece as spm
@@ -67,8 +73,16 @@ TokenId = Annotated[int, Field(ge=0)]
 
 
 class AddedToken(_Fields):
-    """A special token as tokenizer files write it: {"content": "<s>", ...}."""
+    """A special token as tokenizer files write it: {"content": "<s>", ...}. lstrip/rstrip: the
+    token also takes the whitespace on its left/right; normalized: it is matched in the normalized
+    text (by its normalized content), not in the text as given; single_word: it is matched only as
+    a whole word (zoo refuses that one)."""
     content: str
+    lstrip: Optional[bool] = None
+    rstrip: Optional[bool] = None
+    normalized: Optional[bool] = None
+    single_word: Optional[bool] = None
+    special: Optional[bool] = None
 
 
 class _AddedTokenEntry(AddedToken):  # tokenizer.json's added_tokens entries also carry the id
@@ -198,16 +212,129 @@ class _ByteBPE:
         self.size = max(vocab.values(), default=-1) + 1
         self.settings = {"pattern": pattern, "add_prefix_space": add_prefix_space, "nfc": nfc}
 
-    def encode(self, text: str) -> list[int]:
-        if self.nfc:
-            text = unicodedata.normalize("NFC", text)
+    def normalize(self, text: str) -> str:
+        return unicodedata.normalize("NFC", text) if self.nfc else text
+
+    def encode_normalized(self, text: str, first: bool = True) -> list[int]:
         if self.add_prefix_space and not text.startswith(" "):
             text = " " + text
         ids = self.rank_to_id[np.asarray(self.encoding.encode_ordinary(text), dtype=np.int64)]
         return ids[ids >= 0].tolist()
 
-    def decode(self, ids: list[int]) -> str:
+    def encode(self, text: str) -> list[int]:
+        return self.encode_normalized(self.normalize(text))
+
+    def decode(self, ids: list[int], first: bool = True) -> str:
         return b"".join(self.id_to_bytes.get(i, b"") for i in ids).decode("utf-8", errors="replace")
+
+
+SPACE = "\u2581"  # "▁", SentencePiece's mark for a space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+class _SpaceBPE:
+    """SentencePiece's BPE as tokenizer.json writes it (Llama-2, Mistral, Gemma, Phi-3): spaces
+    become "▁", the BPE runs over characters, and a character the vocabulary lacks becomes its
+    UTF-8 bytes as <0xNN> tokens (byte fallback). Computed by tiktoken over UTF-8 bytes with ranks
+    made so that it does the same: every byte, then the pieces of each character the vocabulary
+    has (so characters are put together before any merge, and characters it lacks stay bytes),
+    then the merges in file order; a rank stands for one id, or for the <0xNN> ids of its bytes.
+
+    prepend: where "▁" is put in front of a stretch of text. "legacy": before every stretch
+    between added tokens (a Prepend normalizer, Llama-2's kind); "always": before every stretch
+    that does not start with "▁" (Metaspace); "first": the same, for the stretch at the start of
+    the text only (Metaspace prepend_scheme first); "never" (Gemma). replace_in_normalizer: spaces
+    become "▁" in the normalizer (Replace), so added tokens marked normalized are matched on that
+    text; otherwise in the pre-tokenizer (Metaspace). split: Metaspace(split=true), each "▁"
+    starts a new word. Without it the whole stretch is one word; it is still cut before each run
+    of "▁" that follows another character when no token of the vocabulary holds such a pair (then
+    no merge can cross the cut and the ids are the same), which keeps tiktoken's pieces short."""
+
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], source: Path, *, prepend: str,
+                 replace_in_normalizer: bool, split: bool):
+        byte_ids = {}
+        for b in range(256):
+            i = vocab.get(f"<0x{b:02X}>")
+            if i is None:
+                raise CheckpointError(source, f"byte fallback needs the 256 byte tokens <0x00> ... <0xFF>; "
+                                              f"<0x{b:02X}> is not in the vocabulary", key="model.vocab")
+            byte_ids[b] = i
+        chars = {t for t in vocab if len(t) == 1}
+
+        def reachable(token: str) -> bool:  # made of characters the vocabulary has (else BPE never reaches it)
+            return all(c in chars for c in token)
+
+        ranks: dict[bytes, int] = {}
+        rank_ids: list[list[int]] = []
+
+        def add(piece: bytes, ids: list[int]) -> None:
+            if piece not in ranks:
+                ranks[piece] = len(rank_ids)
+                rank_ids.append(ids)
+
+        for b in range(256):
+            ch = chr(b)
+            add(bytes([b]), [vocab[ch]] if b < 0x80 and ch in chars else [byte_ids[b]])
+        for ch in sorted(chars):
+            data = ch.encode("utf-8")
+            for n in range(2, len(data)):  # a character's first bytes: its byte tokens, until it is whole
+                add(data[:n], [byte_ids[x] for x in data[:n]])
+            add(data, [vocab[ch]])
+        for i, (a, b) in enumerate(merges):
+            merged = a + b
+            if merged not in vocab:
+                raise CheckpointError(source, f"merge {i + 1} ({a!r} {b!r}) makes {merged!r}, which is not in the "
+                                              "vocabulary", key="model.merges")
+            if reachable(merged):
+                add(merged.encode("utf-8"), [vocab[merged]])
+        if split:
+            pattern = f"{SPACE}[^{SPACE}]*|[^{SPACE}]+"
+        elif any(reachable(t) and re.search(f"[^{SPACE}]{SPACE}", t) for t in vocab):
+            pattern = r"[\s\S]+"  # a token crosses into a run of "▁": the stretch is one piece
+        else:
+            pattern = f"{SPACE}*[^{SPACE}]+|{SPACE}+"
+        try:
+            self.encoding = tiktoken.Encoding(f"zoo:{source}", pat_str=pattern, mergeable_ranks=ranks,
+                                              special_tokens={})
+        except ValueError as e:
+            raise CheckpointError(source, f"tiktoken refused this vocabulary: {e}", key="model") from None
+        self.rank_ids = rank_ids
+        self.prepend = prepend
+        self.replace_in_normalizer = replace_in_normalizer
+        self.id_to_bytes = {i: _space_piece_bytes(t) for t, i in vocab.items()}
+        self.size = max(vocab.values(), default=-1) + 1
+        self.settings = {"prepend": prepend, "replace_in_normalizer": replace_in_normalizer, "split": split}
+
+    def normalize(self, text: str) -> str:
+        if not self.replace_in_normalizer:
+            return text
+        text = text.replace(" ", SPACE)
+        return SPACE + text if self.prepend == "legacy" and text else text
+
+    def encode_normalized(self, text: str, first: bool = True) -> list[int]:
+        if not self.replace_in_normalizer:  # Metaspace, in the pre-tokenizer
+            text = text.replace(" ", SPACE)
+            if (self.prepend == "always" or (self.prepend == "first" and first)) and not text.startswith(SPACE):
+                text = SPACE + text
+        ids = []
+        for rank in self.encoding.encode_ordinary(text):
+            ids += self.rank_ids[rank]
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_normalized(self.normalize(text))
+
+    def decode(self, ids: list[int], first: bool = True) -> str:
+        text = b"".join(self.id_to_bytes.get(i, b"") for i in ids).decode("utf-8", errors="replace")
+        # The "▁" put in front of a stretch is no text of its own (the decoders' Strip / Metaspace).
+        strip = self.prepend in ("legacy", "always") or (self.prepend == "first" and first)
+        return text[1:] if strip and text.startswith(" ") else text
+
+
+def _space_piece_bytes(token: str) -> bytes:
+    """The bytes a SentencePiece-style token stands for: <0xNN> is byte NN, "▁" is a space."""
+    m = _BYTE_PIECE.fullmatch(token)
+    return bytes([int(m.group(1), 16)]) if m else token.replace(SPACE, " ").encode("utf-8")
 
 
 class _SentencePiece:
@@ -219,10 +346,16 @@ class _SentencePiece:
             raise CheckpointError(source, f"not a SentencePiece model: {e}") from None
         self.size = self.sp.get_piece_size()
 
+    def normalize(self, text: str) -> str:
+        return text  # sentencepiece normalizes inside encode
+
+    def encode_normalized(self, text: str, first: bool = True) -> list[int]:
+        return self.sp.encode(text)
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], first: bool = True) -> str:
         return self.sp.decode([i for i in ids if 0 <= i < self.size])
 
     def piece_id(self, piece: str) -> Optional[int]:
@@ -240,11 +373,72 @@ class _SentencePiece:
 class _Bytes:
     size = 256
 
+    def normalize(self, text: str) -> str:
+        return text
+
+    def encode_normalized(self, text: str, first: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], first: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+# --- added tokens: how they are found in the text --------------------------------------------
+
+
+class TokenFlags(NamedTuple):
+    """How an added token is matched, as tokenizer.json's added_tokens say: lstrip/rstrip (it takes
+    the whitespace on its left/right), normalized (matched in the normalized text), special
+    (encode(special=False) spells out the special ones only)."""
+    lstrip: bool = False
+    rstrip: bool = False
+    normalized: bool = False
+    special: bool = True
+
+
+# What Rust's char::is_whitespace calls whitespace (the tokenizers library's lstrip/rstrip).
+_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_LEFT_SPACE = re.compile(f"[{_WHITESPACE}]*$")
+_RIGHT_SPACE = re.compile(f"[{_WHITESPACE}]*")
+
+
+class _Matcher:
+    """Finds added tokens in text: leftmost, the longest at a place, then widened over the
+    whitespace an lstrip/rstrip token takes."""
+
+    def __init__(self, tokens: dict[str, tuple[int, TokenFlags]]):
+        self.tokens = tokens
+        # Longest first, so a token that contains another wins.
+        alternatives = sorted(tokens, key=len, reverse=True)
+        self.regex = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        plain = [t for t in alternatives if not tokens[t][1].special]
+        self.plain_regex = re.compile("|".join(map(re.escape, plain))) if plain else None
+
+    def split(self, text: str, special: bool = True) -> list[tuple[int, int, Optional[int]]]:
+        """(start, end, id) for each token found, (start, end, None) for the text between them."""
+        regex = self.regex if special else self.plain_regex
+        out: list[tuple[int, int, Optional[int]]] = []
+        at = 0
+        if regex is not None:
+            for m in regex.finditer(text):
+                start, end = m.span()
+                if start < at:  # inside the whitespace an rstrip token took
+                    continue
+                i, flags = self.tokens[m.group()]
+                if flags.lstrip:
+                    start = _LEFT_SPACE.search(text, at, start).start()
+                if flags.rstrip:
+                    end = _RIGHT_SPACE.match(text, end).end()
+                if start > at:
+                    out.append((at, start, None))
+                out.append((start, end, i))
+                at = end
+        if at < len(text):
+            out.append((at, len(text), None))
+        return out
 
 
 # --- the tokenizer -------------------------------------------------------------------------
@@ -254,7 +448,8 @@ class Tokenizer:
     """encode/decode text, with the checkpoint's special tokens and bos/eos ids."""
 
     def __init__(self, backend, *, kind: str, specials: dict[str, int], bos_id: Optional[int],
-                 eos_ids: list[int], vocab_size: int, files: dict[str, bytes], main: tuple[str, ...]):
+                 eos_ids: list[int], vocab_size: int, files: dict[str, bytes], main: tuple[str, ...],
+                 special_flags: Optional[dict[str, "TokenFlags"]] = None):
         self._backend = backend
         self.kind = kind
         self._main = main  # the names in `files` that hold the vocabulary (the rest describe it)
@@ -266,9 +461,15 @@ class Tokenizer:
         self.vocab_size = vocab_size
         self.files = dict(files)  # file name -> content, written back by save()
         self._handover: Optional[dict[str, bytes]] = None  # made once: every checkpoint save writes them
-        # Longest first, so a special that contains another wins.
-        alternatives = sorted(specials, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, alternatives))) if alternatives else None
+        # How each special is matched (the file's added-token flags; plain where it says nothing).
+        self.special_flags = {text: (special_flags or {}).get(text, TokenFlags()) for text in specials}
+        # Those marked normalized are looked for, normalized, in the normalized text (as the library does).
+        self._raw_matcher = _Matcher({t: (i, self.special_flags[t]) for t, i in specials.items()
+                                      if not self.special_flags[t].normalized})
+        normalized = {backend.normalize(t): (i, self.special_flags[t]) for t, i in specials.items()
+                      if self.special_flags[t].normalized}
+        normalized.pop("", None)
+        self._normalized_matcher = _Matcher(normalized) if normalized else None
 
     def __repr__(self) -> str:
         return (f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, eos_id={self.eos_id}, "
@@ -301,15 +502,18 @@ class Tokenizer:
             if self.bos_id is None:
                 raise ValueError("this tokenizer has no BOS token")
             ids.append(self.bos_id)
-        at = 0
-        if special and self._special_re is not None:
-            for m in self._special_re.finditer(text):
-                if m.start() > at:
-                    ids += self._backend.encode(text[at:m.start()])
-                ids.append(self.special_tokens[m.group()])
-                at = m.end()
-        if at < len(text):
-            ids += self._backend.encode(text[at:])
+        # As the tokenizers library does: added tokens matched in the text as given, each stretch
+        # between them normalized, added tokens marked normalized matched in that, the rest encoded.
+        for start, end, i in self._raw_matcher.split(text, special):
+            if i is not None:
+                ids.append(i)
+                continue
+            stretch = self._backend.normalize(text[start:end])
+            if self._normalized_matcher is None:
+                ids += self._backend.encode_normalized(stretch, first=start == 0)
+                continue
+            for s, e, j in self._normalized_matcher.split(stretch, special):
+                ids += [j] if j is not None else self._backend.encode_normalized(stretch[s:e], first=start + s == 0)
         if add_eos:
             if self.eos_id is None:
                 raise ValueError("this tokenizer has no EOS token")
@@ -320,17 +524,22 @@ class Tokenizer:
         """Text of `ids`; special tokens are written as their text unless skip_special."""
         parts: list[str] = []
         run: list[int] = []
+        first = True  # no special token before the run (where a "first" prefix space was put)
+        as_text = getattr(self._backend, "id_to_bytes", {})
         for i in (int(t) for t in ids):
-            if i in self._special_text:
+            text = self._special_text.get(i)
+            # Added tokens that are not special decode with the text around them, as the library's decoder has them.
+            if text is not None and (self.special_flags[text].special or i not in as_text):
                 if run:
-                    parts.append(self._backend.decode(run))
+                    parts.append(self._backend.decode(run, first=first))
                     run = []
+                first = False
                 if not skip_special:
                     parts.append(self._special_text[i])
             else:
                 run.append(i)
         if run:
-            parts.append(self._backend.decode(run))
+            parts.append(self._backend.decode(run, first=first))
         return "".join(parts)
 
     # --- identity and saving ---
@@ -669,32 +878,97 @@ def _from_tokenizer_json(path: Path, data, side: dict) -> Tokenizer:
     head = parse_model(path, TokenizerJson, data, "tokenizer.json")
     kind = head.model.get("type")
     if kind != "BPE":
-        raise CheckpointError(path, f"model type {show_value(kind)} is not supported (zoo reads byte-level BPE "
-                                    "tokenizer.json; SentencePiece tokenizers from tokenizer.model)", key="model.type")
+        raise CheckpointError(path, f"model type {show_value(kind)} is not supported (zoo reads BPE tokenizer.json, "
+                                    "byte-level or SentencePiece-style; other SentencePiece tokenizers from "
+                                    "tokenizer.model)", key="model.type")
     tok = parse_model(path, _BPETokenizerJson, data, "tokenizer.json")
     model = tok.model
-    for key, ok in (("byte_fallback", (False, None)), ("dropout", (None,)), ("continuing_subword_prefix", (None, "")),
-                    ("end_of_word_suffix", (None, ""))):
+    for key, ok in (("dropout", (None,)), ("continuing_subword_prefix", (None, "")), ("end_of_word_suffix", (None, ""))):
         value = getattr(model, key, None)
         if value not in ok:
             raise CheckpointError(path, f"value {show_value(value)} is not supported", key=f"model.{key}")
-    pattern, add_prefix_space = _byte_level_pattern(path, tok.pre_tokenizer)
-    normalizer = tok.normalizer
-    if normalizer is not None and normalizer.get("type") != "NFC":
-        raise CheckpointError(path, f"normalizer {show_value(normalizer.get('type'))} is not supported "
-                                    "(zoo reads none or NFC)", key="normalizer")
     vocab = model.vocab
-    merges = _parse_merges(model.merges, path)
-    backend = _ByteBPE(vocab, merges, pattern, path, add_prefix_space, nfc=normalizer is not None)
+    if _is_byte_level(data):
+        if getattr(model, "byte_fallback", None) not in (False, None):
+            raise CheckpointError(path, f"value {show_value(model.byte_fallback)} is not supported with a byte-level "
+                                        "pre-tokenizer (its bytes are tokens already)", key="model.byte_fallback")
+        pattern, add_prefix_space = _byte_level_pattern(path, tok.pre_tokenizer)
+        normalizer = tok.normalizer
+        if normalizer is not None and normalizer.get("type") != "NFC":
+            raise CheckpointError(path, f"normalizer {show_value(normalizer.get('type'))} is not supported with a "
+                                        "byte-level pre-tokenizer (zoo reads none or NFC)", key="normalizer")
+        backend = _ByteBPE(vocab, _parse_merges(model.merges, path), pattern, path, add_prefix_space,
+                           nfc=normalizer is not None)
+        kind = "byte-level-bpe"
+    else:
+        settings = _space_settings(path, tok.normalizer, tok.pre_tokenizer)
+        if getattr(model, "byte_fallback", None) is not True:
+            raise CheckpointError(path, f"value {show_value(getattr(model, 'byte_fallback', None))} is not supported: "
+                                        "zoo reads SentencePiece-style BPE (spaces as \u2581) with byte_fallback true",
+                                  key="model.byte_fallback")
+        backend = _SpaceBPE(vocab, _parse_merges(model.merges, path), path, **settings)
+        kind = "sentencepiece-bpe"
     specials: dict[str, int] = {}
-    for entry in tok.added_tokens or []:
+    flags: dict[str, TokenFlags] = {}
+    for n, entry in enumerate(tok.added_tokens or []):
+        if entry.single_word:
+            raise CheckpointError(path, f"added token {entry.content!r} is matched as a single word only, which zoo "
+                                        "does not do", key=f"added_tokens[{n}].single_word")
         specials[entry.content] = entry.id
-        backend.id_to_bytes[entry.id] = entry.content.encode("utf-8")
+        special = entry.special is not False
+        flags[entry.content] = TokenFlags(bool(entry.lstrip), bool(entry.rstrip),
+                                          entry.normalized if entry.normalized is not None else not special, special)
+        # What the token decodes to where it is not written as special text (an added token not special).
+        backend.id_to_bytes[entry.id] = (_space_piece_bytes(entry.content) if isinstance(backend, _SpaceBPE)
+                                         else entry.content.encode("utf-8"))
     specials.update(_configured_specials(side, lambda s: vocab.get(s)))
+    for text, f in _configured_flags(side).items():
+        flags.setdefault(text, f)
     own = {"bos": _template_bos(tok.post_processor, specials), "eos": None}
     files = _tokenizer_files(path.parent, path, "tokenizer.json")
-    return _assemble(backend, "byte-level-bpe", specials, own, side, files, ("tokenizer.json",), path,
-                     lookup=vocab.get)
+    return _assemble(backend, kind, specials, own, side, files, ("tokenizer.json",), path, lookup=vocab.get,
+                     flags=flags)
+
+
+def _space_settings(path: Path, normalizer, pre) -> dict:
+    """How a tokenizer.json that is not byte-level puts "▁" for spaces, as _SpaceBPE takes it:
+    normalizer Replace(" ", "▁"), with Prepend("▁") (Llama-2's legacy kind) or without (Gemma),
+    and no pre-tokenizer (or a Split on " ", which finds none after that normalizer); or no
+    normalizer and a Metaspace pre-tokenizer ("▁", prepend_scheme always/first/never, split)."""
+    def refused(key: str, value, why: str) -> CheckpointError:
+        return CheckpointError(path, f"{key} {show_value(value)} is not supported: {why}. zoo reads a byte-level "
+                                     "pre-tokenizer (ByteLevel, Split(Regex) then ByteLevel, Digits then ByteLevel), "
+                                     "or SentencePiece-style BPE: normalizer Replace(' ', '\u2581') with or without "
+                                     "Prepend('\u2581') and no pre-tokenizer, or a Metaspace pre-tokenizer", key=key)
+
+    steps = normalizer.get("normalizers") if isinstance(normalizer, dict) and normalizer.get("type") == "Sequence" \
+        else [] if normalizer is None else [normalizer]
+    replace = prepend = False
+    for step in steps if isinstance(steps, list) else [steps]:
+        kind = step.get("type") if isinstance(step, dict) else None
+        if kind == "Replace" and step.get("pattern") == {"String": " "} and step.get("content") == SPACE \
+                and not replace:
+            replace = True
+        elif kind == "Prepend" and step.get("prepend") == SPACE and not prepend:
+            prepend = True
+        else:
+            raise refused("normalizer", normalizer, f"the step {show_value(step)} is not one zoo computes")
+    if prepend and not replace:
+        raise refused("normalizer", normalizer, "Prepend('\u2581') without Replace(' ', '\u2581')")
+    pre_kind = pre.get("type") if isinstance(pre, dict) else None
+    if replace:
+        if pre is None or (pre_kind == "Split" and pre.get("pattern") == {"String": " "} and not pre.get("invert")):
+            return {"prepend": "legacy" if prepend else "never", "replace_in_normalizer": True, "split": False}
+        raise refused("pre_tokenizer", pre, "after a normalizer that puts \u2581 for spaces zoo reads no "
+                                            "pre-tokenizer, or a Split on ' ' (which then finds none)")
+    if pre_kind == "Metaspace" and pre.get("replacement") == SPACE:
+        scheme = pre.get("prepend_scheme")
+        if scheme is None:  # files written before prepend_scheme: add_prefix_space
+            scheme = "always" if pre.get("add_prefix_space", True) else "never"
+        if scheme not in ("always", "first", "never"):
+            raise refused("pre_tokenizer", pre, f"prepend_scheme {show_value(scheme)} is not always, first or never")
+        return {"prepend": scheme, "replace_in_normalizer": False, "split": pre.get("split", True) is not False}
+    raise refused("pre_tokenizer", pre, "neither byte-level nor SentencePiece-style (Metaspace)")
 
 
 def _byte_level_pattern(path: Path, pre) -> tuple[str, bool]:
@@ -820,9 +1094,24 @@ def _configured_specials(side: dict, lookup: Callable[[str], Optional[int]]) -> 
     return specials
 
 
+def _configured_flags(side: dict) -> dict[str, TokenFlags]:
+    """How tokenizer_config.json's added_tokens_decoder says its tokens are matched (lstrip,
+    rstrip, special; in the text as given, as transformers' own matching does)."""
+    flags: dict[str, TokenFlags] = {}
+    if "tokenizer_config.json" in side:
+        path, config = side["tokenizer_config.json"]
+        for i, entry in (config.added_tokens_decoder or {}).items():
+            if entry.single_word:
+                raise CheckpointError(path, f"added token {entry.content!r} is matched as a single word only, which "
+                                            "zoo does not do", key=f"added_tokens_decoder.{i}.single_word")
+            flags[entry.content] = TokenFlags(bool(entry.lstrip), bool(entry.rstrip), False, entry.special is not False)
+    return flags
+
+
 def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dict, files: dict[str, bytes],
               main: tuple[str, ...], source: Path,
-              lookup: Optional[Callable[[str], Optional[int]]] = None) -> Tokenizer:
+              lookup: Optional[Callable[[str], Optional[int]]] = None,
+              flags: Optional[dict[str, TokenFlags]] = None) -> Tokenizer:
     """Resolve bos/eos from the checkpoint's files and check every id against config.json's vocab_size."""
     def resolve(which: str) -> list[int]:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -862,5 +1151,7 @@ def _assemble(backend, kind: str, specials: dict[str, int], own: dict, side: dic
                 raise CheckpointError(path, f"the model has {declared} embeddings but the tokenizer ({source.name}) "
                                             f"uses ids up to {size - 1}", key="vocab_size")
             vocab_size = declared
+    if flags is None:
+        flags = _configured_flags(side)
     return Tokenizer(backend, kind=kind, specials=specials, bos_id=bos[0] if bos else None, eos_ids=eos_ids,
-                     vocab_size=vocab_size, files=files, main=main)
+                     vocab_size=vocab_size, files=files, main=main, special_flags=flags)
