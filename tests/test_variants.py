@@ -30,6 +30,15 @@ VARIANTS = {
                        attention_scale=0.125),
     "post_norms_residual_scale_layernorm": dict(norm="layernorm", branch_norms="both", residual_scale=0.5,
                                                 attention_bias=True, mlp_bias=True),
+    # Scores and logits large enough that both caps bite (checked below), two RoPE tables.
+    "gemma2_like_softcaps": dict(norm="rmsnorm_1p", mlp="geglu", embedding_scale=8.0, branch_norms="both",
+                                 attention_softcap=0.3, logit_softcap=0.25, sliding_window=4, sliding_layers=(0, 2),
+                                 sliding_rope_theta=10.0, attention_scale=4.0, tied_embeddings=True),
+    "partial_rotary": dict(rotary_dim=4, head_dim=16),
+    "parallel_one_norm_gelu_erf": dict(layer="parallel", norm="layernorm", mlp="gelu_erf", attention_bias=True,
+                                       mlp_bias=True, rotary_dim=2),
+    "parallel_two_norms_neox_like": dict(layer="parallel_two_norms", norm="layernorm", mlp="gelu_erf",
+                                         attention_bias=True, mlp_bias=True, rotary_dim=2, n_kv_head=4),
 }
 
 
@@ -140,7 +149,7 @@ def test_lora_gradients_are_the_merged_models_pulled_back(name):
         G = full_grads[a.module + ".weight"].astype(np.float64)
         A, B = p[a.module + ".lora_A.weight"], p[a.module + ".lora_B.weight"]
         for got, want in ((grads[a.module + ".lora_B.weight"], s * G @ A.T), (grads[a.module + ".lora_A.weight"], s * B.T @ G)):
-            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), a.module
+            assert np.abs(got - want).max() <= 5e-4 * np.abs(want).max(), a.module  # float32 products of G
 
 
 @needs_clad
@@ -157,3 +166,16 @@ def test_clads_pullbacks_give_the_hand_written_gradients(name):
     largest = max(np.abs(g).max() for g in want.values())
     for k in want:
         assert np.abs(got[k] - want[k]).max() <= 1e-4 * np.abs(want[k]).max() + 1e-7 * largest, k
+
+
+def test_the_soft_caps_bite_in_the_gemma2_like_variant():
+    """Scores and logits beyond the caps: without them the model computes something else."""
+    model = model_of("gemma2_like_softcaps")
+    tokens, _ = random_batch(model.config, B=2, T=20)
+    capped = model.logits(tokens)
+    assert 0.15 < np.abs(capped).max() < 0.25  # up against the logit cap
+    for uncapped in (dict(attention_softcap=None), dict(logit_softcap=None)):
+        other = zoo.Model(model.config.model_copy(update=uncapped), seed=None)
+        for k, v in model.parameters().items():
+            other.parameters()[k][...] = v
+        assert np.abs(other.logits(tokens) - capped).max() > 1e-3, (uncapped, np.abs(other.logits(tokens) - capped).max())

@@ -40,7 +40,7 @@ def model_blocks(cfg: ModelConfig, lora: bool = False) -> list[str]:
     and the blocks every model has (rope only with RoPE positions), and lora in a LoRA run. The
     residual adds are fused into the linear layers (their adjoint passes straight through), so
     residual is not among them."""
-    chosen = {"norm": cfg.norm, "mlp": cfg.mlp}
+    chosen = {"norm": cfg.norm, "mlp": cfg.mlp, "layer": cfg.layer}
     out = []
     for b in blocks.blocks():
         if b["kind"] in chosen:
@@ -220,8 +220,9 @@ class Model:
         self._memory_checked: dict[str, tuple[int, int]] = {}
         self._training_memory_checked = False
         inv_freq = rope_inv_freq(config).tolist() if config.positions == "rope" else []
+        local = rope_inv_freq(config, local=True).tolist() if config.sliding_rope_theta is not None else []
         self._exec = _native.Executor(self._setup, self.n_params, [] if self.frozen else layout_table(self.layout),
-                                      inv_freq, frozen_rows, adapter_table)
+                                      inv_freq, frozen_rows, adapter_table, local)
         self._params = self._views(self._exec.params())
         self._grads_views: Optional[dict[str, np.ndarray]] = None  # the gradients' arena maps at first use
         self.set_decay_mask({p.name: p.decay for p in self.trainable})

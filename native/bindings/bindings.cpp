@@ -100,16 +100,28 @@ zoo::Dims dims_from(const py::dict& c) {
         else
             d.layer_window.assign(d.n_layer, window);
     }
+    if (opt("sliding_rope_theta"))  // the sliding layers rotate by the local table
+        for (int i = 0; i < d.n_layer; i++)
+            if (d.layer_window[i]) d.layer_rope[i] = 2;
     if (opt("nope_layers"))
         for (const auto& v : c["nope_layers"]) d.layer_rope[layer_index(v, "nope_layers")] = 0;
-    for (const char* key : {"embedding_scale", "residual_scale", "attention_scale", "logit_scale"}) {
+    if (opt("rotary_dim")) {
+        d.rotary_dim = size_field(c, "rotary_dim", max_width);
+        if (d.rotary_dim % 2 || d.rotary_dim > d.head_dim)
+            throw std::invalid_argument("zoo: rotary_dim must be even and at most head_dim");
+    }
+    for (const char* key : {"embedding_scale", "residual_scale", "attention_scale", "logit_scale", "attention_softcap",
+                            "logit_softcap"}) {
         if (!opt(key)) continue;
         const float v = c[key].cast<float>();
         if (!std::isfinite(v) || v <= 0.0f) throw std::invalid_argument(std::string("zoo: ") + key + " must be positive");
-        (std::string(key) == "embedding_scale" ? d.embedding_scale
-         : std::string(key) == "residual_scale" ? d.residual_scale
-         : std::string(key) == "attention_scale" ? d.attention_scale
-                                                 : d.logit_scale) = v;
+        const std::string k = key;
+        (k == "embedding_scale"     ? d.embedding_scale
+         : k == "residual_scale"    ? d.residual_scale
+         : k == "attention_scale"   ? d.attention_scale
+         : k == "logit_scale"       ? d.logit_scale
+         : k == "attention_softcap" ? d.attention_softcap
+                                    : d.logit_softcap) = v;
     }
     // The run's setup (zoo/arch/lora.py), absent for a trainable base without adapters.
     if (c.contains("frozen")) {
@@ -383,7 +395,7 @@ PYBIND11_MODULE(_native, m) {
         // The registry: every block, what a config may name, and what the layout needs of them.
         py::list blocks;
         std::vector<std::string> clad, manual;
-        for (const auto& b : zoo::block_infos()) {
+        for (const auto& b : zoo::ad_block_infos()) {
             blocks.append(py::dict(py::arg("name") = b.name, py::arg("kind") = b.kind, py::arg("manual") = b.manual,
                                    py::arg("clad") = b.clad, py::arg("in_step") = b.in_step));
             if (b.clad) clad.push_back(b.name);
@@ -404,7 +416,7 @@ PYBIND11_MODULE(_native, m) {
         py::dict layers;
         for (const zoo::LayerArrangement* l : zoo::layer_arrangements)
             layers[l->name] = py::dict(py::arg("second_norm") = l->second_norm,
-                                       py::arg("trainable") = !l->forward || l->pullback_clad);
+                                       py::arg("parallel") = l->parallel, py::arg("trainable") = true);
         info["layers"] = layers;
         // The roles a layout table may bind (zoo/arch/layout.py names its tensors' roles from these).
         std::vector<std::string> model_roles, layer_roles;
@@ -474,7 +486,8 @@ PYBIND11_MODULE(_native, m) {
         .def(py::init([](py::dict cfg, size_t n_params, std::vector<std::tuple<std::string, int, size_t, size_t>> table,
                          std::vector<float> inv_freq,
                          std::vector<std::tuple<std::string, int, size_t, size_t, std::string>> frozen_table,
-                         std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>> adapter_table) {
+                         std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>> adapter_table,
+                         std::vector<float> inv_freq_local) {
                  std::vector<zoo::ParamBinding> layout;
                  for (auto& [role, layer, offset, count] : table) layout.push_back({role, layer, offset, count});
                  std::vector<zoo::FrozenBinding> frozen;
@@ -483,11 +496,13 @@ PYBIND11_MODULE(_native, m) {
                  std::vector<zoo::AdapterBinding> adapters;
                  for (auto& [slot, layer, o0, o1, rank, a_off, b_off] : adapter_table)
                      adapters.push_back({slot, layer, o0, o1, rank, a_off, b_off});
-                 return new Executor(dims_from(cfg), n_params, layout, frozen, adapters, inv_freq);
+                 return new Executor(dims_from(cfg), n_params, layout, frozen, adapters, inv_freq, inv_freq_local);
              }),
              py::arg("config"), py::arg("n_params"), py::arg("layout"), py::arg("inv_freq"),
              py::arg("frozen") = std::vector<std::tuple<std::string, int, size_t, size_t, std::string>>{},
              py::arg("adapters") = std::vector<std::tuple<std::string, int, int, int, int, size_t, size_t>>{},
+             py::arg("inv_freq_local") = std::vector<float>{},
+             "inv_freq_local: the sliding layers' own RoPE frequencies (sliding_rope_theta), or none. "
              "layout: the trainable tensors, rows of (role, layer, offset, count) (zoo/arch/layout.py); frozen: a "
              "frozen base's tensors, rows of (role, layer, rows, cols, format); adapters: rows of (slot, layer, "
              "o0, o1, rank, A offset, B offset) (zoo/arch/lora.py).")

@@ -27,8 +27,12 @@ inline void vec_axpy(float a, const float* x, float* y, int n) {
 // One query row against keys 0..n_keys-1 (rows kv_stride apart): generation with a KV cache.
 // Writes the softmax probabilities p (n_keys) and the output o (hd).
 inline void attention_forward_row(const float* q, const float* k, const float* v, float* p,
-                                  float* o, int kv_stride, int n_keys, int hd, float scale) {
+                                  float* o, int kv_stride, int n_keys, int hd, float scale, float softcap = 0.0f) {
     for (int j = 0; j < n_keys; j++) p[j] = vec_dot(q, k + (size_t)j * kv_stride, hd);
+    if (softcap > 0.0f) {  // the capped scores, then a softmax at scale 1
+        for (int j = 0; j < n_keys; j++) p[j] = softcap * std::tanh(scale * p[j] / softcap);
+        scale = 1.0f;
+    }
     float mx = row_max(p, n_keys);
     float sum = 0.0f;
     for (int j = 0; j < n_keys; j++) sum += fast_exp(scale * (p[j] - mx));
@@ -222,6 +226,15 @@ inline void attention_weighted_values(const float* p, const float* v, const floa
             tile_weighted_rows<1, true>(p + (size_t)r * Tp, Tp, v, stride, n, hd, o + (size_t)r * ldo, ldo);
 }
 
+// Soft-capping (Gemma 2): each row's scaled scores of keys 0..t0+r -> cap tanh(s / cap), in
+// place (cap 0: none). Its derivative, 1 - (capped / cap)^2, reads the capped values (Clad's
+// custom derivative below): nothing is taped.
+inline void attention_cap_scores(float* s, int R, int t0, int Tp, float cap) {
+    if (cap <= 0.0f) return;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j <= t0 + r; j++) s[(size_t)r * Tp + j] = cap * std::tanh(s[(size_t)r * Tp + j] / cap);
+}
+
 // The softmax of row r of the block (rows Tp apart) over keys first..keys-1 without the hidden
 // span [lo, hi), given its exponentials e there: p = e / sum e, zero elsewhere up to n16
 // (block.hpp's visible_keys). A helper for the row's loops (see
@@ -258,8 +271,9 @@ inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int
 inline void attention_forward_rows(const float* q, const float* k, const float* kt, const float* v,
                                    const float* vt, float* s, float* e, float* p, float* o, const int* first,
                                    const int* lo, const int* hi, int t0, int R, int hd, int stride, int ldo, int Tp,
-                                   float scale) {
+                                   float scale, float softcap) {
     attention_scores(q, k, kt, s, R, t0 + R, hd, stride, Tp, scale);
+    attention_cap_scores(s, R, t0, Tp, softcap);
     for (int r = 0; r < R; r++) {  // no local for the row's offset: Clad would tape it too
         float mx = softmax_shift_skipping(s + (size_t)r * Tp, first[r], lo[r], hi[r], t0 + r + 1);
         exp_row(s + (size_t)r * Tp + first[r], mx, e + (size_t)r * Tp + first[r], lo[r] - first[r]);
@@ -280,6 +294,7 @@ struct Attention {
     int n_head, n_kv_head, head_dim;
     int window = 0;      // a sliding window: each query sees its last `window` keys (0: all before it)
     float scale = 0.0f;  // the scores' scale; 0: 1/sqrt(head_dim)
+    float softcap = 0.0f;  // scaled scores s -> softcap tanh(s / softcap) before the softmax (Gemma 2); 0: none
     static constexpr int kBlockRows = kAttentionBlockRows;
 
     float softmax_scale() const { return scale != 0.0f ? scale : 1.0f / std::sqrt((float)head_dim); }
@@ -342,15 +357,21 @@ struct Attention {
             const VisibleKeys vis = visible(pos, hid, t0 + r);
             // The row's keys in two runs: first..lo-1 and hi..t (one run where nothing is hidden).
             const int run_begin[2] = {vis.first, vis.hi}, run_end[2] = {vis.lo, keys};
+            float sc = scale;  // with a soft cap: the capped scores, then a softmax at scale 1
+            if (softcap > 0.0f) {
+                for (int run = 0; run < 2; run++)
+                    for (int j = run_begin[run]; j < run_end[run]; j++) s[j] = softcap * std::tanh(scale * s[j] / softcap);
+                sc = 1.0f;
+            }
             const float mx = softmax_shift_skipping(s, vis.first, vis.lo, vis.hi, keys);
             float sum = 0.0f;
             for (int run = 0; run < 2; run++)
                 for (int j = run_begin[run]; j < run_end[run]; j++) {
-                    s[j] = fast_exp(scale * (s[j] - mx));
+                    s[j] = fast_exp(sc * (s[j] - mx));
                     sum += s[j];
                 }
             const float inv = 1.0f / sum;
-            lse[t0 + r] = scale * mx + std::log(sum);
+            lse[t0 + r] = sc * mx + std::log(sum);
             for (int j = 0; j < vis.first; j++) s[j] = 0.0f;
             for (int j = vis.lo; j < vis.hi; j++) s[j] = 0.0f;
             for (int run = 0; run < 2; run++)
@@ -402,7 +423,7 @@ struct Attention {
                         const int first = first_key(run.start + t);
                         attention_forward_row(q + (size_t)t * stride, kc + (size_t)first * hd, vc + (size_t)first * hd,
                                               mine, o + (size_t)t * n_head * hd, hd, run.start + t + 1 - first, hd,
-                                              scale);
+                                              scale, softcap);
                     }
                     continue;
                 }
@@ -426,10 +447,15 @@ struct Attention {
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
             const int keys = start + t0 + r + 1, first = first_key(keys - 1);
+            float sc = scale;
+            if (softcap > 0.0f) {
+                for (int j = first; j < keys; j++) s[j] = softcap * std::tanh(scale * s[j] / softcap);
+                sc = 1.0f;
+            }
             const float mx = row_max(s + first, keys - first);
             float sum = 0.0f;
             for (int j = first; j < keys; j++) {
-                s[j] = fast_exp(scale * (s[j] - mx));
+                s[j] = fast_exp(sc * (s[j] - mx));
                 sum += s[j];
             }
             const float inv = 1.0f / sum;
@@ -502,6 +528,16 @@ inline void attention_scores_pullback(const float* q, const float* k, const floa
     for (int r = 0; r < R; r++)
         for (int j = 0; j < attention_padded(n); j++) d_s[(size_t)r * Tp + j] = 0.0f;
 }
+// The cap's derivative from the capped scores (the forward left them in s).
+inline void attention_cap_scores_pullback(float* s, int R, int t0, int Tp, float cap, float* d_s, int*, int*, int*,
+                                          float*) {
+    if (cap <= 0.0f) return;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j <= t0 + r; j++) {
+            const float t = s[(size_t)r * Tp + j] / cap;
+            d_s[(size_t)r * Tp + j] *= 1.0f - t * t;
+        }
+}
 // Weighted values: the replay does nothing (nothing reads o); dp += do v^T, dv += p^T do.
 inline void attention_weighted_values_reverse_forw(const float*, const float*, const float*, float*, int, int, int,
                                                    int, int, int, const float*, const float*, const float*, float*,
@@ -570,7 +606,7 @@ void zoo::Attention::pullback_clad(const float* qkv, const int32_t* positions, c
                         // The output's adjoint passes through the add: read where it lies.
                         float* dout = const_cast<float*>(d_out) + ((size_t)b * T + t0) * ldo + h * hd;
                         grad.execute(base + (size_t)t0 * stride + h * hd, k, kt, v, vt, s, e, p, nullptr, first, lo,
-                                     hi, t0, R, hd, stride, ldo, Tp, scale, dbase + (size_t)t0 * stride + h * hd, dk,
+                                     hi, t0, R, hd, stride, ldo, Tp, scale, softcap, dbase + (size_t)t0 * stride + h * hd, dk,
                                      dv, ds, de, dp, dout);
                         t0 += R;
                     }
@@ -647,13 +683,27 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
         float* pr = pb + (size_t)r * Tp;
         float* dsr = ds + (size_t)r * Tp;
         float dot = 0.0f;
-        for (int run = 0; run < 2; run++)
-            for (int j = run_begin[run]; j < run_end[run]; j++) {
-                pr[j] = fast_exp(scale * pr[j] - l);
-                dot += pr[j] * dsr[j];
-            }
-        for (int run = 0; run < 2; run++)
-            for (int j = run_begin[run]; j < run_end[run]; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        if (softcap > 0.0f) {
+            // p = exp(c tanh(scale s / c) - lse); d(capped)/ds = scale (1 - tanh^2). The first
+            // pass only sums (the scores stay for the second, which recomputes the tanh).
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++)
+                    dot += fast_exp(softcap * std::tanh(scale * pr[j] / softcap) - l) * dsr[j];
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++) {
+                    const float t = std::tanh(scale * pr[j] / softcap);
+                    pr[j] = fast_exp(softcap * t - l);
+                    dsr[j] = pr[j] * (dsr[j] - dot) * scale * (1.0f - t * t);
+                }
+        } else {
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++) {
+                    pr[j] = fast_exp(scale * pr[j] - l);
+                    dot += pr[j] * dsr[j];
+                }
+            for (int run = 0; run < 2; run++)
+                for (int j = run_begin[run]; j < run_end[run]; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+        }
         for (int j = 0; j < vis.first; j++) pr[j] = dsr[j] = 0.0f;
         for (int j = vis.lo; j < vis.hi; j++) pr[j] = dsr[j] = 0.0f;
         for (int j = keys; j < n; j++) pr[j] = dsr[j] = 0.0f;

@@ -13,6 +13,7 @@
 #include "blocks/embedding.hpp"
 #include "blocks/geglu.hpp"
 #include "blocks/gelu.hpp"
+#include "blocks/gelu_erf.hpp"
 #include "blocks/layernorm.hpp"
 #include "blocks/layernorm_nobias.hpp"
 #include "blocks/linear.hpp"
@@ -27,7 +28,8 @@ namespace zoo {
 
 inline const NormBlock* const norm_blocks[] = {&layernorm_block, &rmsnorm_block, &layernorm_nobias_block,
                                                &rmsnorm_1p_block};
-inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block, &geglu_block};
+inline const ActivationBlock* const activation_blocks[] = {&gelu_block, &swiglu_block, &relu2_block, &geglu_block,
+                                                           &gelu_erf_block};
 
 // Every block by the name ad= takes, with the pullbacks this build has for it.
 struct BlockInfo {

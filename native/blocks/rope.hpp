@@ -1,6 +1,8 @@
 // Rotary position embedding, rotate-half convention (Hugging Face Llama): for i < h = hd/2,
 // (x_i, x_{i+h}) -> (x_i cos - x_{i+h} sin, x_{i+h} cos + x_i sin), angle = pos * inv_freq[i].
 // inv_freq comes from the config (theta, Llama-3 scaling) and is turned into cos/sin tables once.
+// Partial rotary (GPT-NeoX, Phi): only the first rotary_dim values of each head rotate, pairing
+// i with i + rotary_dim/2; the rest pass through.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -38,10 +40,12 @@ inline void rope_pullback_head(float* __restrict__ d, const float* __restrict__ 
 
 struct RoPE {
     int head_dim;
+    int rotary_dim = 0;  // 0: the whole head
+    int half() const { return (rotary_dim ? rotary_dim : head_dim) / 2; }
 
-    // Fills cos/sin tables (max_pos, head_dim/2) from inv_freq, in float32 as transformers does.
+    // Fills cos/sin tables (max_pos, half()) from inv_freq, in float32 as transformers does.
     void build_tables(const float* inv_freq, float* cos_t, float* sin_t, int max_pos) const {
-        int half = head_dim / 2;
+        const int half = this->half();
         for (int p = 0; p < max_pos; p++)
             for (int i = 0; i < half; i++) {
                 float angle = (float)p * inv_freq[i];
@@ -54,7 +58,7 @@ struct RoPE {
     // used on q and k inside the fused qkv rows. Row n's position: position_of (block.hpp).
     void forward(float* x, int stride, int n_heads, const float* cos_t, const float* sin_t,
                  int B, int T, const int32_t* positions, int pos0 = 0) const {
-        int half = head_dim / 2;
+        const int half = this->half();
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
             size_t p = (size_t)position_of(positions, n, T, pos0) * half;
@@ -66,7 +70,7 @@ struct RoPE {
     // The rotation is orthogonal: the pullback rotates the adjoint back, in place.
     void pullback(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t,
                   int B, int T, const int32_t* positions) const {
-        int half = head_dim / 2;
+        const int half = this->half();
 #pragma omp parallel for schedule(static)
         for (int n = 0; n < B * T; n++) {
             const size_t p = (size_t)position_of(positions, n, T) * half;
@@ -115,7 +119,7 @@ inline void rope_pullback_head_clad(float* __restrict__ d, const float* __restri
 
 void zoo::RoPE::pullback_clad(float* dx, int stride, int n_heads, const float* cos_t, const float* sin_t, int B,
                               int T, const int32_t* positions) const {
-    const int half = head_dim / 2;
+    const int half = this->half();
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < B * T; n++) {
         const size_t p = (size_t)position_of(positions, n, T) * half;

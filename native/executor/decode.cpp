@@ -33,12 +33,12 @@ size_t decode_thread_floats(const Dims& d) {
 }
 
 bool Executor::fused_decode(int rows) const {
-    return rows <= gemv::max_rows && !d_.layer->forward && !has_adapters_ && !d_.variant();
+    return rows <= gemv::max_rows && !d_.layer->parallel && !has_adapters_ && !d_.variant();
 }
 
 void Executor::decode_chunk(int rows) {
     const Dims& d = d_;
-    const int D = d.d_model, F = d.d_ff, gate = d.mlp->gate_width, hd = d.head_dim, half = hd / 2;
+    const int D = d.d_model, F = d.d_ff, gate = d.mlp->gate_width, hd = d.head_dim, half = d.rotary_half();
     const int qkv_dim = d.qkv_dim(), attn_dim = d.attn_dim(), fc_dim = d.fc_dim();
     const int n_kv = d.n_kv_head, group = d.n_head / d.n_kv_head, tasks = chunk_n_runs_ * n_kv;
     const size_t layer_kv = (size_t)cache_B_ * n_kv * cache_len_ * hd;

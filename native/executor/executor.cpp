@@ -20,19 +20,17 @@ namespace zoo {
 
 Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
                    const std::vector<FrozenBinding>& frozen, const std::vector<AdapterBinding>& adapters,
-                   const std::vector<float>& inv_freq)
+                   const std::vector<float>& inv_freq, const std::vector<float>& inv_freq_local)
     : d_(dims), n_params_(n_params), layout_(layout) {
     check_dims(d_);  // before any table is sized from the config
+    d_.layer_window.resize(d_.n_layer, 0);  // (a Dims made in C++ may leave the per-layer lists empty)
+    d_.layer_rope.resize(d_.n_layer, 1);
     if (d_.frozen == frozen.empty())
         throw std::invalid_argument(d_.frozen ? "zoo: a frozen base needs the table of its tensors"
                                               : "zoo: a table of frozen tensors, but the base trains");
     if (!d_.frozen && (!adapters.empty() || d_.lora_width))
         throw std::invalid_argument("zoo: LoRA adapters sit on a frozen base; this base trains");
-    if (d_.frozen && d_.layer->forward)  // its block calls read the fp32 weights and know no adapters
-        throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
-                                    "' runs on a trainable fp32 base only: no frozen base (LoRA, or weights in "
-                                    "bf16, int8 or nf4) yet");
-    if (d_.layer->forward && d_.variant())  // its block calls compute the Llama layer's blocks only
+    if (d_.layer->parallel && d_.variant())  // its block calls compute the Llama layer's blocks only
         throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
                                     "' computes none of q/k norms, post-branch norms, windows, NoPE layers or the "
                                     "attention, embedding and residual scales");
@@ -51,12 +49,19 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     bind_matrices();
     bind_adapters(adapters);
     if (d_.rope) {
-        if ((int)inv_freq.size() != d_.head_dim / 2)
-            throw std::invalid_argument("zoo: inv_freq must have head_dim/2 entries");
-        size_t n = (size_t)d_.max_seq_len * d_.head_dim / 2;
+        const size_t half = d_.rotary_half(), n = (size_t)d_.max_seq_len * half;
+        const bool local = std::count(d_.layer_rope.begin(), d_.layer_rope.end(), 2) > 0;
+        if (inv_freq.size() != half || (local && inv_freq_local.size() != half) || (!local && !inv_freq_local.empty()))
+            throw std::invalid_argument("zoo: inv_freq (and inv_freq_local, exactly where layers use the local table) "
+                                        "must have rotary_dim/2 = " + std::to_string(half) + " entries");
         rope_cos_.resize(n);
         rope_sin_.resize(n);
-        RoPE{d_.head_dim}.build_tables(inv_freq.data(), rope_cos_.data(), rope_sin_.data(), d_.max_seq_len);
+        rope().build_tables(inv_freq.data(), rope_cos_.data(), rope_sin_.data(), d_.max_seq_len);
+        if (local) {
+            local_cos_.resize(n);
+            local_sin_.resize(n);
+            rope().build_tables(inv_freq_local.data(), local_cos_.data(), local_sin_.data(), d_.max_seq_len);
+        }
     }
     set_clad_blocks({});
 }
@@ -523,10 +528,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
         take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
-        if (d.layer->second_norm) {
-            take(&l.res_mid, at + "res_mid", N * D, internals);
-            take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
-        }
+        if (d.layer->second_norm && !d.layer->parallel) take(&l.res_mid, at + "res_mid", N * D, internals);
+        if (d.layer->second_norm) take(&l.ln2_stats, at + "ln2_stats", stats * N, internals);
         take_saved(&l.fc, &fc_bf16[i], at + "fc", N * d.fc_dim());
         if (d.qk_norm) {
             take(&l.qk_raw, at + "qk_raw", N * d.qk_dim(), internals);
@@ -548,7 +551,9 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     float *norm_out = nullptr, *act_out = nullptr;
     take(&norm_out, "norm_out", N * D, kForward | kPullback);
     take(&act_out, "act_out", N * d.d_ff, kForward | kPullback);
-    float *qk_work = nullptr, *branch_out = nullptr, *post_out = nullptr;
+    float *qk_work = nullptr, *branch_out = nullptr, *post_out = nullptr, *norm2_out = nullptr;
+    // The two-norm parallel layer's MLP input: its own buffer (h is still read after it is made).
+    if (d.layer->parallel && d.layer->second_norm) take(&norm2_out, "norm2_out", N * D, kForward | kPullback);
     if (d.qk_norm) take(&qk_work, "qk_work", N * d.qk_dim(), kForward | kPullback);
     // A branch's output before its add: kept per layer under a post-norm (above), else one
     // buffer the layers share; the post-norm's output likewise.
@@ -568,9 +573,9 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     take(&p.d_att, "d_att", N * d.attn_dim(), kPullback);
     take(&p.d_fc, "d_fc", N * d.fc_dim(), kPullback);
     take(&p.d_act, "d_act", N * d.d_ff, kPullback);
-    if (d.layer->forward) take(&p.d_layer_in, "d_layer_in", N * D, kPullback);
+    if (ad.on(d.layer->name)) take(&p.d_layer_in, "d_layer_in", N * D, kPullback);
     if (d.qk_norm) take(&p.d_qk, "d_qk", 2 * N * d.qk_dim(), kPullback);
-    if (d.branch_buffer()) take(&p.d_branch, "d_branch", N * D, kPullback);
+    if (d.branch_buffer() || d.layer->parallel) take(&p.d_branch, "d_branch", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     if (d.frozen && d.matrix_dtype != DType::f32)
         take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
@@ -581,6 +586,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, d.frozen, pl.total() - pl.end_of(kHead),
                                   pl.end_of(kHead));
     take(&p.head_logits, "head_logits", (size_t)p.head_rows * d.vocab_size, kHead);
+    if (d.logit_softcap > 0.0f)  // the cap's tanh, for its pullback
+        take(&p.head_tanh, "head_tanh", (size_t)p.head_rows * d.vocab_size, kHead);
     if (ad.on("cross_entropy"))
         take(&p.head_scratch, "head_scratch", CrossEntropy{d.vocab_size}.clad_scratch_floats(threads), kHead);
     pl.place();
@@ -592,6 +599,7 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         l.x = p.residual ? p.residual + (size_t)i * N * D : nullptr;
         l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
+        if (norm2_out) l.ln2 = norm2_out;
         l.act = act_out;
         l.qk_work = qk_work;
         l.post_out = post_out;
@@ -640,7 +648,7 @@ void Executor::set_checkpointing(bool on) {
 
 AdChoice ad_choice(const Dims& d, const std::vector<std::string>& clad_blocks) {
     AdChoice ad;
-    const auto infos = block_infos();
+    const auto infos = ad_block_infos();
     for (const auto& name : clad_blocks) {
         auto it = std::find_if(infos.begin(), infos.end(), [&](const BlockInfo& b) { return b.name == name; });
         if (it == infos.end()) throw std::invalid_argument("zoo: no block named " + name);
@@ -670,7 +678,11 @@ void Executor::set_clad_blocks(const std::vector<std::string>& names) {
     pb.embedding = pick(embedding_block.pullback, embedding_block.pullback_clad, "embedding");
     pb.cross_entropy = pick(cross_entropy_block.pullback, cross_entropy_block.pullback_clad, "cross_entropy");
     pb.lora = pick(lora_block.pullback, lora_block.pullback_clad, "lora");
-    pb.layer = d_.layer->pullback_clad;
+    pb.layer = ad.on(d_.layer->name) ? d_.layer->pullback_clad : nullptr;
+    if (pb.layer && d_.frozen)  // its block calls read the fp32 weights and know no adapters
+        throw std::invalid_argument(std::string("zoo: layer='") + d_.layer->name +
+                                    "' on Clad's chaining runs on a trainable fp32 base only; the hand-chained "
+                                    "layer (ad manual for it) trains a frozen base");
     pb.activation_fused = pick(d_.mlp->recompute_and_pullback, d_.mlp->recompute_and_pullback_clad, d_.mlp->name);
     ad_ = ad;
     pb_ = pb;
@@ -683,12 +695,6 @@ void Executor::check_trainable() const {
     if (d_.frozen && n_params_ == 0)
         throw std::runtime_error("zoo: this model's base is frozen and it has no adapters: nothing to train "
                                  "(give it LoRA adapters, or load the base trainable in fp32)");
-    if (d_.layer->forward && !pb_.layer)
-        throw std::runtime_error(std::string("zoo: layer='") + d_.layer->name +
-                                 "' is written as a forward over block calls, and its pullback is the one Clad "
-                                 "generates from it, which needs the Clad backend this build does not have: the "
-                                 "model runs forward (logits, generation) but cannot train. Rebuild zoo with "
-                                 "ZOO_CLAD_DIR=<Clad prefix> CXX=<its clang++> (docs/clad.md)");
     if (!pb_.norm || !pb_.activation) {
         const char* name = !pb_.norm ? d_.norm->name : d_.mlp->name;
         throw std::runtime_error(std::string("zoo: block '") + name +
@@ -871,7 +877,7 @@ struct FlagScope {
 LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode) {
     const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
     const bool cached = pass == LayerPass::cached;
-    return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos_.data(), rope_sin_.data(),
+    return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos(i), rope_sin(i),
                      positions_, hidden_, cached ? c_attention_scratch_ : a_.attention_scratch,
                      cached ? k_cache_ + i * layer_kv : nullptr, cached ? v_cache_ + i * layer_kv : nullptr,
                      cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_, c_decode_scratch_, B, T, pos0,
@@ -886,7 +892,7 @@ void Executor::linear_forward(const Linear& l, bool cached, const float* x, cons
 }
 
 void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0) {
-    if (d_.layer->forward) return d_.layer->forward(layer_call(i, a, B, T, pass, pos0, GradMode::add));
+    if (pb_.layer) return d_.layer->forward(layer_call(i, a, B, T, pass, pos0, GradMode::add));
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const LayerMatrices& wm = wm_.layers[i];
@@ -901,8 +907,8 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
     if (d_.qk_norm) qk_norm_forward(i, a, N);
     if (layer_rotates(i))  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
-        TIMED(forward, rope, RoPE{d_.head_dim}.forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_, pos0));
+        TIMED(forward, rope, rope().forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i), rope_sin(i), B,
+                                            T, positions_, pos0));
     if (cached) {
         // This call's keys and values join the cache; its queries attend to their sequences' keys.
         const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
@@ -914,21 +920,30 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         TIMED(forward, attention, attn.forward(a.qkv, positions_, hidden_, a.lse, a.att, a_.attention_scratch, B, T));
         if (a.att_bf16) round_and_save_bf16(a.att, a.att_bf16, (size_t)N * d_.attn_dim());
     }
+    // A parallel layer's MLP reads the layer's input: its norm first (generation then updates the
+    // stream in place).
+    const float* h2 = d_.layer->second_norm ? a.ln2 : a.ln1;
+    if (d_.layer->parallel && d_.layer->second_norm)
+        TIMED(forward, norm, norm_forward(a.x, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     if (d_.branch_buffer()) {
         TIMED(forward, linear,
               linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N, nullptr,
                              a.matrix_scratch));
         adapter_forward(i, lora_attn_out, a.att, a.attn_branch, N, a);
         branch_add(a.attn_branch, w.post_attn_w, w.post_attn_b, a.attn_branch_stats, a.post_out, a.x, a.res_mid, N);
-    } else {
+    } else if (!d_.layer->parallel || pass != LayerPass::recompute) {
         // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
-        // profile counts them as linear.
+        // profile counts them as linear. A parallel layer adds both branches into its output
+        // (no res_mid), which the recompute before a pullback leaves alone.
+        float* res_mid = d_.layer->parallel ? a.out : a.res_mid;
         TIMED(forward, linear,
-              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.res_mid, N, a.x, a.matrix_scratch));
-        adapter_forward(i, lora_attn_out, a.att, a.res_mid, N, a);
+              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, res_mid, N, a.x, a.matrix_scratch));
+        adapter_forward(i, lora_attn_out, a.att, res_mid, N, a);
     }
-    const float* h2 = d_.pre_norm ? a.ln2 : a.res_mid;
-    if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    if (!d_.layer->parallel) {
+        h2 = d_.pre_norm ? a.ln2 : a.res_mid;
+        if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    }
     TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
     adapter_forward(i, lora_fc, h2, a.fc, N, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
@@ -947,8 +962,8 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         branch_add(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.mlp_branch_stats, a.post_out, a.res_mid, a.out, N);
         return;
     }
-    TIMED(forward, linear,
-          linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N, a.res_mid, a.matrix_scratch));
+    TIMED(forward, linear, linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N,
+                                          d_.layer->parallel ? a.out : a.res_mid, a.matrix_scratch));
     adapter_forward(i, lora_proj, a.act, a.out, N, a);
 }
 
@@ -1009,7 +1024,8 @@ void Executor::linear_pullback(int i, LoraSlot slot, const Linear& l, const floa
 // a_.d_res holds dL/d(layer output) on entry and dL/d(layer input) on exit: the residual adds
 // pass it through unchanged, so the norm pullbacks add their parts into it.
 void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
-    if (d_.layer->forward) return pb_.layer(layer_call(i, a_.layers[i], B, T, LayerPass::replay, 0, mode));
+    if (pb_.layer) return pb_.layer(layer_call(i, a_.layers[i], B, T, LayerPass::replay, 0, mode));
+    if (d_.layer->parallel) return parallel_pullback(i, B, T, mode);
     const int N = B * T, d = d_.d_model;
     const LayerTensors& w = w_.layers[i];
     const LayerMatrices& wm = wm_.layers[i];
@@ -1082,8 +1098,8 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     TIMED(pullback, attention,
           pb_.attention(attn, a.qkv, positions_, hidden_, a.lse, a_.d_att, a_.d_qkv, scratch, B, T));
     if (layer_rotates(i))
-        TIMED(pullback, rope, pb_.rope(RoPE{d_.head_dim}, a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head,
-                                       rope_cos_.data(), rope_sin_.data(), B, T, positions_));
+        TIMED(pullback, rope, pb_.rope(rope(), a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i),
+                                       rope_sin(i), B, T, positions_));
     if (d_.qk_norm) qk_norm_pullback(i, a, N, mode);
     if (!d_.pre_norm) {
         linear_pullback(i, lora_qkv, qkv, a.x, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
@@ -1103,11 +1119,92 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     }
 }
 
+// The parallel layers' pullback: out = res_mid + mlp(h2), res_mid = x + attn(h1), h1 = norm1(x),
+// h2 = norm2(x) (or h1 with one norm). a_.d_res holds dL/d(out) = dL/d(res_mid) on entry; the
+// MLP's part of dL/dx waits in d_branch until the attention branch has read d_res.
+void Executor::parallel_pullback(int i, int B, int T, GradMode mode) {
+    const int N = B * T, d = d_.d_model;
+    const LayerTensors& w = w_.layers[i];
+    const LayerMatrices& wm = wm_.layers[i];
+    LayerTensors& g = g_.layers[i];
+    const LayerActs& a = a_.layers[i];
+    const Attention attn = attention(i);
+    const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
+                 proj = linear(d_.d_ff, d);
+    const bool two = d_.layer->second_norm;
+    if (a.qkv_bf16) {
+        expand_bf16(a.qkv_bf16, a.qkv, (size_t)N * d_.qkv_dim());
+        expand_bf16(a.att_bf16, a.att, (size_t)N * d_.attn_dim());
+        expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
+    }
+    // The norm outputs, in buffers every layer shares: recomputed.
+    TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
+    if (two) TIMED(pullback, norm, norm_forward(a.x, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
+    const float* h2 = two ? a.ln2 : a.ln1;
+    TIMED(pullback, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
+    linear_pullback(i, lora_proj, proj, a.act, w.proj_w, wm.proj_w, w.proj_b, a_.d_res, a_.d_act, g.proj_w, g.proj_b,
+                    N, mode, a);
+    TIMED(pullback, activation, pb_.activation(d_.d_ff, a.fc, a_.d_act, a_.d_fc, N));
+    linear_pullback(i, lora_fc, fc, h2, w.fc_w, wm.fc_w, w.fc_b, a_.d_fc, a_.d_norm, g.fc_w, g.fc_b, N, mode, a);
+    const size_t n = (size_t)N * d;
+    if (two) {
+        std::memset(a_.d_branch, 0, sizeof(float) * n);
+        TIMED(pullback, norm, norm_pullback(a.x, w.ln2_w, w.ln2_b, a.ln2_stats, a_.d_norm, nullptr, a_.d_branch,
+                                            g.ln2_w, g.ln2_b, N, mode));
+    } else {
+        std::memcpy(a_.d_branch, a_.d_norm, sizeof(float) * n);  // h1's adjoint from the MLP
+    }
+    linear_pullback(i, lora_attn_out, attn_out, a.att, w.attn_out_w, wm.attn_out_w, w.attn_out_b, a_.d_res, a_.d_att,
+                    g.attn_out_w, g.attn_out_b, N, mode, a);
+    TIMED(pullback, attention,
+          pb_.attention(attn, a.qkv, positions_, hidden_, a.lse, a_.d_att, a_.d_qkv, a_.pullback_scratch, B, T));
+    if (layer_rotates(i))
+        TIMED(pullback, rope, pb_.rope(rope(), a_.d_qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i),
+                                       rope_sin(i), B, T, positions_));
+    linear_pullback(i, lora_qkv, qkv, a.ln1, w.qkv_w, wm.qkv_w, w.qkv_b, a_.d_qkv, a_.d_norm, g.qkv_w, g.qkv_b, N,
+                    mode, a);
+    float* d_res = a_.d_res;
+    const float* d_branch = a_.d_branch;
+    if (!two) {
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) a_.d_norm[k] += d_branch[k];
+    }
+    TIMED(pullback, norm, norm_pullback(a.x, w.ln1_w, w.ln1_b, a.ln1_stats, a_.d_norm, nullptr, d_res, g.ln1_w,
+                                        g.ln1_b, N, mode));
+    if (two) {
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) d_res[k] += d_branch[k];
+    }
+}
+
 // x *= s over n floats (the embedding and logit scales; a no-op at 1).
 static void scale_floats(float* x, size_t n, float s) {
     if (s == 1.0f) return;
 #pragma omp parallel for schedule(static)
     for (size_t k = 0; k < n; k++) x[k] *= s;
+}
+
+// The LM head's products into logits: times logit_scale, then soft-capped (cap tanh(z / cap)),
+// keeping the tanh in t for the pullback where t is not null.
+void Executor::finish_logits(float* z, size_t n, float* t) const {
+    scale_floats(z, n, d_.logit_scale);
+    const float cap = d_.logit_softcap;
+    if (cap <= 0.0f) return;
+#pragma omp parallel for schedule(static)
+    for (size_t k = 0; k < n; k++) {
+        const float th = std::tanh(z[k] / cap);
+        if (t) t[k] = th;
+        z[k] = cap * th;
+    }
+}
+
+// The adjoint of the products from that of the logits, in place.
+void Executor::logits_pullback(float* dz, const float* t, size_t n) const {
+    if (d_.logit_softcap > 0.0f) {
+#pragma omp parallel for schedule(static)
+        for (size_t k = 0; k < n; k++) dz[k] *= 1.0f - t[k] * t[k];
+    }
+    scale_floats(dz, n, d_.logit_scale);
 }
 
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
@@ -1135,7 +1232,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         int counted = 0;
         double chunk_mean = 0.0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
-        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
+        finish_logits(a_.head_logits, (size_t)rows * V, pullback ? a_.head_tanh : nullptr);
         if (!pullback) {
             TIMED(forward, cross_entropy,
                   chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
@@ -1147,7 +1244,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
                                              grad_scale, &counted, nullptr, a_.head_scratch));
         total += chunk_mean * counted;
-        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);  // the adjoint of the unscaled logits
+        logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V);
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
                                                       false, a_.matrix_scratch));
@@ -1190,7 +1287,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     TIMED(forward, linear,
           linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_matrix(), nullptr, logits_arena_.data, N, nullptr,
                                                     a_.matrix_scratch));
-    scale_floats(logits_arena_.data, need, d_.logit_scale);
+    finish_logits(logits_arena_.data, need, nullptr);
     return NAN;
 }
 
@@ -1246,7 +1343,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
-        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
+        finish_logits(a_.head_logits, (size_t)rows * V, row_weight ? a_.head_tanh : nullptr);
         if (!row_weight) {
             TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
             continue;
@@ -1254,7 +1351,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         TIMED(forward, cross_entropy,
               pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
                                 row_weight + r0, a_.head_scratch));
-        scale_floats(a_.head_logits, (size_t)rows * V, d_.logit_scale);
+        logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V);
         float* dx = a_.d_norm + (size_t)r0 * d;
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
@@ -1568,7 +1665,7 @@ const float* Executor::forward_segments(const int32_t* tokens, const int32_t* sl
     TIMED(forward, linear,
           linear_forward(linear(d, V), true, cached_.ln1, head_matrix(), nullptr, c_logits_, S, nullptr,
                          cached_.matrix_scratch));
-    scale_floats(c_logits_, (size_t)S * V, d_.logit_scale);
+    finish_logits(c_logits_, (size_t)S * V, nullptr);
     return c_logits_;
 }
 

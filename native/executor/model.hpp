@@ -21,16 +21,17 @@
 
 namespace zoo {
 
-// How a layer arranges its blocks (ModelConfig.layer; the list is in layers.hpp). The default,
-// sequential, is the executor's own hand-chained layer (layer_forward, layer_pullback); any
-// other is written as a forward over block calls, and its pullback is Clad's gradient of that
-// forward, which chains the blocks' pullbacks (docs/clad.md).
+// How a layer arranges its blocks (ModelConfig.layer; the list is in layers.hpp). The executor
+// chains every arrangement by hand (layer_forward, layer_pullback); the parallel ones are also
+// written as a forward over block calls, whose pullback is Clad's gradient of that forward
+// (chaining the blocks' pullbacks, docs/clad.md), taken where ad= puts the arrangement on Clad.
 struct LayerCall;  // layers.hpp: what one call of a layer reads and writes
 using LayerRun = void (*)(const LayerCall& c);
 struct LayerArrangement {
     const char* name;
     bool second_norm;        // a norm of its own before the MLP (ln_2): the layout's and the plan's business
-    LayerRun forward;        // null: the executor's sequential layer
+    bool parallel;           // attention and MLP both read the layer's input: x + attn(norm1 x) + mlp(norm2 x)
+    LayerRun forward;        // the forward over block calls Clad differentiates; null for sequential
     LayerRun pullback_clad;  // Clad's gradient of forward; null without the Clad backend (or for sequential)
 };
 
@@ -47,7 +48,10 @@ struct Dims {
     int qk_norm = 0;                  // RMS-normalize q and k after the projection: 0 no, 1 per head, 2 over all heads
     bool pre_norm = true, post_norm = false;  // norms on each branch's input, on its output (before the add)
     std::vector<int> layer_window;    // per layer: keys a query sees (itself included), 0: all before it
-    std::vector<char> layer_rope;     // per layer: 1 rotates q and k (RoPE models), 0 not (NoPE layers)
+    std::vector<char> layer_rope;     // per layer: 0 rotates nothing (NoPE), 1 by the RoPE table, 2 by the local one
+    int rotary_dim = 0;               // values of each head that rotate (partial rotary); 0: all
+    float attention_softcap = 0.0f;   // scores -> cap tanh(scores / cap) before the softmax (Gemma 2); 0: none
+    float logit_softcap = 0.0f;       // logits -> cap tanh(logits / cap) (Gemma 2); 0: none
     float embedding_scale = 1.0f;     // token embeddings times this (Gemma: sqrt(d_model); Granite)
     float residual_scale = 1.0f;      // each branch's output times this before its residual add (Granite)
     float attention_scale = 0.0f;     // the softmax's scale; 0: 1/sqrt(head_dim)
@@ -68,13 +72,16 @@ struct Dims {
     int fc_dim() const { return mlp->gate_width * d_ff; }
     int widest_input() const { return std::max({d_model, attn_dim(), d_ff}); }
     int qk_dim() const { return (n_head + n_kv_head) * head_dim; }  // the q|k prefix of a qkv row
+    int rotary_half() const { return (rotary_dim ? rotary_dim : head_dim) / 2; }
     // The branch output goes through a buffer of its own (not fused into the residual add).
     bool branch_buffer() const { return post_norm || residual_scale != 1.0f; }
-    // The options the fused decode step and the Clad-chained layers do not compute.
+    // The options the fused decode step and the Clad-chained layers do not compute (partial rotary they do).
     bool variant() const {
-        if (qk_norm || !pre_norm || branch_buffer() || attention_scale != 0.0f || embedding_scale != 1.0f) return true;
+        if (qk_norm || !pre_norm || branch_buffer() || attention_scale != 0.0f || embedding_scale != 1.0f ||
+            attention_softcap != 0.0f)
+            return true;
         for (int w : layer_window) if (w) return true;
-        for (char r : layer_rope) if (!r) return true;
+        for (char r : layer_rope) if (r != 1) return true;
         return false;
     }
     float softmax_scale() const { return attention_scale != 0.0f ? attention_scale : 1.0f / std::sqrt((float)head_dim); }
@@ -199,6 +206,7 @@ struct ActivationPlan {
     std::vector<LayerActs> layers;  // with checkpointing, the internals alias one shared set
     float *lnf = nullptr, *lnf_stats = nullptr;
     float *head_logits = nullptr, *row_loss = nullptr;  // one chunk of head rows at a time
+    float* head_tanh = nullptr;  // the logit soft cap's tanh over that chunk (Dims::logit_softcap)
     int head_rows = 0;
     // Adjoints, shared by all layers.
     float *d_res = nullptr, *d_norm = nullptr, *d_qkv = nullptr, *d_att = nullptr, *d_fc = nullptr,
@@ -310,9 +318,11 @@ public:
     // layout: the trainable tensors (the whole model, or a LoRA run's adapters), n_params
     // floats. frozen: a frozen base's tensors (none when the base trains; d.frozen says which).
     // adapters: the LoRA adapters among the trainable tensors.
+    // inv_freq: RoPE's frequencies (rotary_dim / 2 of them); inv_freq_local: those of the local
+    // layers' table (Dims::layer_rope 2), or none.
     Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
              const std::vector<FrozenBinding>& frozen, const std::vector<AdapterBinding>& adapters,
-             const std::vector<float>& inv_freq);
+             const std::vector<float>& inv_freq, const std::vector<float>& inv_freq_local = {});
 
     const Dims& dims() const { return d_; }
     size_t n_params() const { return n_params_; }
@@ -440,7 +450,11 @@ private:
     size_t moment_begin_ = 0, moment_end_ = 0;
     Arena& moments();
     ModelTensors w_, g_;
-    std::vector<float> rope_cos_, rope_sin_;
+    std::vector<float> rope_cos_, rope_sin_, local_cos_, local_sin_;
+    // Layer i's RoPE tables, and whether it rotates at all.
+    const float* rope_cos(int i) const { return d_.layer_rope[i] == 2 ? local_cos_.data() : rope_cos_.data(); }
+    const float* rope_sin(int i) const { return d_.layer_rope[i] == 2 ? local_sin_.data() : rope_sin_.data(); }
+    RoPE rope() const { return RoPE{d_.head_dim, d_.rotary_dim}; }
     std::vector<std::pair<size_t, size_t>> decay_ranges_;
     using Range = std::pair<size_t, size_t>;  // (offset, floats)
     std::vector<std::vector<Range>> layer_grad_ranges_;  // per layer, adjacent ones merged
@@ -522,6 +536,8 @@ private:
     // A layer arrangement's call (layers.hpp): layer i's weights, gradients, buffers and pass.
     LayerCall layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode);
     double head(const int32_t* targets, int N, bool pullback, float grad_scale, GradMode mode);
+    void finish_logits(float* z, size_t n, float* t) const;
+    void logits_pullback(float* dz, const float* t, size_t n) const;
     void norm_forward(const float* x, const float* w, const float* b, float* y, float* stats, int N,
                       int C = 0) const;  // C: the row width, 0 for d_model
     // y: null, or where the norm's output is recomputed (NormPullback).
@@ -530,6 +546,7 @@ private:
     // The variants' steps of the sequential layer (Dims): q|k norm and its pullback on qkv
     // (d_qkv) in place; a branch's output (y) into the residual stream r (out = r + scale
     // post_norm(y)), and the adjoint of y from the output's.
+    void parallel_pullback(int i, int B, int T, GradMode mode);  // layer_pullback's parallel arrangements
     void qk_norm_forward(int i, const LayerActs& a, int N);
     void qk_norm_pullback(int i, const LayerActs& a, int N, GradMode mode);
     void branch_add(const float* y, const float* post_w, const float* post_b, float* stats, float* post_out,
@@ -537,10 +554,10 @@ private:
     const float* branch_pullback(const float* y, const float* post_w, const float* post_b, float* stats, float* d_post_w,
                                  float* d_post_b, int N, GradMode mode);
     Attention attention(int i) const {
-        return Attention{d_.n_head, d_.n_kv_head, d_.head_dim, d_.layer_window.empty() ? 0 : d_.layer_window[i],
-                         d_.softmax_scale()};
+        return Attention{d_.n_head, d_.n_kv_head, d_.head_dim, d_.layer_window[i], d_.softmax_scale(),
+                         d_.attention_softcap};
     }
-    bool layer_rotates(int i) const { return d_.rope && (d_.layer_rope.empty() || d_.layer_rope[i]); }
+    bool layer_rotates(int i) const { return d_.rope && d_.layer_rope[i]; }
     const float* head_weight() const { return d_.tied_embeddings ? w_.wte : w_.lm_head_w; }
     const Matrix& head_matrix() const { return d_.tied_embeddings ? wm_.wte : wm_.lm_head_w; }
     float* head_grad() { return d_.tied_embeddings ? g_.wte : g_.lm_head_w; }

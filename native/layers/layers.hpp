@@ -60,7 +60,7 @@ struct ZOO_CLAD_OPAQUE LayerCall {
     int attn_dim() const { return d->attn_dim(); }
     int fc_dim() const { return d->fc_dim(); }
     Linear linear(int in, int out) const { return Linear{in, out, precision}; }
-    Attention attention() const { return Attention{d->n_head, d->n_kv_head, d->head_dim}; }
+    Attention attention() const { return Attention{d->n_head, d->n_kv_head, d->head_dim, 0, d->softmax_scale()}; }
     // Outputs kept per layer are recomputed by no replay; outputs in buffers every layer shares are.
     bool replay() const { return pass == LayerPass::replay; }
 };
@@ -134,7 +134,7 @@ inline void layer_rope_call(float* qkv, const LayerCall* c) {
     const LayerTimer timer(c, k_rope, false);
     const Dims& d = *c->d;
     if (d.rope && !c->replay())
-        RoPE{d.head_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin, c->B, c->T,
+        RoPE{d.head_dim, d.rotary_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin, c->B, c->T,
                                  c->positions, c->pos0);
 }
 
@@ -222,7 +222,7 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
     const ::zoo::LayerTimer timer(c, ::zoo::k_rope, true);
     const ::zoo::Dims& d = *c->d;
     if (d.rope)
-        c->pb->rope(::zoo::RoPE{d.head_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
+        c->pb->rope(::zoo::RoPE{d.head_dim, d.rotary_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
                     c->B, c->T, c->positions);
 }
 
@@ -247,8 +247,17 @@ inline void layer_activation_call_pullback(float* fc, float* act, const LayerCal
 
 namespace zoo {
 
-inline const LayerArrangement sequential_layer{"sequential", /*second_norm=*/true, nullptr, nullptr};
-inline const LayerArrangement* const layer_arrangements[] = {&sequential_layer, &parallel_layer};
+inline const LayerArrangement sequential_layer{"sequential", /*second_norm=*/true, /*parallel=*/false, nullptr, nullptr};
+inline const LayerArrangement* const layer_arrangements[] = {&sequential_layer, &parallel_layer,
+                                                            &parallel_two_norms_layer};
+// Every block ad= names: the registry's, and the layer arrangements Clad can chain (kind "layer":
+// hand-chained by the executor, Clad-chained where ad= says so).
+inline std::vector<BlockInfo> ad_block_infos() {
+    std::vector<BlockInfo> out = block_infos();
+    for (const LayerArrangement* l : layer_arrangements)
+        if (l->forward) out.push_back({l->name, "layer", true, l->pullback_clad != nullptr, true});
+    return out;
+}
 inline const LayerArrangement& find_layer(const std::string& name) {
     return find_block(layer_arrangements, name, "layer");
 }

@@ -69,6 +69,10 @@ class ModelConfig(BaseModel):
     residual_scale: float = Field(default=1.0, gt=0)  # each branch's output times this before its add (Granite)
     attention_scale: Optional[float] = Field(default=None, gt=0)  # the softmax scale; None: head_dim ** -0.5
     logit_scale: float = Field(default=1.0, gt=0)  # logits times this (Granite: 1 / logits_scaling)
+    attention_softcap: Optional[float] = Field(default=None, gt=0)  # scores -> c tanh(scores / c) (Gemma 2)
+    logit_softcap: Optional[float] = Field(default=None, gt=0)  # logits -> c tanh(logits / c) (Gemma 2)
+    sliding_rope_theta: Optional[float] = Field(default=None, gt=0)  # the sliding layers' own RoPE base (Gemma 3)
+    rotary_dim: Optional[int] = Field(default=None, gt=0, le=MAX_WIDTH)  # values of a head RoPE rotates; None: all
     # The Hugging Face architecture its tensors are named after and it saves as (zoo/families/);
     # None: gpt2 for learned positions, llama for RoPE.
     family: Optional[str] = None
@@ -137,18 +141,26 @@ class ModelConfig(BaseModel):
             raise ValueError("sliding_layers: set only with a sliding_window")
         if self.nope_layers and self.positions != "rope":
             raise ValueError("nope_layers: set only with positions='rope'")
+        if self.sliding_rope_theta is not None and (self.sliding_window is None or self.positions != "rope"):
+            raise ValueError("sliding_rope_theta: set only with a sliding_window and positions='rope'")
+        if self.rotary_dim is not None and (self.positions != "rope" or self.rotary_dim % 2
+                                            or self.rotary_dim > self.head_dim):
+            raise ValueError(f"rotary_dim: an even number up to head_dim={self.head_dim}, with positions='rope'; "
+                             f"got {self.rotary_dim}")
         if self.qk_norm != "none" and blocks.norms()[self.norm]["bias"]:
             raise ValueError(f"qk_norm: the q/k norm is the model's norm without a bias; {self.norm!r} has one")
         if self.layer != "sequential" and self.is_variant:
             raise ValueError(f"layer: {self.layer!r} computes none of qk_norm, branch_norms, sliding_window, "
-                             "nope_layers and the embedding, residual and attention scales (sequential does)")
+                             "nope_layers, attention_softcap and the embedding, residual and attention scales "
+                             "(sequential does)")
 
     @property
     def is_variant(self) -> bool:
         """Whether any option of the Llama variants beyond Llama's own is on."""
         return (self.qk_norm != "none" or self.branch_norms != "pre" or self.sliding_window is not None
                 or bool(self.nope_layers) or self.embedding_scale != 1.0 or self.residual_scale != 1.0
-                or self.attention_scale is not None)
+                or self.attention_scale is not None or self.attention_softcap is not None
+                or self.sliding_rope_theta is not None)
 
     def _check_products(self) -> None:
         """The products that size one activation row or one weight tensor, within the bounds (the

@@ -33,13 +33,16 @@ class RopeScaling(BaseModel):
         return self
 
 
-def rope_inv_freq(cfg) -> np.ndarray:
-    """RoPE inverse frequencies in float32 (as transformers computes them), with Llama-3 scaling."""
-    hd = cfg.head_dim
-    inv = (1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd)))
+def rope_inv_freq(cfg, local: bool = False) -> np.ndarray:
+    """RoPE inverse frequencies in float32 (as transformers computes them) over the rotated part
+    of a head (rotary_dim), with Llama-3 scaling; local: those of the sliding layers' own table
+    (sliding_rope_theta, unscaled)."""
+    hd = getattr(cfg, "rotary_dim", None) or cfg.head_dim
+    theta = cfg.sliding_rope_theta if local else cfg.rope_theta
+    inv = (1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.int64).astype(np.float32) / hd)))
     inv = inv.astype(np.float32)
     s = cfg.rope_scaling
-    if s is None:
+    if s is None or local:
         return inv
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor

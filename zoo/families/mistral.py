@@ -17,7 +17,9 @@ DEFAULTS = {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "int
 
 def read_config(hf: dict, get: Getter) -> dict:
     fields = llama.read_config(hf, get, "mistral", DEFAULTS)
-    window = get("sliding_window", 4096, int)
+    # A missing key is MistralConfig's default window; null (v0.3) is none.
+    window = get("sliding_window", 4096, int) if "sliding_window" in hf and hf["sliding_window"] is not None else (
+        None if "sliding_window" in hf else 4096)
     return {**fields, "attention_bias": False, "mlp_bias": False,
             **({"sliding_window": window} if window is not None else {})}
 

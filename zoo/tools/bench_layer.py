@@ -1,20 +1,21 @@
-"""Layer arrangements side by side: the parallel-residual layer, whose pullback Clad chains
-from its forward over block calls, against the hand-chained sequential layer of the same size.
+"""Layer arrangements side by side: the parallel-residual layer, chained by hand (the executor's)
+and, in a Clad build, by Clad from its forward over block calls, against the hand-chained
+sequential layer of the same size.
 
     python -m zoo.tools.bench_layer --preset gpt2 --batch-size 4 --seq-len 64 --threads 1 2 --rounds 7
 
 The preset's layer shapes (d_model, heads, d_ff, norm, MLP, positions) with --n-layer layers
 and a --vocab-size vocabulary (default 2 and 512), so that the step is the layers' and not the
-embedding's or the LM head's. Four models with the same seed, stepped in turn in one process so
-that all see the same load: each arrangement with the hand-written block pullbacks (ad=manual)
-and with Clad's (ad=clad), each round starting with the next model. Per model, the median
+embedding's or the LM head's. The models, with the same seed, stepped in turn in one process so
+that all see the same load, each round starting with the next model: each arrangement
+hand-chained over the hand-written block pullbacks (ad=manual); in a Clad build also the
+parallel layer chained by Clad over the hand-written block pullbacks (ad={"parallel": "clad"}),
+and both arrangements over Clad's block pullbacks (ad=clad). Per model, the median
 forward (the loss), and the median and the best training step (forward, pullbacks, AdamW: the
 best is the least disturbed by other work on a shared machine). The ratios compare the
-parallel layer with the sequential one on the same block pullbacks: what the Clad-chained
-layer costs against the hand-chained one. The parallel layer has one norm per layer where
-the sequential one has two (its forward and pullback are one norm cheaper); everything else
-is the same blocks.
-Needs a zoo built with Clad (the parallel layer trains only there; docs/clad.md).
+parallel layer with the sequential one on the same block pullbacks. The parallel layer has
+one norm per layer where the sequential one has two (its forward and pullback are one norm
+cheaper); everything else is the same blocks.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Optional
 
 import numpy as np
 
-ARRANGEMENTS = ("sequential", "parallel")
-BACKENDS = ("manual", "clad")
+# (layer, ad, how the layer's pullback is chained); the Clad rows where the build has Clad.
+MODELS = (("sequential", "manual", "hand"), ("parallel", "manual", "hand"))
+CLAD_MODELS = (("parallel", {"parallel": "clad"}, "clad"), ("sequential", "clad", "hand"), ("parallel", "clad", "clad"))
 
 
 def _step(model, x, y) -> float:
@@ -50,8 +52,10 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
     import zoo
 
     zoo.set_threads(threads)
-    models = {(layer, ad): zoo.Model(cfg.model_copy(update={"layer": layer}), seed=seed, ad=ad)
-              for layer in ARRANGEMENTS for ad in BACKENDS}
+    chosen = MODELS + (CLAD_MODELS if zoo.build_info()["clad"] else ())
+    models = {(layer, "clad" if ad == "clad" else "manual", chain): zoo.Model(cfg.model_copy(update={"layer": layer}),
+                                                                              seed=seed, ad=ad)
+              for layer, ad, chain in chosen}
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, seq_len + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(warmup):
@@ -65,14 +69,15 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
             steps[k].append(_step(models[k], x, y))
             forwards[k].append(_forward(models[k], x, y))
     rows = []
-    for layer, ad in models:
-        step, fwd, best = (statistics.median(steps[layer, ad]), statistics.median(forwards[layer, ad]),
-                           min(steps[layer, ad]))
-        rows.append({"layer": layer, "ad": ad, "forward_ms": 1e3 * fwd, "step_ms": 1e3 * step,
+    for key in models:
+        layer, ad, chain = key
+        sequential = ("sequential", ad, "hand")
+        step, fwd, best = statistics.median(steps[key]), statistics.median(forwards[key]), min(steps[key])
+        rows.append({"layer": layer, "ad": ad, "chain": chain, "forward_ms": 1e3 * fwd, "step_ms": 1e3 * step,
                      "step_best_ms": 1e3 * best,
-                     "step_vs_sequential": step / statistics.median(steps["sequential", ad]),
-                     "best_vs_sequential": best / min(steps["sequential", ad]),
-                     "step_all_ms": [1e3 * s for s in steps[layer, ad]]})
+                     "step_vs_sequential": step / statistics.median(steps[sequential]),
+                     "best_vs_sequential": best / min(steps[sequential]),
+                     "step_all_ms": [1e3 * s for s in steps[key]]})
     return {"threads": threads, "rows": rows}
 
 
@@ -84,7 +89,7 @@ def markdown(results: list[dict], title: str) -> str:
                   "/ sequential | best step ms | / sequential |",
                   "|---|---|---:|---:|---:|---:|---:|"]
         for row in r["rows"]:
-            chained = "hand-chained" if row["layer"] == "sequential" else "chained by Clad"
+            chained = "hand-chained" if row["chain"] == "hand" else "chained by Clad"
             lines.append(f"| {row['layer']} ({chained}) | {row['ad']} | {row['forward_ms']:.1f} | "
                          f"{row['step_ms']:.1f} | {row['step_vs_sequential']:.3f} | {row['step_best_ms']:.1f} | "
                          f"{row['best_vs_sequential']:.3f} |")
@@ -105,10 +110,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="timed steps per model (default 7)")
     p.add_argument("--json", metavar="FILE", default=None)
     a = p.parse_args(argv)
-    if not zoo.core.blocks.layers()["parallel"]["trainable"]:
-        print("zoo.tools.bench_layer: this zoo was built without the Clad backend, which the parallel layer "
-              "trains on (docs/clad.md)", file=sys.stderr)
-        return 1
     cfg = zoo.ModelConfig(**{**zoo.preset(a.preset).model_dump(), "n_layer": a.n_layer, "vocab_size": a.vocab_size})
     results = [measure(cfg, a.batch_size, a.seq_len, t, a.rounds) for t in a.threads]
     title = (f"{a.preset}'s layers x {a.n_layer}, vocabulary {a.vocab_size}, B={a.batch_size}, T={a.seq_len}: "

@@ -67,13 +67,14 @@ def rotate_half(t):
     return torch.cat((-t[..., half:], t[..., :half]), dim=-1)
 
 
-def rope_inverse_frequencies(cfg: dict) -> torch.Tensor:
-    """theta^(-2i/head_dim), float32, with Llama 3's rope_scaling when the config has it: long
-    wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
-    hd = cfg["head_dim"]
-    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+def rope_inverse_frequencies(cfg: dict, theta: float | None = None) -> torch.Tensor:
+    """theta^(-2i/d) over the rotated part d of a head (rotary_dim, else head_dim), float32, with
+    Llama 3's rope_scaling when the config has it and no theta is given: long wavelengths
+    divided by `factor`, short ones kept, a smooth blend in between."""
+    hd = cfg.get("rotary_dim") or cfg["head_dim"]
+    inv = 1.0 / ((theta or cfg["rope_theta"]) ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     s = cfg.get("rope_scaling")
-    if not s:
+    if not s or theta is not None:
         return inv
     orig, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"],
                                s["high_freq_factor"], s["factor"])
@@ -85,34 +86,42 @@ def rope_inverse_frequencies(cfg: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(cfg: dict, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position x inverse frequency, (seq_len, head_dim), float32."""
-    freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * rope_inverse_frequencies(cfg)[None, :]
+def rope_tables(cfg: dict, seq_len: int, theta: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x inverse frequency, (seq_len, rotated dims), float32."""
+    freqs = torch.arange(seq_len, dtype=torch.float32)[:, None] * rope_inverse_frequencies(cfg, theta)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 
 
 def learned_positions(model, x):
     """Adds the position embedding; queries and keys are left as they are."""
-    return x + model.wpe[: x.shape[1]], lambda t: t
+    return x + model.wpe[: x.shape[1]], lambda t, local=False: t
 
 
 def rotary_positions(model, x):
-    """Leaves x as it is; queries and keys get rotated (rotate-half RoPE)."""
-    cos, sin = rope_tables(model.cfg, x.shape[1])
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x, lambda t: t * cos + rotate_half(t) * sin
+    """Leaves x as it is; queries and keys get rotated (rotate-half RoPE over their first
+    rotary_dim values), by the sliding layers' own table where the config gives them one."""
+    tables = {False: rope_tables(model.cfg, x.shape[1])}
+    if model.cfg.get("sliding_rope_theta"):
+        tables[True] = rope_tables(model.cfg, x.shape[1], model.cfg["sliding_rope_theta"])
+
+    def rotate(t, local=False):
+        cos, sin = (u.to(x.dtype) for u in tables[local])
+        d = cos.shape[-1]
+        rotated, rest = t[..., :d], t[..., d:]
+        return torch.cat((rotated * cos + rotate_half(rotated) * sin, rest), dim=-1)
+    return x, rotate
 
 
 # What this file implements, one dict per config field. A block added to zoo's registry
 # (zoo.core.blocks: norms, MLP activations) goes here too; tests/test_torch_reference.py checks that
 # every value a config may name is here.
 NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "layernorm_nobias": layer_norm, "rmsnorm_1p": rms_norm_1p}  # (x, weight, bias, eps)
-MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2, "geglu": geglu}  # fc's output -> proj's input
+MLPS = {"gelu": gelu, "swiglu": swiglu, "relu2": relu2, "geglu": geglu, "gelu_erf": F.gelu}  # fc's output -> proj's input
 POSITIONS = {"learned": learned_positions, "rope": rotary_positions}  # (model, x) -> (x, rotate q/k)
 # Whether attention and MLP both read the one norm's output and add into the stream together
 # (the parallel residual, GPT-J style) or run one after the other, each after its own norm.
-LAYERS = {"sequential": False, "parallel": True}
+LAYERS = {"sequential": False, "parallel": True, "parallel_two_norms": True}
 BLOCK_TABLES = (("norm", "NORMS", NORMS), ("mlp", "MLPS", MLPS), ("positions", "POSITIONS", POSITIONS),
                 ("layer", "LAYERS", LAYERS))
 
@@ -123,7 +132,8 @@ CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n
                  "norm", "norm_eps", "mlp", "positions", "rope_theta", "rope_scaling", "attention_bias",
                  "mlp_bias", "tied_embeddings", "layer", "family", "attention_out_bias", "qk_norm", "branch_norms",
                  "sliding_window", "sliding_layers", "nope_layers", "embedding_scale", "residual_scale",
-                 "attention_scale", "logit_scale"}
+                 "attention_scale", "logit_scale", "attention_softcap", "logit_softcap", "sliding_rope_theta",
+                 "rotary_dim"}
 ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # zoo's parameter roles (zoo/arch/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
@@ -221,22 +231,28 @@ class Decoder(nn.Module):
             q, k = q.view(B, T, nh, hd).transpose(1, 2), k.view(B, T, nkv, hd).transpose(1, 2)
             if qk_norm == "head":  # over each head (Qwen3, Gemma 3)
                 q, k = self.norm(q, layer.q_norm_w, None, eps), self.norm(k, layer.k_norm_w, None, eps)
+            local = window is not None and i in sliding
             if i not in nope:
-                q, k = rotate(q), rotate(k)
+                q, k = rotate(q, local and bool(c.get("sliding_rope_theta"))), rotate(k, local and bool(c.get("sliding_rope_theta")))
             v = v.view(B, T, nkv, hd).transpose(1, 2)
             # The mask: causal, and within the window on the layers that have one.
             t = torch.arange(T)
             allowed = t[None, :] <= t[:, None]
-            if window is not None and i in sliding:
+            if local:
                 allowed = allowed & (t[:, None] - t[None, :] < window)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=c.get("attention_scale"),
-                                               enable_gqa=nkv != nh)
+            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+            scores = q @ k.transpose(-1, -2) * (c.get("attention_scale") or hd ** -0.5)
+            if c.get("attention_softcap"):
+                scores = c["attention_softcap"] * torch.tanh(scores / c["attention_softcap"])
+            a = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v
             attn_out = F.linear(a.transpose(1, 2).reshape(B, T, nh * hd), layer.attn_out_w, layer.attn_out_b)
             if post:
                 attn_out = self.norm(attn_out, layer.post_attn_w, layer.post_attn_b, eps)
             if not self.parallel:
                 x = x + scale_residual * attn_out
                 h = self.norm(x, layer.ln2_w, layer.ln2_b, eps) if pre else x
+            elif layer.ln2_w is not None:  # the two-norm parallel layer: the MLP reads norm2(x)
+                h = self.norm(x, layer.ln2_w, layer.ln2_b, eps)
             mlp_out = F.linear(self.mlp(F.linear(h, layer.fc_w, layer.fc_b)), layer.proj_w, layer.proj_b)
             if post:
                 mlp_out = self.norm(mlp_out, layer.post_mlp_w, layer.post_mlp_b, eps)
@@ -244,7 +260,10 @@ class Decoder(nn.Module):
             if self.parallel:
                 x = x + attn_out
         x = self.norm(x, self.lnf_w, self.lnf_b, eps)
-        return F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w) * c.get("logit_scale", 1.0)
+        logits = F.linear(x, self.wte if c["tied_embeddings"] else self.lm_head_w) * c.get("logit_scale", 1.0)
+        if c.get("logit_softcap"):
+            logits = c["logit_softcap"] * torch.tanh(logits / c["logit_softcap"])
+        return logits
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.logits(tokens)
