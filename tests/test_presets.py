@@ -114,3 +114,39 @@ def test_the_variant_options_each_preset_sets():
     assert (hf["embedding_multiplier"], hf["residual_multiplier"], hf["attention_multiplier"],
             hf["logits_scaling"]) == (12.0, 0.22, 0.0078125, 16.0)
     assert config_to_hf(preset("smollm3-3b"))["no_rope_layers"] == [0 if (i + 1) % 4 == 0 else 1 for i in range(36)]
+
+
+def test_zoo_inspect_qwen3_8b_shows_each_way_to_finetune(capsys, monkeypatch):
+    from zoo.cli import main
+
+    monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(24 * 2**30))
+    assert main(["inspect", "qwen3-8b"]) == 0
+    out = capsys.readouterr().out
+    for text in ("preset qwen3-8b", "36 layers, d_model 4096, 32 heads, 8 kv heads, head_dim 128, d_ff 12288",
+                 "variant        q/k rmsnorm over each head", "8,190,735,360", "full finetune (fp32, AdamW)",
+                 "full finetune (bf16 products)", "LoRA r=16, bf16 base", "LoRA r=16, int8 base",
+                 "LoRA r=16, nf4 base", "generation, bf16 weights", "does not fit", "  fits"):
+        assert text in out, text
+
+
+@pytest.mark.parametrize("name, plain", [
+    ("qwen3-8b", dict(qk_norm="none")),
+    ("olmo-2-1b", dict(qk_norm="none", branch_norms="pre")),
+    ("granite-3.3-2b", dict(embedding_scale=1.0, residual_scale=1.0, attention_scale=None, logit_scale=1.0)),
+])
+def test_memory_counts_the_variants_tensors_and_activations(name, plain):
+    """The estimate `zoo inspect` and the cards print: the q/k and branch-output norms' weights are
+    parameters (with their gradients and moments), and the activations they keep are planned."""
+    from zoo.arch.config import ModelConfig
+    from zoo.arch.memory import finetune_memory_bytes
+
+    cfg = preset(name)
+    llama = ModelConfig(**{**cfg.model_dump(), **plain})
+    extra = num_parameters(cfg) - num_parameters(llama)
+    # per layer: Qwen3's q and k norms of head_dim; OLMo-2's of the whole projections (16 x 128 each),
+    # its two output norms in place of the two input norms; Granite's scalars are no tensors
+    norms = {"qwen3-8b": 2 * 128, "olmo-2-1b": 2 * 2048, "granite-3.3-2b": 0}[name]
+    assert extra == cfg.n_layer * norms
+    m, m_llama = finetune_memory_bytes(cfg, 1, 256), finetune_memory_bytes(llama, 1, 256)
+    assert m.parameters - m_llama.parameters == 4 * extra and m.optimizer - m_llama.optimizer == 8 * extra
+    assert m.activations > m_llama.activations if norms else m.activations >= m_llama.activations

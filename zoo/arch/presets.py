@@ -119,7 +119,8 @@ PRESETS: list[Preset] = [
     Preset("qwen2.5-7b", _qwen2(vocab_size=152064, max_seq_len=131072, d_model=3584, n_layer=28, n_head=28,
                                 n_kv_head=4, d_ff=18944, tied_embeddings=False),
            ("Qwen/Qwen2.5-7B",), _APACHE),
-    # Qwen3 (Qwen3ForCausalLM): head_dim 128 at every size, RMSNorm over each head's q and k.
+    # Qwen3 (Qwen3ForCausalLM): head_dim 128 at every size, RMSNorm over each head's q and k. Only the
+    # post-trained checkpoints are listed: the -Base ones' config.json files name another context.
     Preset("qwen3-0.6b", _qwen3(d_model=1024, n_layer=28, n_head=16, n_kv_head=8, d_ff=3072, tied_embeddings=True),
            ("Qwen/Qwen3-0.6B",), _APACHE),
     Preset("qwen3-1.7b", _qwen3(d_model=2048, n_layer=28, n_head=16, n_kv_head=8, d_ff=6144, tied_embeddings=True),
