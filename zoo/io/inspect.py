@@ -13,8 +13,7 @@ from typing import Optional
 from ..arch.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..arch.layout import num_parameters
-from ..arch.lora import LoraConfig, default_precision
-from ..arch.memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
+from ..arch.memory import available_memory_bytes, finetune_memory_bytes, finetune_ways, human_bytes
 from ..arch.presets import PRESETS, preset
 from ..text.tokenizers import TOKENIZER_FILES
 from . import load
@@ -144,26 +143,8 @@ def _inspect_adapter(source: "load.Source", scan: bool) -> dict:
 
 
 def memory_options(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16) -> list[tuple[str, int, int]]:
-    """(setting, bytes, bytes with activation checkpointing) for full finetuning (fp32, and with
-    the products in bf16: --precision bf16 keeps fp32 weights and moments, some activations in
-    bf16), LoRA of rank lora_r on every linear layer over each base format, and (one number,
-    twice) generation."""
-    out = [(f"full finetune ({precision}, AdamW)" if precision == "fp32" else
-            f"full finetune ({precision} products)",
-            finetune_memory_bytes(cfg, batch, seq_len, precision=precision).total,
-            finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, precision=precision).total)
-           for precision in ("fp32", "bf16")]
-    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
-    for fmt in ("bf16", "int8", "nf4"):
-        precision = default_precision(fmt)  # what a LoRA run over it takes by default
-        out.append((f"LoRA r={lora_r}, {fmt} base",
-                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt, precision=precision).total,
-                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt,
-                                          precision=precision).total))
-    for fmt in ("fp32", "bf16"):
-        g = generation_bytes(cfg, batch, seq_len, fmt)
-        out.append((f"generation, {fmt} weights", g, g))
-    return out
+    """memory.finetune_ways with the LoRA runs' products as this machine takes them by default."""
+    return finetune_ways(cfg, batch, seq_len, lora_r)
 
 
 def variant_summary(cfg: ModelConfig) -> str:
