@@ -178,3 +178,39 @@ def test_a_card_names_each_block_by_what_it_is():
         p = Preset("x", ModelConfig(**dict(base, norm=norm, mlp=mlp)), (), "MIT")
         md = cards.card_markdown(cards.card_data(p, []))
         assert all(w in md for w in words), (norm, mlp)
+
+
+def test_cards_show_each_way_to_finetune():
+    from zoo.arch.memory import finetune_ways
+
+    for p in PRESETS:
+        d = json.loads((CARDS / f"{p.name}.json").read_text())
+        b, t = cards.ways_point(p.config)
+        expected = finetune_ways(p.config, b, t, cards.WAYS_LORA_R, cards.WAYS_LORA_PRECISION)
+        assert [(w["way"], w["total"], w["total_checkpointing"]) for w in d["finetune_ways"]] == expected, p.name
+    md = (CARDS / "qwen3-8b.md").read_text()
+    for way in ("full finetune (fp32, AdamW)", "full finetune (bf16 products)", "LoRA r=16, bf16 base",
+                "LoRA r=16, int8 base", "LoRA r=16, nf4 base"):
+        assert f"| {way} |" in md, way
+
+
+def test_cards_describe_the_variants():
+    words = {
+        "qwen2.5-7b": ("attention q/k/v yes, attention output no",),
+        "qwen3-8b": ("| q/k norm | the model's norm over each head's q and k",),
+        "olmo-2-1b": ("on each branch's output before its residual add (no pre-norm)", "all of q and all of k at once"),
+        "mistral-7b-v0.1": ("| attention window | each query sees the 4,096 keys ending at itself, on every layer",),
+        "smollm3-3b": ("| NoPE layers | no rotary positions on layers 3, 7, 11, 15, 19, 23, 27, 31, 35 |",),
+        "granite-3.3-8b": ("token embeddings x 12", "each branch's output x 0.22", "softmax scale 0.0078125",
+                           "logits x 0.0625 (divided by 16)"),
+    }
+    for name, texts in words.items():
+        md = (CARDS / f"{name}.md").read_text()
+        assert all(t in md for t in texts), name
+    assert "| q/k norm" not in (CARDS / "llama-3.2-1b.md").read_text()
+    from zoo.arch.presets import Preset
+
+    base = preset_info("qwen3-1.7b").config.model_dump()
+    p = Preset("x", ModelConfig(**dict(base, norm="rmsnorm_1p", mlp="geglu", family="llama", qk_norm="none")), (), "MIT")
+    md = cards.card_markdown(cards.card_data(p, []))
+    assert "RMSNorm times (1 + w)" in md and "GeGLU (`geglu`)" in md

@@ -315,8 +315,10 @@ def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, mo
 
     monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
     report = inspect_checkpoint("llama-3.1-8b", seq_len=256)
-    full, bf16, int8, nf4 = (plain for _, plain, _ in report["memory_options"][:4])
-    assert nf4 < int8 < bf16 < full
+    plain = {name: n for name, n, _ in report["memory_options"]}
+    full, bf16, int8, nf4 = (plain[k] for k in ("full finetune (fp32, AdamW)", "LoRA r=16, bf16 base",
+                                                "LoRA r=16, int8 base", "LoRA r=16, nf4 base"))
+    assert nf4 < int8 < bf16 < plain["full finetune (bf16 products)"] < full
     assert report["parameters"] == num_parameters(zoo.preset("llama-3.1-8b"))
     text = format_inspection(report)
     assert "none read" in text and "LoRA r=16, nf4 base" in text and "does not fit" in text and "  fits" in text

@@ -20,7 +20,7 @@ from typing import Optional
 from ..core.native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 from ..core.errors import ResourceError
-from .lora import LoraConfig, adapter_layout, run_setup
+from .lora import LoraConfig, adapter_layout, default_precision, run_setup
 from .layout import frozen_table, num_parameters, parameter_layout
 
 FLOAT_BYTES = 4
@@ -115,6 +115,32 @@ def generation_bytes(cfg: ModelConfig, batch: int, seq_len: int, base_dtype: str
     setup = run_setup(cfg, None, base_dtype, frozen, [], 0)
     weights = base_bytes(cfg, base_dtype) if frozen else FLOAT_BYTES * num_parameters(cfg)
     return weights + FLOAT_BYTES * int(_native.cache_floats(setup, int(batch), int(seq_len)))
+
+
+def finetune_ways(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16,
+                  lora_precision: Optional[str] = None) -> list[tuple[str, int, int]]:
+    """(way, bytes, bytes with activation checkpointing) of each way to finetune cfg with AdamW at
+    (batch, seq_len), and of generation (one number, twice): full finetuning in fp32, and with
+    its products in bf16 (--precision bf16: weights, gradients and moments stay fp32, some
+    activations are kept in bf16); LoRA of rank lora_r on every linear layer over a bf16, int8
+    and nf4 base, its products in lora_precision (None: what a LoRA run takes by default on this
+    machine, lora.default_precision); generation with fp32 and bf16 weights. What `zoo inspect`
+    prints and the model cards show."""
+    out = [(f"full finetune ({precision}, AdamW)" if precision == "fp32" else f"full finetune ({precision} products)",
+            finetune_memory_bytes(cfg, batch, seq_len, precision=precision).total,
+            finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, precision=precision).total)
+           for precision in ("fp32", "bf16")]
+    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
+    for fmt in ("bf16", "int8", "nf4"):
+        precision = lora_precision or default_precision(fmt)
+        out.append((f"LoRA r={lora_r}, {fmt} base",
+                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt, precision=precision).total,
+                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt,
+                                          precision=precision).total))
+    for fmt in ("fp32", "bf16"):
+        g = generation_bytes(cfg, batch, seq_len, fmt)
+        out.append((f"generation, {fmt} weights", g, g))
+    return out
 
 
 def human_bytes(n: int) -> str:

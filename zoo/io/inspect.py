@@ -13,8 +13,7 @@ from typing import Optional
 from ..arch.config import ModelConfig
 from ..core.errors import CheckpointError
 from ..arch.layout import num_parameters
-from ..arch.lora import LoraConfig, default_precision
-from ..arch.memory import available_memory_bytes, finetune_memory_bytes, generation_bytes, human_bytes
+from ..arch.memory import available_memory_bytes, finetune_memory_bytes, finetune_ways, human_bytes
 from ..arch.presets import PRESETS, preset
 from ..text.tokenizers import TOKENIZER_FILES
 from . import load
@@ -144,21 +143,38 @@ def _inspect_adapter(source: "load.Source", scan: bool) -> dict:
 
 
 def memory_options(cfg: ModelConfig, batch: int, seq_len: int, lora_r: int = 16) -> list[tuple[str, int, int]]:
-    """(setting, bytes, bytes with activation checkpointing) for full finetuning, LoRA of rank
-    lora_r on every linear layer over each base format, and (one number, twice) generation."""
-    out = [("full finetune (fp32, AdamW)", finetune_memory_bytes(cfg, batch, seq_len).total,
-            finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True).total)]
-    lora = LoraConfig(r=lora_r, alpha=2 * lora_r)
-    for fmt in ("bf16", "int8", "nf4"):
-        precision = default_precision(fmt)  # what a LoRA run over it takes by default
-        out.append((f"LoRA r={lora_r}, {fmt} base",
-                    finetune_memory_bytes(cfg, batch, seq_len, lora=lora, base_dtype=fmt, precision=precision).total,
-                    finetune_memory_bytes(cfg, batch, seq_len, checkpointing=True, lora=lora, base_dtype=fmt,
-                                          precision=precision).total))
-    for fmt in ("fp32", "bf16"):
-        g = generation_bytes(cfg, batch, seq_len, fmt)
-        out.append((f"generation, {fmt} weights", g, g))
-    return out
+    """memory.finetune_ways with the LoRA runs' products as this machine takes them by default."""
+    return finetune_ways(cfg, batch, seq_len, lora_r)
+
+
+def variant_summary(cfg: ModelConfig) -> str:
+    """The options of the Llama variants cfg sets (biases unlike Llama's included), in a line; ""
+    for none."""
+    parts = []
+    if cfg.attention_bias and not cfg.attention_out_bias:
+        parts.append("q/k/v biases, none on the output projection")
+    if cfg.qk_norm != "none":
+        parts.append(f"q/k {cfg.norm} over each {'head' if cfg.qk_norm == 'head' else 'projection'}")
+    if cfg.branch_norms != "pre":
+        parts.append({"post": "norms on the branch outputs (none on their inputs)",
+                      "both": "norms on the branch inputs and outputs"}[cfg.branch_norms])
+    if cfg.sliding_window is not None:
+        where = "every layer" if cfg.sliding_layers is None else f"layers {_ranges(cfg.sliding_layers)}"
+        parts.append(f"window of {cfg.sliding_window} keys on {where}")
+    if cfg.nope_layers:
+        parts.append(f"no RoPE on layers {_ranges(cfg.nope_layers)}")
+    for field, words in (("embedding_scale", "embeddings x"), ("residual_scale", "branches x"),
+                         ("logit_scale", "logits x")):
+        if getattr(cfg, field) != 1.0:
+            parts.append(f"{words} {getattr(cfg, field):g}")
+    if cfg.attention_scale is not None:
+        parts.append(f"softmax scale {cfg.attention_scale:g}")
+    return "; ".join(parts)
+
+
+def _ranges(layers) -> str:
+    """Layer indices as written: 3, 7, 11 (all listed; a model has at most a few dozen)."""
+    return ", ".join(str(i) for i in layers)
 
 
 def _verdict(r: dict) -> str:
@@ -183,6 +199,7 @@ def format_inspection(r: dict) -> str:
         f"{cfg.head_dim}, d_ff {cfg.d_ff}, vocab {cfg.vocab_size}, context {cfg.max_seq_len}",
         f"  blocks         {cfg.norm}, {cfg.mlp}, {cfg.positions} positions{rope}, "
         f"{'tied' if cfg.tied_embeddings else 'untied'} embeddings",
+        *([f"  variant        {variant}"] if (variant := variant_summary(cfg)) else []),
         f"  parameters     {r['parameters']:,}",
     ]
     if r["weights"]:
