@@ -93,13 +93,7 @@ def test_read_config_errors(tmp_path):
     assert read_config(tmp_path) == config_from_hf(LLAMA)
 
 
-# families/mistral.py reads Mistral v0.3's `"sliding_window": null` as a window of 4096 (reported;
-# tests/test_presets.py has the same mark): strict, so the fix shows as an unexpected pass.
-_NULL_WINDOW = pytest.mark.xfail(reason="families/mistral.py reads sliding_window null as 4096", strict=True)
-
-
-@pytest.mark.parametrize("name", [pytest.param(p.name, marks=[_NULL_WINDOW] if p.name == "mistral-7b-v0.3" else [])
-                                  for p in PRESETS])
+@pytest.mark.parametrize("name", [p.name for p in PRESETS])
 def test_presets_round_trip(name):
     cfg = preset(name)
     write = config_to_hf if hf_incompatibility(cfg) is None else config_to_zoo

@@ -48,14 +48,8 @@ EXACT = {
 VARIANT_FAMILIES = ("qwen2", "qwen3", "mistral", "olmo2", "smollm3", "granite")
 VARIANT_PRESETS = [p.name for p in PRESETS if p.config.family in VARIANT_FAMILIES]
 
-# families/mistral.py reads `"sliding_window": null` (Mistral v0.3's config.json) as 4096: its
-# Getter returns the default for a null, so the window v0.3 does not have comes back.
-KNOWN_BAD_ROUND_TRIP = {"mistral-7b-v0.3": "families/mistral.py reads sliding_window null as 4096"}
-
-
 def _round_trip_params():
-    return [pytest.param(name, id=name, marks=[pytest.mark.xfail(reason=KNOWN_BAD_ROUND_TRIP[name], strict=True)]
-                         if name in KNOWN_BAD_ROUND_TRIP else []) for name in VARIANT_PRESETS]
+    return [pytest.param(name, id=name) for name in VARIANT_PRESETS]
 
 
 def _close(count: int, published: str) -> bool:
