@@ -58,6 +58,16 @@ def tiny_variant(family: str, seed: int = 3):
                                                                    residual_multiplier=0.4, attention_multiplier=0.3,
                                                                    logits_scaling=3.0)),
     }
+    gemma = dict(_SHAPE, head_dim=16)
+    made.update({
+        "gemma": lambda: (t.GemmaForCausalLM, t.GemmaConfig(**gemma)),
+        "gemma2": lambda: (t.Gemma2ForCausalLM, t.Gemma2Config(**gemma, sliding_window=5, query_pre_attn_scalar=16,
+                                                               attn_logit_softcapping=0.5, final_logit_softcapping=2.0)),
+        "gemma3": lambda: (t.Gemma3ForCausalLM, t.Gemma3TextConfig(
+            **{**gemma, "num_hidden_layers": 6}, sliding_window=5, query_pre_attn_scalar=16,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    })
     cls, cfg = made[family]()
     return _randomized(cls, cfg, seed)
 

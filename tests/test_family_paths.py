@@ -19,7 +19,7 @@ from hf_helpers import VOCAB, hf_logits, hf_loss_and_grads, load_hf_fp32, tiny_v
 
 # (the tiny checkpoints have no tokenizer: the GGUF files say so, llama.cpp runs their token ids)
 pytestmark = pytest.mark.filterwarnings("ignore:.*no tokenizer to write:RuntimeWarning")
-FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite", "gemma", "gemma2", "gemma3"]
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

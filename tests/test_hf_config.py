@@ -67,7 +67,7 @@ def test_rope_both_forms():
     ({**GPT2, "n_embd": 4.5}, "n_embd"),
     ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
     ({**LLAMA, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_parameters.rope_type"),
-    ({**LLAMA, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.rope_type"),
+    ({**LLAMA, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type"),
     ({**LLAMA, "rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope_parameters.low_freq_factor"),
     ({**LLAMA, "partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({**LLAMA, "num_key_value_heads": 3}, "num_key_value_heads"),

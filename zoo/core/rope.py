@@ -1,11 +1,13 @@
-"""RoPE's frequencies: Llama 3's frequency scaling as a config field, and the inverse
-frequencies every rotation reads (the executor's table, the GGUF writer's rope_freqs)."""
+"""RoPE's frequencies: their scaling as a config field (Llama 3's, or linear), and the inverse
+frequencies every rotation reads (the executor's tables, the GGUF writer's rope_freqs)."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+from typing import Literal, Optional
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .native import _native
@@ -14,17 +16,28 @@ MAX_SEQ_LEN = dict(_native.limits)["max_seq_len"]
 
 
 class RopeScaling(BaseModel):
-    """Llama-3 frequency scaling of RoPE (rope_type "llama3" in Hugging Face)."""
+    """RoPE's frequency scaling, as Hugging Face's rope_type names it: "llama3" (long wavelengths
+    divided by factor, short ones kept, a blend between: the three fields below it) or "linear"
+    (every frequency divided by factor: Gemma 3's global layers)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    rope_type: Literal["llama3", "linear"] = "llama3"
     factor: float = Field(gt=0)
-    low_freq_factor: float = Field(gt=0)
-    high_freq_factor: float = Field(gt=0)
-    original_max_position_embeddings: int = Field(gt=0, le=MAX_SEQ_LEN)
+    low_freq_factor: Optional[float] = Field(default=None, gt=0)
+    high_freq_factor: Optional[float] = Field(default=None, gt=0)
+    original_max_position_embeddings: Optional[int] = Field(default=None, gt=0, le=MAX_SEQ_LEN)
 
     @model_validator(mode="after")
     def _check(self) -> "RopeScaling":
+        llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
+        if self.rope_type == "linear":
+            if any(v is not None for v in llama3):
+                raise ValueError("rope_scaling: linear scaling takes a factor alone")
+            return self
+        if any(v is None for v in llama3):
+            raise ValueError("rope_scaling: llama3 scaling needs low_freq_factor, high_freq_factor and "
+                             "original_max_position_embeddings")
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 "rope_scaling.high_freq_factor must be greater than rope_scaling.low_freq_factor "
@@ -44,6 +57,8 @@ def rope_inv_freq(cfg, local: bool = False) -> np.ndarray:
     s = cfg.rope_scaling
     if s is None or local:
         return inv
+    if s.rope_type == "linear":
+        return (inv / np.float32(s.factor)).astype(np.float32)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = (2 * math.pi / inv).astype(np.float32)

@@ -115,9 +115,15 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
                               key=partial_key)
     if rope_type == "default":
         return float(theta), None
+    if rope_type == "linear":
+        factor = params.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise CheckpointError(source, f"linear rope scaling needs a positive factor, got {show_value(factor)}",
+                                  key=f"{key}.factor")
+        return float(theta), RopeScaling(rope_type="linear", factor=float(factor))
     if rope_type != "llama3":
-        raise CheckpointError(source, f"unsupported rope type {show_value(rope_type)} (zoo computes 'default' and "
-                                      "'llama3')", key=f"{key}.rope_type")
+        raise CheckpointError(source, f"unsupported rope type {show_value(rope_type)} (zoo computes 'default', "
+                                      "'linear' and 'llama3')", key=f"{key}.rope_type")
     values = {}
     for name in ("factor", "low_freq_factor", "high_freq_factor"):
         v = params.get(name)
@@ -136,13 +142,14 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
 
 
 def cannot_express(cfg, arch: str = "LlamaForCausalLM", expresses: tuple[str, ...] = (),
-                   norm: str = "rmsnorm") -> Optional[tuple[str, str]]:
+                   norm: str = "rmsnorm", activations: Optional[dict] = None) -> Optional[tuple[str, str]]:
     """What a LlamaConfig-shaped class cannot hold of cfg (the families derived from Llama name
-    their class, the variant options it holds and its norm)."""
+    their class, the variant options it holds, its norm and its activations)."""
+    activations = ACTIVATIONS if activations is None else activations
     if cfg.d_model % cfg.n_head != 0:  # transformers' LlamaConfig rejects this even with an explicit head_dim
         return "n_head", f"{arch} needs d_model divisible by n_head, got {cfg.d_model} and {cfg.n_head}"
-    if cfg.mlp not in ACTIVATIONS.values():
-        return "mlp", f"{arch} cannot express mlp={cfg.mlp!r} (it has {', '.join(sorted(set(ACTIVATIONS.values())))})"
+    if cfg.mlp not in activations.values():
+        return "mlp", f"{arch} cannot express mlp={cfg.mlp!r} (it has {', '.join(sorted(set(activations.values())))})"
     for field, expected in (("layer", "sequential"), ("norm", norm), ("positions", "rope")):
         if getattr(cfg, field) != expected:
             return field, f"{arch} cannot express {field}={getattr(cfg, field)!r} (it has {expected!r})"
@@ -158,7 +165,7 @@ def write_common(cfg) -> dict[str, Any]:
     """The keys LlamaConfig and the configs derived from it share."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
-        rope = {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **cfg.rope_scaling.model_dump()}
+        rope = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling.model_dump(exclude_none=True)}
     # Both rope forms: rope_parameters for transformers 5, rope_theta + rope_scaling for older readers.
     old_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling is not None else None
     return {

@@ -112,6 +112,15 @@ def _rope_heads(cfg: ModelConfig, spec: ParamSpec) -> Optional[int]:
     return families.get(cfg.family).gguf_rope_heads(cfg, spec.name)
 
 
+# The norm weights: llama.cpp stores a (1 + w) norm's (rmsnorm_1p, Gemma's) as 1 + w, which
+# its kernels multiply by, where zoo and Hugging Face keep w.
+_NORM_WEIGHTS = ("ln1_w", "ln2_w", "lnf_w", "q_norm_w", "k_norm_w", "post_attn_w", "post_mlp_w")
+
+
+def _stored_offset(cfg: ModelConfig, spec: ParamSpec) -> float:
+    return 1.0 if cfg.norm == "rmsnorm_1p" and spec.role in _NORM_WEIGHTS else 0.0
+
+
 def to_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's permutation of q/k rows (Hugging Face order -> GGUF order)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -268,6 +277,8 @@ def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int
             w = f.read(name)
             heads = _rope_heads(cfg, spec)
             w = w if heads is None else from_gguf_rows(w, heads)
+            if _stored_offset(cfg, spec):
+                w = w - np.float32(_stored_offset(cfg, spec))
             if params is None:
                 model.set_base_tensor(spec.name, w)
                 n = count_nonfinite(w)
@@ -407,16 +418,17 @@ def _export_tensors(model, matrix_type: str) -> list[tuple[str, tuple[int, ...],
             qtype = Q.F16
         heads = _rope_heads(cfg, spec)
 
-        def make(name=spec.name, heads=heads, qtype=qtype) -> np.ndarray:
+        def make(name=spec.name, heads=heads, qtype=qtype, offset=_stored_offset(cfg, spec)) -> np.ndarray:
             value = params[name] if params is not None else model.base_tensor(name)  # a frozen base: widened now
             w = value if heads is None else to_gguf_rows(value, heads)
+            w = w + np.float32(offset) if offset else w
             return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype) \
                 if qtype != Q.F32 else np.ascontiguousarray(w, dtype=np.float32)
 
         out.append((gguf_name, spec.shape, qtype, make))
     if families.get(cfg.family).gguf_writes_tied_head and cfg.tied_embeddings:  # as llama.cpp's converter does
         out.append(("output.weight",) + out[0][1:])
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3":  # (linear: a key, the family's)
         divisors = (_inv_freq(cfg.rope_theta, cfg.head_dim) / rope_inv_freq(cfg).astype(np.float64)).astype(np.float32)
         out.append((ROPE_FREQS, divisors.shape, Q.F32, lambda: divisors))
     return out

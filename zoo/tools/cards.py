@@ -92,7 +92,7 @@ def blocks(cfg: ModelConfig) -> dict:
     rope = None
     if cfg.positions == "rope":
         rope = {"theta": cfg.rope_theta,
-                "scaling": None if cfg.rope_scaling is None else dict(type="llama3", **cfg.rope_scaling.model_dump())}
+                "scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.model_dump(exclude_none=True)}
     return {
         "n_layer": cfg.n_layer, "norm": cfg.norm, "norm_eps": cfg.norm_eps,
         "mlp": cfg.mlp, "d_ff": cfg.d_ff,

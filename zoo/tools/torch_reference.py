@@ -76,6 +76,8 @@ def rope_inverse_frequencies(cfg: dict, theta: float | None = None) -> torch.Ten
     s = cfg.get("rope_scaling")
     if not s or theta is not None:
         return inv
+    if s.get("rope_type") == "linear":  # every frequency divided by the factor
+        return inv / s["factor"]
     orig, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"],
                                s["high_freq_factor"], s["factor"])
     wavelen = 2 * math.pi / inv
@@ -134,7 +136,7 @@ CONFIG_FIELDS = {"vocab_size", "max_seq_len", "d_model", "n_layer", "n_head", "n
                  "sliding_window", "sliding_layers", "nope_layers", "embedding_scale", "residual_scale",
                  "attention_scale", "logit_scale", "attention_softcap", "logit_softcap", "sliding_rope_theta",
                  "rotary_dim"}
-ROPE_SCALING_FIELDS = {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+ROPE_SCALING_FIELDS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
 # zoo's parameter roles (zoo/arch/layout.py): the tensors outside the layers, and those of a layer.
 GLOBAL_ROLES = ("wte", "wpe", "lnf_w", "lnf_b", "lm_head_w")
 LAYER_ROLES = ("ln1_w", "ln1_b", "qkv_w", "qkv_b", "q_norm_w", "k_norm_w", "attn_out_w", "attn_out_b",
