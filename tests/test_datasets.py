@@ -335,7 +335,6 @@ def test_tensorboard_reads_the_event_file_as_metrics_jsonl(tmp_path):
             assert [(e.step, e.value) for e in acc.Scalars(tag)] == values, tag
         return want
 
-    want = check_run = None
     Trainer(run_config(tmp_path, "run", [docs], steps=6, eval_every=3, report_to="tensorboard")).run()
     want = check(tmp_path / "run")
     assert [s for s, _ in want["train/loss"]] == [1, 2, 3, 4, 5, 6] and [s for s, _ in want["eval/loss"]] == [0, 3, 6]
