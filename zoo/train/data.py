@@ -2,10 +2,12 @@
 mask and the examples' boundaries beside it), then cut into training and validation batches.
 
 Each file's format is detected on its own (data_formats): plain text (the file is one
-document), JSONL of documents ({"text"}), of prompt/completion pairs, of chats ({"messages"},
-rendered with the checkpoint's chat template) or of Alpaca records ({"instruction", "input",
-"output"}, rendered as a two-turn chat), or token ids already (.npy, or a flat .bin of uint16
-ids, uint32 for vocabularies above 65,536). A document is framed by BOS (when the tokenizer has
+document), records of documents ({"text"}), of prompt/completion pairs, of chats ({"messages"},
+rendered with the checkpoint's chat template), of ShareGPT conversations ({"conversations"} of
+{"from", "value"}: a chat) or of Alpaca records ({"instruction", "input", "output"}, rendered as a
+two-turn chat), the records from JSONL, Parquet or Arrow files (records.py: a table read a batch
+of rows at a time, its columns renamed by --data-columns), or token ids already (.npy, or a flat
+.bin of uint16 ids, uint32 for vocabularies above 65,536). A document is framed by BOS (when the tokenizer has
 one distinct from EOS) and EOS, and every token of it is trained on; a prompt, a user turn or a
 system prompt is context only (loss on the completion and the assistant turns), unless the run
 trains on everything.
@@ -17,7 +19,9 @@ restarting at position 0, so attention never crosses from one into another.
 The cache file is keyed by the files' paths, sizes, mtimes and content hashes, the tokenizer's
 identity and the chat template, so changed data or a different tokenizer re-tokenizes.
 Training batches are drawn from a generator seeded by (seed, step, micro-batch): the batch of
-any step is known without replaying earlier ones, which is what makes --resume exact.
+any step is known without replaying earlier ones, which is what makes --resume exact. A mixture
+(--data a.parquet:0.7 b.jsonl:0.3) tokenizes each source on its own and draws each row's source
+by weight with that same generator (MixedWindows, training_data).
 """
 
 from __future__ import annotations
