@@ -9,6 +9,7 @@ from ..core.errors import CheckpointError
 from ..io import load
 from ..train.data import all_token_ids, batches_for, tokenize_files
 from ..train.evaluate import evaluate
+from ..train.records import parse_columns
 from .flags import FROM_HELP, add_model_flags, apply_threads, check_flag, model_for
 
 
@@ -22,6 +23,9 @@ def add_eval(sub) -> None:
     p.add_argument("--from", dest="from_dir", required=True, metavar="MODEL",
                    help=FROM_HELP + "; a run's training settings are the defaults")
     p.add_argument("--data", nargs="+", metavar="PATH", help="data files or folders (default: the run's)")
+    p.add_argument("--data-columns", dest="data_columns", default=None, metavar="FIELD=COLUMN,...",
+                   help="the data's column names for zoo's record fields, e.g. prompt=question,completion=answer "
+                        "(default: the run's)")
     p.add_argument("--split", choices=["all", "val"], default="all",
                    help="all the data, or the validation split the trainer evaluates (default all)")
     for name, flag, kind, what in [("batch_size", "--batch-size", int, "sequences per batch"),
@@ -60,7 +64,12 @@ def _cmd_eval(args) -> int:
     if tokenizer is None and not all_token_ids(data):
         raise CheckpointError(src, "no tokenizer here to read the data with; give a tokenizer folder with --tokenizer")
     template = load.chat_template_for(source, args.tokenizer) if tokenizer is not None else None
-    token_file = tokenize_files(data, tokenizer, args.cache_dir, template, vocab_size=model.config.vocab_size)
+    try:
+        columns = parse_columns(args.data_columns if args.data_columns is not None else run.get("data_columns"))
+    except ValueError as e:
+        raise ValueError(f"--data-columns: {e}") from None
+    token_file = tokenize_files(data, tokenizer, args.cache_dir, template, vocab_size=model.config.vocab_size,
+                                columns=columns)
     windows = batches_for(token_file, s["batch_size"], s["seq_len"], s["val_fraction"] if args.split == "val" else 0.0,
                           s["eval_batches"], s["seed"], f"data {', '.join(map(str, data))}", s["train_on_everything"])
     result = evaluate(model, windows, args.split)

@@ -35,6 +35,9 @@ def _add_train_flags(p: argparse.ArgumentParser, defaults: dict) -> None:
         kw = {"dest": name, "default": argparse.SUPPRESS, "help": _help_with_default(name, field, defaults)}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is dict:  # FIELD=COLUMN,... (TrainConfig parses it)
+            kw["type"] = str
+            kw["metavar"] = "FIELD=COLUMN,..."
         elif typing.get_origin(kind) is list:
             kw["nargs"] = "+"
             kw["metavar"] = "PATH"

@@ -20,6 +20,7 @@ from ..arch.lora import BASE_DTYPES, LoraConfig, default_precision
 from ..arch.presets import PRESETS
 from ..core.gemm import PRECISIONS, check_precision
 from ..core.native import check_threads
+from .records import parse_columns, split_weight
 
 DEFAULT_STEPS = 1000
 
@@ -44,6 +45,7 @@ RESUMABLE_CHANGES = {
     # Distributed runs: the watchdog's patience changes nothing computed; ZeRO-1 sums the
     # clipping norm in another order (the last bits, like a thread count).
     "rank_timeout", "zero",
+    "report_to",  # where the metrics are also written, not what is computed
 }
 
 # The budget may grow on --resume: the run is extended (the trainer checks and announces it
@@ -77,9 +79,15 @@ class TrainConfig(BaseModel):
     model: Optional[ModelConfig] = Field(None, description="train from scratch: a model config (config files only)")
     tokenizer: Optional[str] = Field(None, description="tokenizer folder (default: the checkpoint's; "
                                                        "byte-level when training from scratch)")
-    data: list[str] = Field(default_factory=list, description="data files or folders of them: text, JSONL (text, "
-                                                                 "prompt/completion, chat messages, Alpaca), or "
-                                                                 "token ids (.npy, .bin)")
+    data: list[str] = Field(default_factory=list, description="data files or folders of them: text, JSONL, Parquet or "
+                                                                 "Arrow records (text, prompt/completion, chat "
+                                                                 "messages, ShareGPT conversations, Alpaca), "
+                                                                 "datasets.save_to_disk folders, or token ids (.npy, "
+                                                                 ".bin); a mixture: PATH:WEIGHT each (a.parquet:0.7 "
+                                                                 "b.jsonl:0.3)")
+    data_columns: Optional[dict[str, str]] = Field(None, description="the data's column names for zoo's record fields, "
+                                                                     "FIELD=COLUMN,... (e.g. prompt=question,"
+                                                                     "completion=answer)")
     out: str = Field("runs/train", description="run folder: checkpoints, metrics, plot, final model")
     cache_dir: Optional[str] = Field(None, description="where tokenized data is cached "
                                                        "(default: $ZOO_CACHE or ~/.cache/zoo)")
@@ -120,6 +128,9 @@ class TrainConfig(BaseModel):
                                                                "printed with --no-progress, always written to train.log "
                                                                "(default: about 20 a run, every max(1, steps // 20))")
     progress: bool = Field(True, description="show a progress bar (--no-progress: a plain line every --print-every steps)")
+    report_to: Literal["none", "tensorboard"] = Field("none", description="also write the metrics as TensorBoard event "
+                                                                         "files in the run folder (metrics.jsonl is "
+                                                                         "always written)")
 
     # --- run control ------------------------------------------------------------------
     seed: int = Field(0, ge=0, description="seed for initialization and data order")
@@ -167,6 +178,11 @@ class TrainConfig(BaseModel):
     sample_tokens: int = Field(200, ge=0, description="tokens to sample at the end (0: none)")
     overwrite: bool = Field(False, description="replace a run already in --out instead of refusing")
 
+    @field_validator("data_columns", mode="before")
+    @classmethod
+    def _columns(cls, value):
+        return parse_columns(value) or None
+
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, name: Optional[str]) -> Optional[str]:
@@ -211,6 +227,10 @@ class TrainConfig(BaseModel):
             if given and self.method not in methods:
                 raise ValueError(f"{', '.join(flag(f) for f in given)} apply to {flag('method')} "
                                  f"{' or '.join(methods)}, not {self.method}")
+        weighted = [d for d in self.data if split_weight(d)[1] is not None]
+        if self.method != "sft" and weighted:
+            raise ValueError(f"{flag('data')} {' '.join(weighted)}: a mixture (PATH:WEIGHT) is for {flag('method')} sft; "
+                             "give the preference data without weights")
         if self.method != "sft" and self.train_on_everything:
             raise ValueError(f"{flag('train_on_everything')} is for {flag('method')} sft: a preference method's loss "
                              "is on the answers")

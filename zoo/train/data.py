@@ -2,10 +2,12 @@
 mask and the examples' boundaries beside it), then cut into training and validation batches.
 
 Each file's format is detected on its own (data_formats): plain text (the file is one
-document), JSONL of documents ({"text"}), of prompt/completion pairs, of chats ({"messages"},
-rendered with the checkpoint's chat template) or of Alpaca records ({"instruction", "input",
-"output"}, rendered as a two-turn chat), or token ids already (.npy, or a flat .bin of uint16
-ids, uint32 for vocabularies above 65,536). A document is framed by BOS (when the tokenizer has
+document), records of documents ({"text"}), of prompt/completion pairs, of chats ({"messages"},
+rendered with the checkpoint's chat template), of ShareGPT conversations ({"conversations"} of
+{"from", "value"}: a chat) or of Alpaca records ({"instruction", "input", "output"}, rendered as a
+two-turn chat), the records from JSONL, Parquet or Arrow files (records.py: a table read a batch
+of rows at a time, its columns renamed by --data-columns), or token ids already (.npy, or a flat
+.bin of uint16 ids, uint32 for vocabularies above 65,536). A document is framed by BOS (when the tokenizer has
 one distinct from EOS) and EOS, and every token of it is trained on; a prompt, a user turn or a
 system prompt is context only (loss on the completion and the assistant turns), unless the run
 trains on everything.
@@ -17,7 +19,9 @@ restarting at position 0, so attention never crosses from one into another.
 The cache file is keyed by the files' paths, sizes, mtimes and content hashes, the tokenizer's
 identity and the chat template, so changed data or a different tokenizer re-tokenizes.
 Training batches are drawn from a generator seeded by (seed, step, micro-batch): the batch of
-any step is known without replaying earlier ones, which is what makes --resume exact.
+any step is known without replaying earlier ones, which is what makes --resume exact. A mixture
+(--data a.parquet:0.7 b.jsonl:0.3) tokenizes each source on its own and draws each row's source
+by weight with that same generator (MixedWindows, training_data).
 """
 
 from __future__ import annotations
@@ -36,13 +40,10 @@ from pydantic import BaseModel, ConfigDict
 from ..core.atomic import atomic_open, write_json
 from ..core.errors import ChatTemplateError, CheckpointError
 from ..core.files import read_json_model, regular_file
+from .records import DataError, data_sources, is_table, records, saved_dataset_files, split_weight
 
 CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
 _HASH_CHUNK = 1 << 20
-
-
-class DataError(ValueError):
-    """Training data that cannot be used: the message names the file at fault."""
 
 
 # --- files ------------------------------------------------------------------------------
@@ -50,21 +51,29 @@ class DataError(ValueError):
 
 def list_text_files(paths: list[str | os.PathLike]) -> list[Path]:
     """The files named, and the files inside the folders named (recursively, sorted,
-    hidden files and folders skipped). Every path must exist and the result be non-empty."""
+    hidden files and folders skipped). Every path must exist and the result be non-empty.
+    A folder `datasets.save_to_disk` wrote gives its Arrow files (a DatasetDict's, its train
+    split's); a folder holding Parquet or Arrow files (a folder of shards) gives those alone, its
+    other files (a dataset card, metadata) left out. A mixture weight (PATH:WEIGHT) is set aside."""
     if not paths:
         raise DataError("no training data given: pass --data FILE_OR_FOLDER")
     files: list[Path] = []
-    for p in map(Path, paths):
+    for p in (Path(split_weight(p)[0]) for p in paths):
         if p.exists() and not p.is_dir():
             files.append(regular_file(p, "data file"))  # a FIFO or a device is refused by name: reading it could block
         elif p.is_dir():
+            saved = saved_dataset_files(p)
+            if saved is not None:
+                files.extend(saved)
+                continue
             found = sorted(
                 f for f in p.rglob("*")
                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
             )
             if not found:
                 raise DataError(f"data folder {p}: contains no files")
-            files.extend(found)
+            tables = [f for f in found if is_table(f)]
+            files.extend(tables or found)
         else:
             raise DataError(f"data path {p}: no such file or folder")
     return files
@@ -129,7 +138,10 @@ RECORD_SHAPES = {
     "prompt/completion": ({"prompt", "completion"}, set()),
     "chat": ({"messages"}, set()),
     "alpaca": ({"instruction", "output"}, {"input"}),
+    "sharegpt": ({"conversations"}, {"system"}),
 }
+# ShareGPT's speakers ("from") as the roles of a chat.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 TOKEN_FILE_SUFFIXES = (".npy", ".bin")
 
 
@@ -156,11 +168,13 @@ def _messages(record: dict, shape: str, where: str) -> list[dict]:
     the chat template, which knows which it renders)."""
     if shape == "alpaca":
         prompt = _string_field(record, "instruction", where)
-        extra = _string_field(record, "input", where) if "input" in record else ""
+        extra = _string_field(record, "input", where) if record.get("input") is not None else ""
         if extra:
             prompt += "\n\n" + extra
         return [{"role": "user", "content": prompt},
                 {"role": "assistant", "content": _string_field(record, "output", where)}]
+    if shape == "sharegpt":
+        return _messages({"messages": sharegpt_messages(record, where)}, "chat", where)
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
@@ -170,6 +184,29 @@ def _messages(record: dict, shape: str, where: str) -> list[dict]:
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message is {messages[-1]['role']!r}: a chat to train on ends with "
                         "the assistant's turn")
+    return messages
+
+
+def sharegpt_messages(record: dict, where: str) -> list[dict]:
+    """A ShareGPT record's conversation ({"from": "human" | "gpt" | "system", "value"}, and an
+    optional "system" field) as chat messages ({"role", "content"})."""
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: \"conversations\" must be a non-empty list of {{\"from\", \"value\"}} objects")
+    messages = []
+    system = record.get("system")
+    if system is not None and not isinstance(system, str):
+        raise DataError(f"{where}: \"system\" must be a string, got {type(system).__name__}")
+    if system:
+        messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
+            raise DataError(f"{where}: conversations[{i}] must be an object with string \"from\" and \"value\"")
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise DataError(f"{where}: conversations[{i}] is from {turn['from']!r}; ShareGPT's speakers are "
+                            f"{', '.join(SHAREGPT_ROLES)}")
+        messages.append({"role": role, "content": turn["value"]})
     return messages
 
 
@@ -219,38 +256,25 @@ class _Encoder:
         return self._encode_pieces(segments)
 
 
-def _jsonl_examples(path: Path, encoder: _Encoder):
-    """Yields (ids, trained) per record; the file's shape is its first record's."""
+def _record_examples(path: Path, encoder: _Encoder, columns: Optional[dict] = None):
+    """Yields (shape, (ids, trained)) per record of a JSONL, Parquet or Arrow file; the file's
+    shape is its first record's (a table's: its columns')."""
     shape = None
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"data file {path}, line {number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            except RecursionError:
-                raise DataError(f"{where}: not JSON (nested too deeply)") from None
-            this = _record_shape(record, where)
-            if shape is None:
-                shape = this
-            elif this != shape:
-                raise DataError(f"{where}: a {this} record in a file of {shape} records (line 1 decides)")
-            if shape == "text":
-                yield shape, encoder.document(_string_field(record, "text", where))
-            elif shape == "prompt/completion":
-                yield shape, encoder.prompt_completion(_string_field(record, "prompt", where),
-                                                       _string_field(record, "completion", where))
-            else:
-                yield shape, encoder.chat(_messages(record, shape, where), where)
+    for where, record in records(path, RECORD_SHAPES, columns):
+        this = _record_shape(record, where)
+        if shape is None:
+            shape = this
+        elif this != shape:
+            raise DataError(f"{where}: a {this} record in a file of {shape} records (line 1 decides)")
+        if shape == "text":
+            yield shape, encoder.document(_string_field(record, "text", where))
+        elif shape == "prompt/completion":
+            yield shape, encoder.prompt_completion(_string_field(record, "prompt", where),
+                                                   _string_field(record, "completion", where))
+        else:
+            yield shape, encoder.chat(_messages(record, shape, where), where)
     if shape is None:
-        raise DataError(f"data file {path}: no records (an empty JSONL file)")
+        raise DataError(f"data file {path}: no records (an empty {'table' if is_table(path) else 'JSONL file'})")
 
 
 def _token_file_ids(path: Path, vocab_size: int) -> np.ndarray:
@@ -285,8 +309,9 @@ def all_token_ids(paths: list[str | os.PathLike]) -> bool:
 
 
 def data_format(path: Path) -> str:
-    """How a file is read, from its name: "jsonl", "token ids" or "text"."""
-    if path.suffix == ".jsonl":
+    """How a file is read, from its name: "jsonl" (records: JSONL, Parquet, Arrow), "token ids" or
+    "text"."""
+    if path.suffix == ".jsonl" or is_table(path):
         return "jsonl"
     if path.suffix in TOKEN_FILE_SUFFIXES:
         return "token ids"
@@ -312,20 +337,77 @@ class TokenFile:
         """Whether some tokens carry no loss (prompts, user turns): the data is then packed."""
         return bool(len(self.trained)) and not bool(self.trained.all())
 
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_trained(self) -> int:
+        return int(self.trained.sum())
+
+    @property
+    def streams(self) -> list[np.ndarray]:
+        """The token arrays (one; a mixture's, one a source)."""
+        return [self.tokens]
+
+
+@dataclass
+class MixtureFile:
+    """The sources of a mixture (--data a.parquet:0.7 b.jsonl:0.3), each tokenized into a TokenFile
+    of its own, and their weights (summing to 1)."""
+
+    parts: list[TokenFile]
+    weights: list[float]
+    sources: list[str]
+
+    @property
+    def key(self) -> str:
+        payload = json.dumps([[p.key, w] for p, w in zip(self.parts, self.weights)])
+        return "mixture-" + hashlib.sha256(payload.encode()).hexdigest()
+
+    @property
+    def files(self) -> list[Path]:
+        return [f for p in self.parts for f in p.files]
+
+    @property
+    def formats(self) -> list[str]:
+        return [k for p in self.parts for k in p.formats]
+
+    @property
+    def masked(self) -> bool:
+        return any(p.masked for p in self.parts)
+
+    @property
+    def reused(self) -> bool:
+        return all(p.reused for p in self.parts)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(p.n_tokens for p in self.parts)
+
+    @property
+    def n_trained(self) -> int:
+        return sum(p.n_trained for p in self.parts)
+
+    @property
+    def streams(self) -> list[np.ndarray]:
+        return [p.tokens for p in self.parts]
+
 
 def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | os.PathLike | None = None,
-                   chat_template=None, vocab_size: Optional[int] = None) -> TokenFile:
+                   chat_template=None, vocab_size: Optional[int] = None, columns: Optional[dict] = None) -> TokenFile:
     """Tokenize the data into a cached token file (or reuse the cache) and memory-map it.
-    chat_template renders chat and Alpaca records (zoo.text.chat_template.ChatTemplate); tokenizer
-    may be None where every file holds token ids; vocab_size (the model's; default the
-    tokenizer's) bounds the ids of such files and sizes the cache's ids."""
+    chat_template renders chat, ShareGPT and Alpaca records (zoo.text.chat_template.ChatTemplate);
+    tokenizer may be None where every file holds token ids; vocab_size (the model's; default the
+    tokenizer's) bounds the ids of such files and sizes the cache's ids; columns: the records'
+    column mapping (--data-columns, records.parse_columns)."""
     files = list_text_files(paths)
     if vocab_size is None:
         if tokenizer is None:
             raise ValueError("tokenize_files: give a tokenizer or vocab_size")
         vocab_size = tokenizer.vocab_size
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = _cache_key(files, tokenizer, chat_template, vocab_size)
+    key = _cache_key(files, tokenizer, chat_template, vocab_size, columns)
     tok_path = cache / f"tokens-{key[:24]}.bin"
     meta_path = tok_path.with_suffix(".json")
     trained_path, starts_path = tok_path.with_suffix(".trained"), tok_path.with_suffix(".starts")
@@ -340,7 +422,8 @@ def tokenize_files(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"token cache folder {cache}: cannot create it ({e.strerror or e})") from None
-    n_tokens, n_examples, formats = _write_tokens(files, tokenizer, chat_template, vocab_size, tok_path, dtype)
+    n_tokens, n_examples, formats = _write_tokens(files, tokenizer, chat_template, vocab_size, tok_path, dtype,
+                                                  columns)
     try:  # written after the tokens: a meta file always describes complete token files
         write_json(meta_path, {
             "key": key, "format": CACHE_FORMAT, "n_tokens": n_tokens, "n_examples": n_examples, "dtype": dtype.name,
@@ -359,8 +442,10 @@ def _sizes_match(meta: "CacheMeta", tok_path: Path, dtype: np.dtype) -> bool:
     return all(p.is_file() and p.stat().st_size == size for p, size in expected.items())
 
 
-def _cache_key(files: list[Path], tokenizer, chat_template, vocab_size: int) -> str:
+def _cache_key(files: list[Path], tokenizer, chat_template, vocab_size: int, columns: Optional[dict] = None) -> str:
     h = hashlib.sha256()
+    if columns:  # the mapping changes what is read (no mapping: the key as before it existed)
+        h.update(f"columns {json.dumps(sorted(columns.items()))}\n".encode())
     template = getattr(chat_template, "source", "") if chat_template is not None else ""
     identity = tokenizer_identity(tokenizer) if tokenizer is not None else "no tokenizer"
     h.update(f"zoo-tokens-v{CACHE_FORMAT}\n{identity}\n{vocab_size}\n".encode())
@@ -371,7 +456,7 @@ def _cache_key(files: list[Path], tokenizer, chat_template, vocab_size: int) -> 
     return h.hexdigest()
 
 
-def _file_examples(path: Path, encoder, vocab_size: int):
+def _file_examples(path: Path, encoder, vocab_size: int, columns: Optional[dict] = None):
     """(format, iterator of (ids, trained)) for one data file; encoder() gives the _Encoder."""
     kind = data_format(path)
     if kind == "token ids":
@@ -379,14 +464,14 @@ def _file_examples(path: Path, encoder, vocab_size: int):
         return kind, iter([(ids, None)])
     encoder = encoder(path)
     if kind == "jsonl":
-        records = _jsonl_examples(path, encoder)
-        first = next(records)  # the file's shape, and its errors, before anything is written
-        return first[0], (e for _, e in itertools.chain([first], records))
+        examples = _record_examples(path, encoder, columns)
+        first = next(examples)  # the file's shape, and its errors, before anything is written
+        return first[0], (e for _, e in itertools.chain([first], examples))
     return kind, iter([encoder.document(read_text(path))])
 
 
 def _write_tokens(files: list[Path], tokenizer, chat_template, vocab_size: int, tok_path: Path,
-                  dtype: np.dtype) -> tuple[int, int, list[str]]:
+                  dtype: np.dtype, columns: Optional[dict] = None) -> tuple[int, int, list[str]]:
     """Encode every file, one at a time, into the cache files (atomically: all or nothing):
     the ids, a trained flag per id, and where each example starts."""
     made: list[_Encoder] = []
@@ -406,7 +491,7 @@ def _write_tokens(files: list[Path], tokenizer, chat_template, vocab_size: int, 
     try:
         with atomic_open(tok_path) as out, atomic_open(tok_path.with_suffix(".trained")) as mask:
             for f in files:
-                kind, examples = _file_examples(f, encoder, vocab_size)
+                kind, examples = _file_examples(f, encoder, vocab_size, columns)
                 formats.append(kind)
                 for ids, trained in examples:
                     ids = np.asarray(ids, dtype=np.int64)
@@ -549,8 +634,11 @@ class Windows:
 
     def train_batch(self, step: int, micro: int) -> Batch:
         """The (inputs, targets) of micro-batch `micro` of optimizer step `step`."""
-        rng = np.random.default_rng((self.seed, step, micro))
-        starts = rng.integers(0, self.n_train - self.seq_len, size=self.batch_size)  # last start: n_train - need
+        return self.sample(np.random.default_rng((self.seed, step, micro)), self.batch_size)
+
+    def sample(self, rng: np.random.Generator, n: int) -> Batch:
+        """n training windows drawn with rng."""
+        starts = rng.integers(0, self.n_train - self.seq_len, size=n)  # last start: n_train - need
         return self._gather(starts)
 
     def val_batches(self):
@@ -642,8 +730,11 @@ class PackedWindows:
                 f"{self.n_val_examples:,} val in {len(self.val_rows):,}{cut}")
 
     def train_batch(self, step: int, micro: int) -> Batch:
-        rng = np.random.default_rng((self.seed, step, micro))
-        return self._gather([self.train_rows[i] for i in rng.integers(0, len(self.train_rows), self.batch_size)])
+        return self.sample(np.random.default_rng((self.seed, step, micro)), self.batch_size)
+
+    def sample(self, rng: np.random.Generator, n: int) -> Batch:
+        """n training rows drawn with rng."""
+        return self._gather([self.train_rows[i] for i in rng.integers(0, len(self.train_rows), n)])
 
     def val_batches(self):
         if self._val_picks is None:
@@ -672,3 +763,75 @@ class PackedWindows:
                 at += n
             positions[r, at:] = np.arange(T - at)  # padding: a segment of its own, no loss
         return Batch(x, y, positions)
+
+
+class MixedWindows:
+    """Training and validation batches of a mixture: each row of a training batch comes from a
+    source drawn by its weight, and is drawn from that source's batches (Windows or PackedWindows),
+    all with the generator seeded by (seed, step, micro-batch): the batch of any step is known
+    without replaying earlier ones, so --resume stays exact. Where some source is packed, every
+    row has positions (a window of a stream: 0..T-1). Validation: each source's own batches."""
+
+    def __init__(self, parts: list, weights: list[float], sources: list[str], batch_size: int, seq_len: int,
+                 seed: int):
+        self.parts, self.weights, self.sources = parts, np.asarray(weights, np.float64), sources
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.packed = any(isinstance(p, PackedWindows) for p in parts)
+        self.n_train = sum(p.n_train for p in parts)
+        self.n_val = sum(p.n_val for p in parts)
+
+    def describe(self) -> str:
+        return "; ".join(f"{source} ({w:.0%} of the rows): {p.describe()}"
+                         for source, w, p in zip(self.sources, self.weights, self.parts))
+
+    def train_batch(self, step: int, micro: int) -> Batch:
+        rng = np.random.default_rng((self.seed, step, micro))
+        which = rng.choice(len(self.parts), size=self.batch_size, p=self.weights)
+        x = np.zeros((self.batch_size, self.seq_len), np.int32)
+        y = np.zeros_like(x)
+        positions = np.zeros_like(x) if self.packed else None
+        for k, part in enumerate(self.parts):
+            rows = np.flatnonzero(which == k)
+            if not len(rows):
+                continue
+            b = self._positioned(part.sample(rng, len(rows)))
+            x[rows], y[rows] = b.x, b.y
+            if positions is not None:
+                positions[rows] = b.positions
+        return Batch(x, y, positions)
+
+    def _positioned(self, b: Batch) -> Batch:
+        if self.packed and b.positions is None:
+            return Batch(b.x, b.y, np.ascontiguousarray(np.broadcast_to(np.arange(b.x.shape[1], dtype=np.int32),
+                                                                        b.x.shape)))
+        return b
+
+    def val_batches(self):
+        for part in self.parts:
+            for b in part.val_batches():
+                yield self._positioned(b)
+
+    def all_batches(self):
+        for part in self.parts:
+            for b in part.all_batches():
+                yield self._positioned(b)
+
+
+def training_data(data: list[str], tokenizer, cache_dir, chat_template, vocab_size: int, batch_size: int,
+                  seq_len: int, val_fraction: float, eval_batches: int, seed: int,
+                  train_on_everything: bool = False, columns: Optional[dict] = None):
+    """(token file, batches) of a run's --data: one TokenFile over every file, or a MixtureFile
+    and its MixedWindows where the sources carry weights (PATH:WEIGHT)."""
+    paths, weights = data_sources(data)
+    if weights is None:
+        tf = tokenize_files(paths, tokenizer, cache_dir, chat_template, vocab_size=vocab_size, columns=columns)
+        return tf, batches_for(tf, batch_size, seq_len, val_fraction, eval_batches, seed,
+                               f"data {', '.join(paths)}", train_on_everything)
+    parts, windows = [], []
+    for path in paths:
+        tf = tokenize_files([path], tokenizer, cache_dir, chat_template, vocab_size=vocab_size, columns=columns)
+        parts.append(tf)
+        windows.append(batches_for(tf, batch_size, seq_len, val_fraction, eval_batches, seed, f"data {path}",
+                                   train_on_everything))
+    return (MixtureFile(parts, weights, paths),
+            MixedWindows(windows, weights, paths, batch_size, seq_len, seed))

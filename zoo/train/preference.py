@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +40,8 @@ from pydantic import BaseModel, ConfigDict
 from ..core.atomic import atomic_open, write_json
 from ..core.errors import CheckpointError
 from ..core.files import read_json_model
-from .data import IGNORE, DataError, _cache_key, _map, default_cache_dir, list_text_files, token_dtype
+from .data import SHAREGPT_ROLES, IGNORE, DataError, _cache_key, _map, default_cache_dir, list_text_files, token_dtype
+from .records import is_table, records
 
 PAIRS_FORMAT = 1  # bump when the pair cache's layout or the tokenization of a pair changes
 
@@ -148,50 +148,47 @@ class _PairEncoder:
         return prompt[:n], with_chosen[n:], with_rejected[n:]
 
 
-def _pairs_in(path: Path, encoder: _PairEncoder):
-    """Yields (prompt, chosen, rejected) token ids per record of a JSONL file of pairs."""
-    if path.suffix != ".jsonl":
+def _sharegpt_turns(messages):
+    """A list of ShareGPT turns ({"from", "value"}) as messages ({"role", "content"}); any other list
+    as it is (checked by _check_messages)."""
+    if (isinstance(messages, list) and messages
+            and all(isinstance(m, dict) and set(m) == {"from", "value"} for m in messages)):
+        return [{"role": SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in messages]
+    return messages
+
+
+def _pairs_in(path: Path, encoder: _PairEncoder, columns: Optional[dict] = None):
+    """Yields (prompt, chosen, rejected) token ids per record of a JSONL, Parquet or Arrow file of pairs."""
+    if path.suffix != ".jsonl" and not is_table(path):
         raise DataError(f"data file {path}: preference data is JSONL of {{\"prompt\", \"chosen\", \"rejected\"}} "
-                        "or {\"chosen\", \"rejected\"} records, one per line")
+                        "or {\"chosen\", \"rejected\"} records, one per line, or Parquet or Arrow with those columns")
     first = None
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            where = f"data file {path}, line {number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x})") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            except RecursionError:
-                raise DataError(f"{where}: not JSON (nested too deeply)") from None
-            kind = _record_kind(record, where)
-            if first is None:
-                first = kind
-            elif kind != first:
-                raise DataError(f"{where}: a {kind[1]} record with an {kind[0]} in a file of {first[1]} records "
-                                f"with an {first[0]} (line 1 decides)")
-            shape, form = kind
-            if shape == "implicit prompt":
-                prompt, chosen, rejected = split_implicit_prompt(record["chosen"], record["rejected"])
-            else:
-                prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
-            if form == "text":
-                ids = encoder.text(prompt, chosen, rejected)
-            else:
-                for key, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
-                    _check_messages(value, key, where)
-                ids = encoder.chat(prompt, chosen, rejected, where)
-            for name, answer in (("chosen", ids[1]), ("rejected", ids[2])):
-                if not answer:
-                    raise DataError(f"{where}: the {name} answer tokenizes to nothing after the prompt")
-            yield form, ids
+    for where, record in records(path, {name: (keys, set()) for name, keys in PAIR_SHAPES.items()}, columns):
+        if isinstance(record, dict):
+            record = {k: _sharegpt_turns(v) for k, v in record.items()}
+        kind = _record_kind(record, where)
+        if first is None:
+            first = kind
+        elif kind != first:
+            raise DataError(f"{where}: a {kind[1]} record with an {kind[0]} in a file of {first[1]} records "
+                            f"with an {first[0]} (line 1 decides)")
+        shape, form = kind
+        if shape == "implicit prompt":
+            prompt, chosen, rejected = split_implicit_prompt(record["chosen"], record["rejected"])
+        else:
+            prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+        if form == "text":
+            ids = encoder.text(prompt, chosen, rejected)
+        else:
+            for key, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+                _check_messages(value, key, where)
+            ids = encoder.chat(prompt, chosen, rejected, where)
+        for name, answer in (("chosen", ids[1]), ("rejected", ids[2])):
+            if not answer:
+                raise DataError(f"{where}: the {name} answer tokenizes to nothing after the prompt")
+        yield form, ids
     if first is None:
-        raise DataError(f"data file {path}: no records (an empty JSONL file)")
+        raise DataError(f"data file {path}: no records (an empty {'table' if is_table(path) else 'JSONL file'})")
 
 
 # --- tokenize once, cache ------------------------------------------------------------------
@@ -218,6 +215,10 @@ class PairFile:
         s = self.starts[3 * i:3 * i + 4]
         return self.tokens[s[0]:s[1]], self.tokens[s[1]:s[2]], self.tokens[s[2]:s[3]]
 
+    @property
+    def streams(self) -> list[np.ndarray]:
+        return [self.tokens]
+
     def lengths(self) -> np.ndarray:
         """(n_pairs, 3): the tokens of each pair's prompt, chosen and rejected answer."""
         return np.diff(np.asarray(self.starts, np.int64)).reshape(-1, 3)
@@ -237,13 +238,14 @@ class PairsMeta(BaseModel):
 
 
 def tokenize_pairs(paths: list[str | os.PathLike], tokenizer, cache_dir: str | os.PathLike | None = None,
-                   chat_template=None, vocab_size: Optional[int] = None) -> PairFile:
-    """The preference files tokenized into a cached pair file (or the cache reused), memory-mapped."""
+                   chat_template=None, vocab_size: Optional[int] = None, columns: Optional[dict] = None) -> PairFile:
+    """The preference files tokenized into a cached pair file (or the cache reused), memory-mapped.
+    columns: the records' column mapping (--data-columns)."""
     files = list_text_files(paths)
     if vocab_size is None:
         vocab_size = tokenizer.vocab_size
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    key = hashlib.sha256(f"zoo-pairs-v{PAIRS_FORMAT}\n{_cache_key(files, tokenizer, chat_template, vocab_size)}"
+    key = hashlib.sha256(f"zoo-pairs-v{PAIRS_FORMAT}\n{_cache_key(files, tokenizer, chat_template, vocab_size, columns)}"
                          .encode()).hexdigest()
     tok_path = cache / f"pairs-{key[:24]}.bin"
     meta_path, starts_path = tok_path.with_suffix(".json"), tok_path.with_suffix(".starts")
@@ -265,7 +267,7 @@ def tokenize_pairs(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
         with atomic_open(tok_path) as out:
             for f in files:
                 encoder = encoder or _PairEncoder(tokenizer, chat_template)
-                pairs = _pairs_in(f, encoder)
+                pairs = _pairs_in(f, encoder, columns)
                 form, first = next(pairs)  # the file's errors before anything of it is written
                 formats.append(form)
                 for _, ids in itertools.chain([(form, first)], pairs):

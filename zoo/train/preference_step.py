@@ -207,7 +207,7 @@ class PreferenceRun:
         self.trainer = trainer
         self.loss = loss_from_config(cfg)
         self.pair_file = tokenize_pairs(cfg.data, trainer.tokenizer, cfg.cache_dir, trainer.chat_template,
-                                        vocab_size=trainer.model.config.vocab_size)
+                                        vocab_size=trainer.model.config.vocab_size, columns=cfg.data_columns)
         self.splits = PairSplits(self.pair_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction, cfg.eval_batches,
                                  cfg.seed, f"data {', '.join(cfg.data)}")
         self.objective = PreferenceObjective(self.loss, self.splits)

@@ -128,13 +128,18 @@ class RankPlan:
 
     # --- checks that every rank holds the same -------------------------------------------
 
-    def check_same_data(self, tokens: np.ndarray) -> None:
+    def check_same_data(self, tokens) -> None:
         """Every rank tokenized its own copy of the data (each host reads its own files): all
         must hold the same token stream (compared by length and checksum; the cache key would
         differ with the files' times on another host)."""
         if self.group is None:
             return
-        mine = (len(tokens), zlib.crc32(tokens) if len(tokens) else 0)
+        streams = tokens if isinstance(tokens, list) else [tokens]  # a mixture: one array a source
+        crc = 0
+        for stream in streams:
+            if len(stream):
+                crc = zlib.crc32(stream, crc)
+        mine = (sum(len(s) for s in streams), crc)
         seen = self.group.gather("the data check", mine)
         differ = [r for r, got in enumerate(seen) if got != seen[0]]
         if differ:

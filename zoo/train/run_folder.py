@@ -34,6 +34,7 @@ from ..io.run_folder import CHECKPOINTS, OPTIMIZER_FILE, STATE_FILE, checkpoint_
 from ..io.safetensors import INDEX_FILE
 from ..text.tokenizers import TOKENIZER_FILES
 from .plot import METRICS_FILE, PLOT_FILE, plot_run, read_records
+from .tensorboard import event_files
 
 LOG_FILE = "train.log"
 LOCK_FILE = ".zoo-run.lock"
@@ -214,6 +215,8 @@ class RunFolder:
             _discard(self.out / CHECKPOINTS, self.out / f".trash-{CHECKPOINTS}-{os.getpid()}")
         for name in (METRICS_FILE, PLOT_FILE, LOG_FILE):
             (self.out / name).unlink(missing_ok=True)
+        for events in event_files(self.out):  # an earlier run's TensorBoard events (--report-to)
+            events.unlink(missing_ok=True)
 
     def prune(self, keep: int) -> None:
         """Keep the newest `keep` checkpoints (--keep-checkpoints). After each save, and at a

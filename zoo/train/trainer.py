@@ -34,7 +34,7 @@ from ..core.gemm import products_report
 from ..core.native import get_threads, set_threads
 from .checkpoint import Checkpoints, resume_point
 from .config import TrainConfig, lr_at
-from .data import DataError, batches_for, tokenize_files
+from .data import DataError, training_data
 from .distributed import Group
 from .evaluate import validation_loss
 from .model_setup import check_fit, check_memory_up_front, load_run_model
@@ -42,6 +42,7 @@ from .plot import METRICS_FILE, PLOT_FILE
 from .preference_step import PreferenceRun
 from .ranks import RankPlan, share_model
 from .run_folder import LOG_FILE, RunFolder, RunLog
+from .tensorboard import EventLog, replay_records
 
 
 class Trainer:
@@ -114,14 +115,13 @@ class Trainer:
         if self.preference is not None:
             self.token_file, self.windows = self.preference.pair_file, self.preference.splits
         else:
-            self.token_file = tokenize_files(cfg.data, self.tokenizer, cfg.cache_dir, self.chat_template,
-                                             vocab_size=self.model.config.vocab_size)
-            self.windows = batches_for(self.token_file, cfg.batch_size, cfg.seq_len, cfg.val_fraction,
-                                       cfg.eval_batches, cfg.seed, f"data {', '.join(cfg.data)}",
-                                       cfg.train_on_everything)
+            self.token_file, self.windows = training_data(
+                cfg.data, self.tokenizer, cfg.cache_dir, self.chat_template, self.model.config.vocab_size,
+                cfg.batch_size, cfg.seq_len, cfg.val_fraction, cfg.eval_batches, cfg.seed, cfg.train_on_everything,
+                cfg.data_columns)
         # what a resumed run must find again: the same tokens, masked the same way
         self.data_key = self.token_file.key + (":all-tokens" if cfg.train_on_everything else "")
-        self.plan.check_same_data(self.token_file.tokens)
+        self.plan.check_same_data(self.token_file.streams)
         self.total_steps = cfg.total_steps(self.windows.n_train)
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         self.eval_every = cfg.eval_interval(self.total_steps)
@@ -170,6 +170,13 @@ class Trainer:
         """The steps from self.step to the end of the budget; the last step's loss."""
         cfg = self.cfg
         metrics = open(self.out / METRICS_FILE, "a", encoding="utf-8") if self.writer else None
+        self.events = None
+        try:  # --report-to tensorboard: an event file derived from metrics.jsonl, what it holds replayed
+            if self.writer and cfg.report_to == "tensorboard":
+                self.events = EventLog(self.out, replay_records(self.out / METRICS_FILE))
+        except OSError as e:
+            metrics.close()
+            raise named(e, self.out) from None
         bar = tqdm(total=self.total_steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and self.writer), file=sys.stderr)
         start_time, start_step = time.perf_counter(), self.step
@@ -221,6 +228,8 @@ class Trainer:
             bar.close()
             if metrics is not None:
                 metrics.close()
+            if self.events is not None:
+                self.events.close()
         return loss
 
     def _step(self, step: int, lr: float, interrupted: threading.Event) -> tuple[float, float, bool]:
@@ -329,8 +338,7 @@ class Trainer:
         self._write(metrics, {"step": self.step, "val_loss": self.last_val_loss})
         self.say(f"step {self.step}: val loss {self.last_val_loss:.4f}")
 
-    @staticmethod
-    def _write(metrics, record: dict) -> None:
+    def _write(self, metrics, record: dict) -> None:
         if metrics is None:  # a rank other than 0
             return
         try:
@@ -338,6 +346,11 @@ class Trainer:
             metrics.flush()
         except OSError as e:
             raise named(e, metrics.name) from None
+        if self.events is not None:
+            try:
+                self.events.write(record)
+            except OSError as e:
+                raise named(e, str(self.events.path)) from None
 
     def _print_header(self) -> None:
         m, cfg = self.model, self.cfg
@@ -369,10 +382,10 @@ class Trainer:
                 self.say(line)
         else:
             formats = ", ".join(f"{n} {kind}" for kind, n in sorted(Counter(tf.formats).items()))
-            trained = (f", {int(tf.trained.sum()):,} carrying loss" + (" (--train-on-everything: all of them)"
-                                                                       if self.cfg.train_on_everything else "")
+            trained = (f", {tf.n_trained:,} carrying loss" + (" (--train-on-everything: all of them)"
+                                                              if self.cfg.train_on_everything else "")
                        if tf.masked else "")
-            self.say(f"data: {len(tf.files)} file(s) ({formats}), {len(tf.tokens):,} tokens{trained}; "
+            self.say(f"data: {len(tf.files)} file(s) ({formats}), {tf.n_tokens:,} tokens{trained}; "
                      f"{self.windows.describe()}{' (from cache)' if tf.reused else ''}")
         what = f"resuming at step {self.step}" if self.step else "starting"
         evals = (f"evaluation every {self.eval_every} step{'s' if self.eval_every > 1 else ''}" if self.eval_every
