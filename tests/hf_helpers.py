@@ -68,6 +68,12 @@ def tiny_variant(family: str, seed: int = 3):
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     })
+    made["phi3"] = lambda: (t.Phi3ForCausalLM, t.Phi3Config(**_SHAPE, sliding_window=5, original_max_position_embeddings=64,
+                                                            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                             "partial_rotary_factor": 0.5}))
+    neox = {k: v for k, v in _SHAPE.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
+    made["gpt_neox"] = lambda: (t.GPTNeoXForCausalLM, t.GPTNeoXConfig(**neox, layer_norm_eps=1e-5, rotary_pct=0.25,
+                                                                      hidden_act="gelu"))
     cls, cfg = made[family]()
     return _randomized(cls, cfg, seed)
 
@@ -125,6 +131,21 @@ def hf_loss_and_grads(model, tok: np.ndarray, tgt: np.ndarray) -> tuple[float, d
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
+def as_checkpoint(zoo_model, grads: dict) -> dict:
+    """zoo's gradients by zoo's (checkpoint) names with each tensor's rows in the checkpoint's
+    order (GPT-NeoX's interleaved q|k|v), keyed as transformers' parameters are (transformers 5
+    calls GPT-NeoX's embed_out lm_head)."""
+    from zoo import families
+
+    cfg = zoo_model.config
+    family = families.get(cfg.family)
+    out = {name: family.rows_to_checkpoint(cfg, name, g) for name, g in grads.items()}
+    head = family.names.head + ".weight"
+    if head in out and head != "lm_head.weight":
+        out["lm_head.weight"] = out.pop(head)
+    return out
+
+
 def assert_parity(hf_model, zoo_model, seed=0) -> None:
     """Logits within 1e-4, loss within 1e-5, every gradient within 1e-3 relative."""
     from zoo.arch.layout import parameter_layout
@@ -133,9 +154,11 @@ def assert_parity(hf_model, zoo_model, seed=0) -> None:
     diff = np.abs(zoo_model.logits(tok) - hf_logits(hf_model, tok)).max()
     assert diff <= 1e-4, f"logits differ by {diff:.2e}"
     loss, grads = zoo_model.loss_and_grads(tok, tgt)
+    grads = as_checkpoint(zoo_model, grads)
     ref_loss, ref_grads = hf_loss_and_grads(hf_model, tok, tgt)
     assert abs(loss - ref_loss) <= 1e-5, (loss, ref_loss)
     specs = {s.name: s for s in parameter_layout(zoo_model.config)}
+    specs["lm_head.weight"] = next(iter(specs.values()))  # (an untransposed tensor, for the check below)
     assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
     for name, ref in ref_grads.items():
         ours = grads[name].T if specs[name].hf_transposed else grads[name]

@@ -21,7 +21,7 @@ from zoo.core.errors import CheckpointError  # noqa: E402
 # family -> a tiny random model of its transformers class
 TINY = {"gpt2": tiny_gpt2, "llama": lambda: tiny_llama(n_kv_head=2, head_dim=12),
         **{name: (lambda name=name: tiny_variant(name)) for name in
-           ("mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite", "gemma", "gemma2", "gemma3")}}
+           ("mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite", "gemma", "gemma2", "gemma3", "phi3", "gpt_neox")}}
 
 
 def test_every_family_has_a_tiny_checkpoint_here():

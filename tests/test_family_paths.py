@@ -15,12 +15,13 @@ transformers = pytest.importorskip("transformers")
 
 import zoo  # noqa: E402
 from helpers import needs_clad  # noqa: E402
-from hf_helpers import VOCAB, hf_logits, hf_loss_and_grads, load_hf_fp32, tiny_variant, tokens  # noqa: E402
+from hf_helpers import VOCAB, as_checkpoint, hf_logits, hf_loss_and_grads, load_hf_fp32, tiny_variant, tokens  # noqa: E402
 
 # (the tiny checkpoints have no tokenizer: the GGUF files say so, llama.cpp runs their token ids)
 pytestmark = pytest.mark.filterwarnings("ignore:.*no tokenizer to write:RuntimeWarning")
-FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite", "gemma", "gemma2", "gemma3"]
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "olmo2", "smollm3", "granite", "gemma", "gemma2", "gemma3", "phi3", "gpt_neox"]
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj", "query_key_value", "dense", "dense_h_to_4h",
+           "dense_4h_to_h"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -40,7 +41,8 @@ def test_gradients_equal_transformers_in_float64(checkpoint):
     _, fp32 = hf_loss_and_grads(hf, tok, tgt)
     backends = ["manual", "clad"] if zoo.build_info()["clad"] else ["manual"]
     for ad in backends:
-        _, got = zoo.Model.from_pretrained(folder, ad=ad).loss_and_grads(tok, tgt)
+        model = zoo.Model.from_pretrained(folder, ad=ad)
+        got = as_checkpoint(model, model.loss_and_grads(tok, tgt)[1])
         for name, ref in want.items():
             scale = np.abs(ref).max() + 1e-300
             err, fp32_err = np.abs(got[name] - ref).max() / scale, np.abs(fp32[name] - ref).max() / scale
@@ -61,7 +63,7 @@ def test_lora_adapters_go_both_ways_with_peft(checkpoint, tmp_path):
     pm.eval().save_pretrained(tmp_path / "peft")
     model = load_with_adapter(folder, tmp_path / "peft", zoo.Model, base_dtype="fp32")
     np.testing.assert_allclose(model.logits(tok), hf_logits(pm, tok), atol=1e-4 * np.abs(hf_logits(pm, tok)).max())
-    _, grads = model.loss_and_grads(tok, tgt)
+    grads = as_checkpoint(model, model.loss_and_grads(tok, tgt)[1])
     pm.zero_grad(set_to_none=True)
     logits = pm(torch.from_numpy(tok)).logits
     torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.from_numpy(tgt).reshape(-1),

@@ -109,7 +109,25 @@ class Family:
     write_gguf: Optional[Callable[[Any], dict[str, tuple[Any, str]]]] = None
     gguf_rope_heads: Callable[[Any, str], Optional[int]] = lambda cfg, part: None
     gguf_writes_tied_head: bool = False  # llama.cpp's converter writes a tied head out as output.weight
+    # row_order(cfg, tensor name) -> the rows of a checkpoint tensor in zoo's order (zoo =
+    # stored[order]) for a tensor the family stores in another order (GPT-NeoX's q|k|v
+    # interleaved per head), else None; a PEFT adapter's lora_B follows its module's weight.
+    row_order: Callable[[Any, str], Optional[Any]] = lambda cfg, name: None
     notes: tuple[str, ...] = field(default=())  # what zoo refuses of this family, and why (docs, errors)
+
+    def rows_from_checkpoint(self, cfg, name: str, value):
+        """A checkpoint tensor (numpy) with its rows in zoo's order."""
+        order = self.row_order(cfg, _module_weight(name))
+        return value if order is None else value[order]
+
+    def rows_to_checkpoint(self, cfg, name: str, value):
+        """A zoo tensor with its rows in the checkpoint's order."""
+        order = self.row_order(cfg, _module_weight(name))
+        if order is None:
+            return value
+        stored = value.copy()
+        stored[order] = value
+        return stored
 
     def activation_name(self, mlp: str) -> Optional[str]:
         """The Hugging Face activation name this family writes for zoo's MLP block, if any."""
@@ -130,7 +148,8 @@ class Family:
 # The options of the Llama variants (ModelConfig) and their values in a plain Llama (or GPT-2).
 VARIANT_OPTIONS = {"qk_norm": "none", "branch_norms": "pre", "sliding_window": None, "sliding_layers": None,
                    "nope_layers": (), "embedding_scale": 1.0, "residual_scale": 1.0, "attention_scale": None,
-                   "logit_scale": 1.0}
+                   "logit_scale": 1.0, "attention_softcap": None, "logit_softcap": None, "sliding_rope_theta": None,
+                   "rotary_dim": None}
 
 
 def unexpressed(cfg, arch: str, expresses: tuple[str, ...] = ()) -> Optional[tuple[str, str]]:
@@ -143,3 +162,8 @@ def unexpressed(cfg, arch: str, expresses: tuple[str, ...] = ()) -> Optional[tup
         if field not in expresses and getattr(cfg, field) != plain:
             return field, f"{arch} cannot express {field}={getattr(cfg, field)!r}"
     return None
+
+
+def _module_weight(name: str) -> str:
+    """The module weight a tensor's rows follow: itself, or for an adapter's B its module's."""
+    return name.replace(".lora_B.weight", ".weight")

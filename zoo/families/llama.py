@@ -40,11 +40,12 @@ DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "hidden_size":
             "tie_word_embeddings": False}
 
 
-def read_config(hf: dict, get: Getter, family: str = "llama", defaults: Optional[dict] = None) -> dict:
+def read_config(hf: dict, get: Getter, family: str = "llama", defaults: Optional[dict] = None,
+                allow_partial: bool = False) -> dict:
     """The ModelConfig fields of a LlamaConfig-shaped config.json (the families derived from
-    Llama start from these and set what differs)."""
+    Llama start from these and set what differs; allow_partial: read_rope's)."""
     d = {**DEFAULTS, **(defaults or {})}
-    theta, scaling = read_rope(hf, get)
+    theta, scaling = read_rope(hf, get, allow_partial)
     return dict(
         family=family, vocab_size=get("vocab_size", d["vocab_size"], int),
         max_seq_len=get("max_position_embeddings", d["max_position_embeddings"], int),
@@ -94,9 +95,10 @@ def write_windows(cfg) -> dict:
             "layer_types": ["sliding_attention" if on and i in sliding else "full_attention" for i in range(cfg.n_layer)]}
 
 
-def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
-    """rope_theta and Llama-3 scaling, from the newer rope_parameters or the older
-    rope_theta + rope_scaling (transformers lets rope_scaling win when both are present)."""
+def read_rope(hf: dict, get: Getter, allow_partial: bool = False) -> tuple[float, Optional[RopeScaling]]:
+    """rope_theta and its scaling (llama3, linear), from the newer rope_parameters or the older
+    rope_theta + rope_scaling (transformers lets rope_scaling win when both are present). A
+    partial_rotary_factor is refused unless the caller reads it (allow_partial; rotary_dim_of)."""
     source = get.source
     key = "rope_scaling" if hf.get("rope_scaling") is not None else "rope_parameters"
     params = hf.get(key)
@@ -110,7 +112,10 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial_key = f"{key}.partial_rotary_factor" if "partial_rotary_factor" in params else "partial_rotary_factor"
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and partial != 1.0:
+    partial = 1.0 if partial is None else partial
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise CheckpointError(source, f"expected a number in (0, 1], got {show_value(partial)}", key=partial_key)
+    if partial != 1.0 and not allow_partial:
         raise CheckpointError(source, f"value {show_value(partial)} is not supported (zoo rotates the whole head)",
                               key=partial_key)
     if rope_type == "default":
@@ -141,6 +146,17 @@ def read_rope(hf: dict, get: Getter) -> tuple[float, Optional[RopeScaling]]:
     return float(theta), scaling
 
 
+def rotary_dim_of(hf: dict, head_dim: int, default: float = 1.0, old_key: str = "partial_rotary_factor") -> Optional[int]:
+    """The rotated values of a head from partial_rotary_factor (in rope_parameters, or the
+    config's own key, or old_key: GPT-NeoX's rotary_pct), as transformers rounds it down; None
+    for the whole head."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get(old_key, default)))
+    factor = default if factor is None else factor
+    rotary = int(head_dim * factor)
+    return None if rotary == head_dim else rotary
+
+
 def cannot_express(cfg, arch: str = "LlamaForCausalLM", expresses: tuple[str, ...] = (),
                    norm: str = "rmsnorm", activations: Optional[dict] = None) -> Optional[tuple[str, str]]:
     """What a LlamaConfig-shaped class cannot hold of cfg (the families derived from Llama name
@@ -166,6 +182,8 @@ def write_common(cfg) -> dict[str, Any]:
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling is not None:
         rope = {"rope_theta": cfg.rope_theta, **cfg.rope_scaling.model_dump(exclude_none=True)}
+    if cfg.rotary_dim is not None:
+        rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
     # Both rope forms: rope_parameters for transformers 5, rope_theta + rope_scaling for older readers.
     old_scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling is not None else None
     return {
@@ -184,10 +202,13 @@ def read_gguf(key, f, family: str = "llama") -> dict:
     if head_dim is None:
         raise CheckpointError(f.path, f"required when embedding_length {d_model} is not a multiple of "
                                       f"head_count {n_head}", key=f"{arch}.attention.key_length")
-    for name in ("attention.value_length", "rope.dimension_count"):
-        if key(name, int, head_dim) != head_dim:
-            raise CheckpointError(f.path, f"{key(name, int)} differs from the head size {head_dim}: zoo's heads "
-                                          "use one size for keys, values and rotation", key=f"{arch}.{name}")
+    if key("attention.value_length", int, head_dim) != head_dim:
+        raise CheckpointError(f.path, f"{key('attention.value_length', int)} differs from the head size {head_dim}: "
+                                      "zoo's heads use one size for keys and values", key=f"{arch}.attention.value_length")
+    rotary = key("rope.dimension_count", int, head_dim)
+    if rotary > head_dim or rotary % 2 or rotary <= 0:
+        raise CheckpointError(f.path, f"{rotary} rotated values of a head of {head_dim}: zoo rotates an even number "
+                              "up to the head size", key=f"{arch}.rope.dimension_count")
     scaling_type = key("rope.scaling.type", str, "none")
     if scaling_type != "none":
         raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (zoo computes Llama 3's, "
@@ -195,6 +216,7 @@ def read_gguf(key, f, family: str = "llama") -> dict:
     if key("rope.scale_linear", float, 1.0) != 1.0:
         raise CheckpointError(f.path, "linear rope scaling is not supported", key=f"{arch}.rope.scale_linear")
     return dict(family=family, n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim,
+                rotary_dim=None if rotary == head_dim else rotary,
                 norm="rmsnorm", norm_eps=key("attention.layer_norm_rms_epsilon", float), mlp="swiglu",
                 positions="rope", rope_theta=key("rope.freq_base", float, 10000.0),
                 attention_bias="blk.0.attn_q.bias" in f.tensors,
@@ -204,7 +226,7 @@ def read_gguf(key, f, family: str = "llama") -> dict:
 def write_gguf(cfg) -> dict:
     keys = {"attention.head_count_kv": (cfg.n_kv_head, "UINT32"),
             "attention.layer_norm_rms_epsilon": (cfg.norm_eps, "FLOAT32"),
-            "rope.freq_base": (cfg.rope_theta, "FLOAT32"), "rope.dimension_count": (cfg.head_dim, "UINT32"),
+            "rope.freq_base": (cfg.rope_theta, "FLOAT32"), "rope.dimension_count": (cfg.rotary_dim or cfg.head_dim, "UINT32"),
             "vocab_size": (cfg.vocab_size, "UINT32")}
     if cfg.head_dim * cfg.n_head != cfg.d_model:
         keys["attention.key_length"] = (cfg.head_dim, "UINT32")

@@ -149,9 +149,17 @@ def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Option
         model = model_class(cfg, seed=None, ad=ad, lora=lora, base_dtype=base_dtype, precision=precision,
                             checkpointing=checkpointing)
         params = model.parameters()
+        family = families.get(cfg.family)
         nonfinite: dict[str, int] = {}
         for m in matches:
-            if model.frozen:
+            if family.row_order(cfg, m.spec.name) is not None:  # rows reordered: read whole
+                value = family.rows_from_checkpoint(cfg, m.spec.name, reader.read(m.stored))
+                if model.frozen:
+                    model.set_base_tensor(m.spec.name, value)
+                else:
+                    params[m.spec.name][...] = value
+                n = count_nonfinite(value)
+            elif model.frozen:
                 n = _load_frozen(reader, m, model)
             else:
                 reader.copy_into(m.stored, params[m.spec.name], transpose=m.spec.hf_transposed)
@@ -251,8 +259,10 @@ def save_pretrained(model, path: str | os.PathLike, *, tokenizer: Union[Tokenize
     if getattr(model, "lora", None) is not None:
         raise ValueError("this model has LoRA adapters over a frozen base: save the adapters "
                          "(zoo.io.peft.save_adapter, PEFT's format) or merge them into the base (zoo merge)")
-    tensors = [(spec.name, model.base_tensor(spec.name).T if spec.hf_transposed else model.base_tensor(spec.name))
-               for spec in parameter_layout(cfg)]
+    family = families.get(cfg.family)
+    tensors = [(spec.name, family.rows_to_checkpoint(
+        cfg, spec.name, model.base_tensor(spec.name).T if spec.hf_transposed else model.base_tensor(spec.name)))
+        for spec in parameter_layout(cfg)]
     write_checkpoint(folder, tensors, DTYPE_NAMES[dtype], max_shard_bytes)
     if isinstance(tokenizer, Tokenizer):
         tokenizer.save(folder)

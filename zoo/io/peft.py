@@ -208,7 +208,7 @@ def _read_factors(path: Path, cfg: ModelConfig, lora: LoraConfig) -> dict[str, n
             bad = count_nonfinite(arr)
             if bad:
                 raise CheckpointError(path, f"{bad:,} non-finite values (NaN or Inf)", key=key)
-            factors[name] = arr
+            factors[name] = families.get(cfg.family).rows_from_checkpoint(cfg, name, arr)
     return factors
 
 
@@ -225,7 +225,8 @@ def save_adapter(model, folder: Union[str, os.PathLike], *, base_model_name_or_p
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     params = model.parameters()
-    tensors = [(KEY_PREFIX + name, value) for name, value in params.items()]
+    family = families.get(model.config.family)
+    tensors = [(KEY_PREFIX + name, family.rows_to_checkpoint(model.config, name, value)) for name, value in params.items()]
     write_file(folder / ADAPTER_WEIGHTS, tensors, "F32", metadata={"format": "pt"})
     if base_model_name_or_path is None:
         pretrained = getattr(model, "pretrained_path", None)
