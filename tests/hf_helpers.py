@@ -45,8 +45,9 @@ _SHAPE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
               pad_token_id=None)  # (a pad id makes torch freeze that embedding row: zoo trains every row)
 
 
-def tiny_variant(family: str, seed: int = 3):
+def tiny_variant(family: str, seed: int = 3, vocab: int = VOCAB):
     t = transformers
+    _SHAPE = {**globals()["_SHAPE"], "vocab_size": vocab}
     made = {
         "mistral": lambda: (t.MistralForCausalLM, t.MistralConfig(**_SHAPE, head_dim=12, sliding_window=5)),
         "qwen2": lambda: (t.Qwen2ForCausalLM, t.Qwen2Config(**_SHAPE, use_sliding_window=True, sliding_window=5,

@@ -141,3 +141,64 @@ def test_merge_saves_the_same_class(checkpoint, tmp_path):
     tok, _ = tokens(5)
     np.testing.assert_allclose(hf_logits(load_hf_fp32(tmp_path / "merged"), tok), model.logits(tok),
                                atol=1e-4 * np.abs(model.logits(tok)).max())
+
+
+def test_gemma2_where_the_caps_and_the_one_plus_w_norm_bite(tmp_path):
+    """Norm weights near -1 (1 + w near 0) and caps below the scores and logits: transformers
+    and zoo agree, and each cap changes the result (so the test would see a missing one)."""
+    from hf_helpers import _randomized, assert_parity
+
+    def model(attn_cap, logit_cap):
+        cfg = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=64, rms_norm_eps=1e-5, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=None, sliding_window=5,
+                                        query_pre_attn_scalar=1, attn_logit_softcapping=attn_cap,
+                                        final_logit_softcapping=logit_cap)
+        hf = _randomized(transformers.Gemma2ForCausalLM, cfg, seed=4)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if "norm" in name:
+                    p.copy_(-1.0 + 0.3 * torch.randn_like(p, generator=torch.Generator().manual_seed(5)))
+        return hf
+
+    hf = model(0.2, 0.3)
+    hf.save_pretrained(tmp_path / "capped")
+    ours = zoo.Model.from_pretrained(tmp_path / "capped")
+    assert ours.config.norm == "rmsnorm_1p" and min(v.min() for k, v in ours.parameters().items() if "norm" in k) < -1.5
+    assert_parity(hf, ours)
+    tok, _ = tokens(6)
+    capped = hf_logits(hf, tok)
+    for uncapped in (model(None, 0.3), model(0.2, None)):
+        uncapped.load_state_dict(hf.state_dict())
+        assert np.abs(hf_logits(uncapped, tok) - capped).max() > 1e-2
+
+
+def test_the_cli_finetunes_with_lora_generates_evaluates_and_converts(checkpoint, tmp_path, capsys):
+    """zoo finetune --lora, then generate and eval from the run (its adapter over the base), zoo
+    merge and zoo convert --to gguf: each verb on the family's checkpoint, with a tokenizer."""
+    from zoo.cli import main
+    from zoo.text.tokenizers import Tokenizer
+
+    family, _, _ = checkpoint
+    src = tmp_path / "src"
+    tiny_variant(family, vocab=320).save_pretrained(src)
+    Tokenizer.byte_level().save(src)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    out = tmp_path / "run"
+    common = ["--threads", "1", "--no-progress"]
+    assert main(["finetune", "--from", str(src), "--data", str(text), "--out", str(out), "--lora", "--steps", "3",
+                 "--batch-size", "2", "--seq-len", "32", "--sample-tokens", "0", "--eval-batches", "1",
+                 "--cache-dir", str(tmp_path / "cache"), *common]) == 0, capsys.readouterr().err
+    final = out  # the run folder holds the adapter, which names its base
+    assert (final / "adapter_config.json").is_file(), sorted(out.iterdir())
+    capsys.readouterr()
+    assert main(["generate", "--from", str(final), "--prompt", "The quick", "--max-new-tokens", "4",
+                 "--temperature", "0", "--threads", "1"]) == 0, capsys.readouterr().err
+    assert main(["eval", "--from", str(final), "--data", str(text), "--batch-size", "2", "--seq-len", "32",
+                 "--threads", "1"]) == 0, capsys.readouterr().err
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["merge", str(src), str(final), str(tmp_path / "merged")]) == 0, capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "merged"), str(tmp_path / "m.gguf"), "--to", "gguf"]) == 0, \
+        capsys.readouterr().err
