@@ -21,12 +21,5 @@ inline const ActivationBlock gelu_erf_block = elementwise_activation<gelu_erf, g
 }  // namespace zoo
 
 #ifdef ZOO_CLAD_TU
-// Clad (4b2c0eef) has no derivative of erf among its builtins: d erf(x)/dx = 2/sqrt(pi) exp(-x^2).
-namespace clad::custom_derivatives::std {
-template <typename T, typename dT>
-ValueAndPushforward<T, dT> erf_pushforward(T x, dT d_x) {
-    return {::std::erf(x), static_cast<T>(1.1283791670955126) * ::std::exp(-x * x) * d_x};
-}
-}  // namespace clad::custom_derivatives::std
-template struct zoo::ElementwiseClad<zoo::gelu_erf>;  // its Clad pullbacks (activation.hpp)
+template struct zoo::ElementwiseClad<zoo::gelu_erf>;  // its Clad pullbacks (activation.hpp; Clad knows erf's derivative)
 #endif
