@@ -24,7 +24,9 @@ VERBS = [add_presets, add_train, add_finetune, add_demo, add_launch, add_generat
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zoo", description="GPT-2 and Llama models: train, finetune, generate.")
+    parser = argparse.ArgumentParser(prog="zoo", description=(
+        "Decoder language models of the Hugging Face families (GPT-2, Llama, Mistral, Qwen, Gemma, Phi-3, "
+        "OLMo-2, SmolLM3, Granite, GPT-NeoX): train, finetune, generate."))
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for add in VERBS:
         add(sub)
