@@ -214,3 +214,33 @@ def test_cards_describe_the_variants():
     p = Preset("x", ModelConfig(**dict(base, norm="rmsnorm_1p", mlp="geglu", family="llama", qk_norm="none")), (), "MIT")
     md = cards.card_markdown(cards.card_data(p, []))
     assert "RMSNorm times (1 + w)" in md and "GeGLU (`geglu`)" in md
+
+
+def test_cards_describe_the_issue_29_blocks():
+    words = {
+        "gemma-7b": ("RMSNorm times (1 + w)", "GeGLU (`geglu`)", "token embeddings x 55.42562584220407 (sqrt of d_model 3072)",
+                     "head_dim 256", "Gemma Terms of Use"),
+        "gemma-2-2b": ("| soft-caps | scores -> 50 tanh(scores / 50), before the mask; logits -> 30 tanh(logits / 30) |",
+                       "on each branch's input and on its output before the residual add",
+                       "the 4,096 keys ending at itself, on layers 0, 2, 4,", "token embeddings x 48 (sqrt of d_model 2304)"),
+        "gemma-3-1b": ("theta 1e+06 on the full-attention layers; scaling: none; the sliding layers' own table: theta "
+                       "10000, unscaled", "| q/k norm | the model's norm over each head's q and k"),
+        "gemma-3-4b": ("scaling: linear: every frequency divided by 8", "The text model of these checkpoints",
+                       "Gemma3ForConditionalGeneration"),
+        "phi-3-mini-4k": ("the 2,047 keys ending at itself, on every layer", "microsoft/Phi-3-mini-4k-instruct", "MIT"),
+        "pythia-160m": ("| layer | parallel residual (`parallel_two_norms`): x + attn(norm1 x) + mlp(norm2 x)",
+                        "GELU, exact (`gelu_erf`)", "the first 16 of each head's 64 values rotated (rotary_dim 16)",
+                        "attention yes, MLP yes", "its own matrix (untied)", "Apache-2.0"),
+    }
+    for name, texts in words.items():
+        md = (CARDS / f"{name}.md").read_text()
+        assert all(t in md for t in texts), (name, [t for t in texts if t not in md])
+    for name in ("llama-3.2-1b", "qwen3-8b", "gpt2"):  # the sequential, fully rotated, uncapped models: no such rows
+        md = (CARDS / f"{name}.md").read_text()
+        assert "| layer |" not in md and "| soft-caps |" not in md and "partial:" not in md, name
+    index = (CARDS / "README.md").read_text()
+    assert "soft-capped" in index and "rotary 16/64, parallel residual" in index and "local RoPE table" in index
+    d = json.loads((CARDS / "pythia-1b.json").read_text())["blocks"]
+    assert (d["layer"], d["rope"]["rotary_dim"], d["attention"]["head_dim"]) == ("parallel_two_norms", 64, 256)
+    d = json.loads((CARDS / "gemma-2-9b.json").read_text())["blocks"]
+    assert d["softcaps"] == {"attention": 50.0, "logits": 30.0}

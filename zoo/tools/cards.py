@@ -92,9 +92,10 @@ def blocks(cfg: ModelConfig) -> dict:
     rope = None
     if cfg.positions == "rope":
         rope = {"theta": cfg.rope_theta,
-                "scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.model_dump(exclude_none=True)}
+                "scaling": None if cfg.rope_scaling is None else cfg.rope_scaling.model_dump(exclude_none=True),
+                "rotary_dim": cfg.rotary_dim or cfg.head_dim, "sliding_theta": cfg.sliding_rope_theta}
     return {
-        "n_layer": cfg.n_layer, "norm": cfg.norm, "norm_eps": cfg.norm_eps,
+        "n_layer": cfg.n_layer, "layer": cfg.layer, "norm": cfg.norm, "norm_eps": cfg.norm_eps,
         "mlp": cfg.mlp, "d_ff": cfg.d_ff,
         "positions": cfg.positions, "rope": rope,
         "attention": {"kind": attention_kind(cfg), "n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head,
@@ -109,6 +110,7 @@ def blocks(cfg: ModelConfig) -> dict:
         "scales": {"embedding": cfg.embedding_scale, "residual": cfg.residual_scale,
                    "attention": cfg.attention_scale if cfg.attention_scale is not None else cfg.head_dim ** -0.5,
                    "logits": cfg.logit_scale},
+        "softcaps": {"attention": cfg.attention_softcap, "logits": cfg.logit_softcap},
     }
 
 
@@ -254,6 +256,7 @@ def card_data(p: Preset, bench_files: list[BenchFile]) -> dict:
         "parameters": parameter_summary(cfg, tensors),
         "tensors": tensors,
         "hf_checkpoints": list(p.hf_checkpoints),
+        "hf_note": p.note,
         "finetune_memory": memory_rows(cfg),
         "finetune_ways": ways_rows(cfg),
         "benchmarks": benchmark_rows(p, bench_files),
@@ -275,7 +278,12 @@ NORM_WORDS = {"layernorm": "LayerNorm (`layernorm`)", "rmsnorm": "RMSNorm (`rmsn
 MLP_WORDS = {"gelu": "GELU (`gelu`): fc -> GELU (tanh) -> proj",
              "swiglu": "SwiGLU (`swiglu`): down(SiLU(gate x) * up x)",
              "relu2": "squared ReLU (`relu2`): fc -> relu(x)^2 -> proj",
-             "geglu": "GeGLU (`geglu`): down(GELU-tanh(gate x) * up x)"}
+             "geglu": "GeGLU (`geglu`): down(GELU-tanh(gate x) * up x)",
+             "gelu_erf": "GELU, exact (`gelu_erf`): fc -> GELU (erf) -> proj"}
+# How a layer arranges its blocks (ModelConfig.layer); the sequential layer, every other card's, has no row.
+LAYER_WORDS = {"parallel": "parallel residual (`parallel`): x + attn(norm x) + mlp(norm x), one norm shared",
+               "parallel_two_norms": "parallel residual (`parallel_two_norms`): x + attn(norm1 x) + mlp(norm2 x), "
+                                     "each branch its own norm"}
 # Where a layer's norms sit (ModelConfig.branch_norms).
 PLACEMENT_WORDS = {"pre": "pre-norm", "post": "on each branch's output before its residual add (no pre-norm)",
                    "both": "on each branch's input and on its output before the residual add"}
@@ -297,7 +305,7 @@ def _layers(layers: list[int]) -> str:
     return ", ".join(str(i) for i in layers)
 
 
-def _variant_rows(b: dict) -> list[str]:
+def _variant_rows(b: dict, d_model: Optional[int] = None) -> list[str]:
     """The rows of the options a Llama variant sets (none for a plain GPT-2 or Llama)."""
     rows = []
     if b.get("qk_norm", "none") != "none":
@@ -311,10 +319,16 @@ def _variant_rows(b: dict) -> list[str]:
                     "banded in training and in the cached attention of generation |")
     if b.get("nope_layers"):
         rows.append(f"| NoPE layers | no rotary positions on layers {_layers(b['nope_layers'])} |")
+    caps = [f"{what} -> {_num(c)} tanh({what} / {_num(c)}){where}"
+            for what, c, where in (("scores", (b.get("softcaps") or {}).get("attention"), ", before the mask"),
+                                   ("logits", (b.get("softcaps") or {}).get("logits"), "")) if c is not None]
+    if caps:
+        rows.append(f"| soft-caps | {'; '.join(caps)} |")
     scales = b.get("scales") or {}
     words = []
     if scales.get("embedding", 1.0) != 1.0:
-        words.append(f"token embeddings x {_num(scales['embedding'])}")
+        sqrt = d_model is not None and abs(scales["embedding"] - math.sqrt(d_model)) <= 1e-12 * math.sqrt(d_model)
+        words.append(f"token embeddings x {_num(scales['embedding'])}" + (f" (sqrt of d_model {d_model})" if sqrt else ""))
     if scales.get("residual", 1.0) != 1.0:
         words.append(f"each branch's output x {_num(scales['residual'])} before its residual add")
     if abs(scales.get("attention", 0.0) - b["attention"]["head_dim"] ** -0.5) > 1e-12 and scales:
@@ -324,6 +338,32 @@ def _variant_rows(b: dict) -> list[str]:
     if words:
         rows.append(f"| scales | {'; '.join(words)} |")
     return rows
+
+
+def _rope_words(b: dict) -> str:
+    """The positions row of a RoPE model: theta, scaling, the part of each head rotated, and the
+    sliding layers' own table."""
+    rope = b["rope"]
+    scaling = "none"
+    s = rope["scaling"]
+    if s and s.get("rope_type", "llama3") == "linear":
+        scaling = f"linear: every frequency divided by {_num(s['factor'])} (positions / {_num(s['factor'])})"
+    elif s:
+        scaling = (f"llama3: factor {_num(s['factor'])}, low_freq_factor {_num(s['low_freq_factor'])}, "
+                   f"high_freq_factor {_num(s['high_freq_factor'])}, original context "
+                   f"{s['original_max_position_embeddings']:,}")
+    local = rope.get("sliding_theta")
+    text = f"rotary (`rope`), theta {_num(rope['theta'])}"
+    if local is not None:
+        text += " on the full-attention layers"
+    text += f"; scaling: {scaling}"
+    if local is not None:
+        text += f"; the sliding layers' own table: theta {_num(local)}, unscaled"
+    head_dim = b["attention"]["head_dim"]
+    if rope.get("rotary_dim", head_dim) != head_dim:
+        text += (f"; partial: the first {rope['rotary_dim']} of each head's {head_dim} values rotated "
+                 f"(rotary_dim {rope['rotary_dim']}), the rest pass unrotated")
+    return text
 
 
 def _bias_words(b: dict) -> str:
@@ -357,23 +397,18 @@ def card_markdown(d: dict) -> str:
         f"{PLACEMENT_WORDS[b.get('branch_norms', 'pre')]}, plus a final norm |",
         f"| MLP | {_described(b['mlp'], MLP_WORDS)}, d_ff {b['d_ff']:,} |",
     ]
+    if b.get("layer", "sequential") != "sequential":
+        L.append(f"| layer | {_described(b['layer'], LAYER_WORDS)} |")
     if b["positions"] == "learned":
         L.append(f"| positions | learned absolute (`learned`), {cfg['max_seq_len']:,} positions |")
     else:
-        rope = b["rope"]
-        scaling = "none"
-        if rope["scaling"]:
-            s = rope["scaling"]
-            scaling = (f"llama3: factor {_num(s['factor'])}, low_freq_factor {_num(s['low_freq_factor'])}, "
-                       f"high_freq_factor {_num(s['high_freq_factor'])}, original context "
-                       f"{s['original_max_position_embeddings']:,}")
-        L.append(f"| positions | rotary (`rope`), theta {_num(rope['theta'])}; scaling: {scaling} |")
+        L.append(f"| positions | {_rope_words(b)} |")
     kind_words = {"MHA": "multi-head", "GQA": "grouped-query", "MQA": "multi-query"}[att["kind"]]
     group = "" if att["kind"] == "MHA" else f" ({att['queries_per_kv_head']} query heads per key/value head)"
     L += [
         f"| attention | {att['kind']} ({kind_words}), causal: {att['n_head']} query heads, {att['n_kv_head']} "
         f"key/value heads{group}, head_dim {att['head_dim']} |",
-        *_variant_rows(b),
+        *_variant_rows(b, cfg["d_model"]),
         f"| LM head | {'tied to the token embedding' if b['tied_embeddings'] else 'its own matrix (untied)'} |",
         f"| biases | {_bias_words(b)} |",
         "",
@@ -413,7 +448,11 @@ def card_markdown(d: dict) -> str:
         L += [" ".join(notes), ""]
 
     L += ["## Hugging Face checkpoints", ""]
-    if d["hf_checkpoints"]:
+    if d["hf_checkpoints"] and d.get("hf_note"):
+        L += ["The text model of these checkpoints has exactly this shape:", ""]
+        L += [f"- [{c}](https://huggingface.co/{c})" for c in d["hf_checkpoints"]]
+        L += ["", d["hf_note"], ""]
+    elif d["hf_checkpoints"]:
         L += ["The `config.json` of these checkpoints describes exactly this shape:", ""]
         L += [f"- [{c}](https://huggingface.co/{c})" for c in d["hf_checkpoints"]]
         L += ["",
@@ -528,6 +567,15 @@ def variant_tags(b: dict) -> list[str]:
     scales = b.get("scales") or {}
     if any(scales.get(k, 1.0) != 1.0 for k in ("embedding", "residual", "logits")):
         tags.append("scaled")
+    if any(c is not None for c in (b.get("softcaps") or {}).values()):
+        tags.append("soft-capped")
+    rope = b.get("rope") or {}
+    if rope.get("sliding_theta") is not None:
+        tags.append("local RoPE table")
+    if rope.get("rotary_dim", b["attention"]["head_dim"]) != b["attention"]["head_dim"]:
+        tags.append(f"rotary {rope['rotary_dim']}/{b['attention']['head_dim']}")
+    if b.get("layer", "sequential") != "sequential":
+        tags.append("parallel residual")
     return tags
 
 
