@@ -62,7 +62,7 @@ def check_common(r: dict, cfg, batch: int, seq_len: int, steps: int = 2, precisi
         assert b["total_ms"] == pytest.approx(b["forward_ms"] + b["pullback_ms"])
     assert r["blocks"]["linear"]["forward_ms"] > 0 and r["blocks"]["linear"]["pullback_ms"] > 0
     assert r["blocks_profile"]["in_blocks_ms"] > 0 and r["blocks_profile"]["precision"] == precision
-    assert r["model"]["config"] == cfg.model_dump() and r["model"]["n_params"] == num_parameters(cfg)
+    assert r["model"]["config"] == cfg.model_dump(mode="json") and r["model"]["n_params"] == num_parameters(cfg)
     assert r["command"].startswith("zoo bench ")
     # The GEMM libraries and the CPU, as the zoo workers reported them.
     g = r["gemm"]

@@ -374,14 +374,6 @@ PUBLISHED_CONFIGS = {
                    "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
                    "use_parallel_residual": True, "vocab_size": 50304},
 }
-_MISREAD = {"gemma-2b": "hidden_act 'gelu' (Gemma's legacy name for the tanh GELU) is refused",
-            "gemma-2-2b": "no layer_types: zoo slides the window on every layer, transformers on the even ones",
-            "gemma-3-1b": "no layer_types: zoo ignores sliding_window_pattern and slides (with the local RoPE table) "
-                          "on every layer",
-            "gemma-3-4b": "no layer_types: as gemma-3-1b"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_MISREAD[n], strict=True))
-                                  if n in _MISREAD else n for n in PUBLISHED_CONFIGS])
+@pytest.mark.parametrize("name", list(PUBLISHED_CONFIGS))
 def test_the_published_config_json_reads_as_the_preset(name):
     assert config_from_hf(PUBLISHED_CONFIGS[name], f"{name}/config.json") == preset(name)

@@ -24,10 +24,9 @@ ARCH = "GemmaForCausalLM"
 def read_common(hf: dict, get: Getter, family: str, defaults: dict, act_key: str) -> dict:
     """What every Gemma generation shares: the Llama keys, Gemma's norm, GeGLU from act_key, the
     embedding scale, head_dim."""
-    fields = llama.read_config({k: v for k, v in hf.items() if k != "hidden_act"}, get, family,
-                               {**defaults, "hidden_act": "silu"})
-    return {**fields, "norm": "rmsnorm_1p", "mlp": get.activation(act_key, defaults["hidden_act"], ACTIVATIONS),
-            "head_dim": get("head_dim", 256, int), "embedding_scale": math.sqrt(fields["d_model"]), "mlp_bias": False}
+    fields = llama.read_config(hf, get, family, defaults, activations=ACTIVATIONS, act_key=act_key)
+    return {**fields, "norm": "rmsnorm_1p", "head_dim": get("head_dim", 256, int),
+            "embedding_scale": math.sqrt(fields["d_model"]), "mlp_bias": False}
 
 
 def read_config(hf: dict, get: Getter) -> dict:

@@ -28,15 +28,22 @@ def read_softcaps(get: Getter, attention: Optional[float], logits: Optional[floa
             "logit_softcap": get("final_logit_softcapping", logits, float)}
 
 
-def read_second_generation(hf: dict, get: Getter, family: str, defaults: dict) -> dict:
-    """What Gemma 2 and 3 share: Gemma's, the four norms, the softmax scale, the windows."""
+def read_second_generation(hf: dict, get: Getter, family: str, defaults: dict, pattern: int) -> dict:
+    """What Gemma 2 and 3 share: Gemma's, the four norms, the softmax scale, the windows. A
+    config.json without layer_types (the published ones) slides on every layer but each
+    pattern-th, as the transformers config class derives them (Gemma 2: 2; Gemma 3: its
+    sliding_window_pattern, 6)."""
     fields = gemma.read_common(hf, get, family, defaults, "hidden_activation")
+    n_layer = fields["n_layer"]
+    if hf.get("layer_types") is None:
+        hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                    for i in range(n_layer)]}
     return {**fields, "branch_norms": "both", "attention_scale": get("query_pre_attn_scalar", 256, int) ** -0.5,
-            **llama.read_windows({**hf, "sliding_window": hf.get("sliding_window", 4096)}, get, fields["n_layer"])}
+            **llama.read_windows({**hf, "sliding_window": hf.get("sliding_window", 4096)}, get, n_layer)}
 
 
 def read_config(hf: dict, get: Getter) -> dict:
-    return {**read_second_generation(hf, get, "gemma2", DEFAULTS), **read_softcaps(get, 50.0, 30.0)}
+    return {**read_second_generation(hf, get, "gemma2", DEFAULTS, 2), **read_softcaps(get, 50.0, 30.0)}
 
 
 def query_pre_attn_scalar(cfg) -> Optional[int]:

@@ -42,7 +42,7 @@ def read_rope(hf: dict, get: Getter) -> dict:
 
 
 def read_config(hf: dict, get: Getter) -> dict:
-    fields = gemma2.read_second_generation(hf, get, "gemma3", DEFAULTS)
+    fields = gemma2.read_second_generation(hf, get, "gemma3", DEFAULTS, get("sliding_window_pattern", 6, int))
     fields = {**fields, **read_rope(hf, get), "qk_norm": "head", **gemma2.read_softcaps(get, None, None)}
     if fields.get("sliding_window") is None:
         fields.pop("sliding_rope_theta")  # no sliding layers to rotate by it
@@ -103,6 +103,8 @@ def write_gguf(cfg) -> dict:
         keys["attention.sliding_window"] = (cfg.sliding_window, "UINT32")
         keys["rope.freq_base_swa"] = (cfg.sliding_rope_theta or cfg.rope_theta, "FLOAT32")
     if cfg.rope_scaling is not None:
+        if cfg.rope_scaling.rope_type != "linear":
+            raise ValueError(f"rope_scaling: llama.cpp's gemma3 scales RoPE linearly, not by {cfg.rope_scaling.rope_type}")
         keys["rope.scaling.type"] = ("linear", "STRING")
         keys["rope.scaling.factor"] = (cfg.rope_scaling.factor, "FLOAT32")
     return keys

@@ -41,9 +41,10 @@ DEFAULTS = {"vocab_size": 32000, "max_position_embeddings": 2048, "hidden_size":
 
 
 def read_config(hf: dict, get: Getter, family: str = "llama", defaults: Optional[dict] = None,
-                allow_partial: bool = False) -> dict:
+                allow_partial: bool = False, activations: Optional[dict] = None, act_key: str = "hidden_act") -> dict:
     """The ModelConfig fields of a LlamaConfig-shaped config.json (the families derived from
-    Llama start from these and set what differs; allow_partial: read_rope's)."""
+    Llama start from these and set what differs: their defaults, their activations and the key
+    naming it; allow_partial: read_rope's)."""
     d = {**DEFAULTS, **(defaults or {})}
     theta, scaling = read_rope(hf, get, allow_partial)
     return dict(
@@ -54,7 +55,8 @@ def read_config(hf: dict, get: Getter, family: str = "llama", defaults: Optional
         n_kv_head=get("num_key_value_heads", d["num_key_value_heads"], int), head_dim=get("head_dim", None, int),
         d_ff=get("intermediate_size", d["intermediate_size"], int), norm="rmsnorm",
         norm_eps=get("rms_norm_eps", d["rms_norm_eps"], float),
-        mlp=get.activation("hidden_act", d["hidden_act"], ACTIVATIONS), positions="rope", rope_theta=theta,
+        mlp=get.activation(act_key, d["hidden_act"], ACTIVATIONS if activations is None else activations),
+        positions="rope", rope_theta=theta,
         rope_scaling=scaling, attention_bias=get("attention_bias", d["attention_bias"], bool),
         mlp_bias=get("mlp_bias", d["mlp_bias"], bool),
         tied_embeddings=get("tie_word_embeddings", d["tie_word_embeddings"], bool),

@@ -169,6 +169,16 @@ def variant_summary(cfg: ModelConfig) -> str:
             parts.append(f"{words} {getattr(cfg, field):g}")
     if cfg.attention_scale is not None:
         parts.append(f"softmax scale {cfg.attention_scale:g}")
+    for field, what in (("attention_softcap", "scores"), ("logit_softcap", "logits")):
+        if getattr(cfg, field) is not None:
+            parts.append(f"{what} soft-capped at {getattr(cfg, field):g}")
+    if cfg.sliding_rope_theta is not None:
+        parts.append(f"sliding layers' rope theta {cfg.sliding_rope_theta:g}")
+    if cfg.rotary_dim is not None:
+        parts.append(f"rope on {cfg.rotary_dim} of {cfg.head_dim} values per head")
+    if cfg.layer != "sequential":
+        parts.append({"parallel": "parallel residual, one norm",
+                      "parallel_two_norms": "parallel residual, two norms"}.get(cfg.layer, f"layer {cfg.layer}"))
     return "; ".join(parts)
 
 
@@ -190,7 +200,7 @@ def format_inspection(r: dict) -> str:
     kv = f", {cfg.n_kv_head} kv heads" if cfg.n_kv_head != cfg.n_head else ""
     rope = ""
     if cfg.positions == "rope":
-        rope = f", rope theta {cfg.rope_theta:g}" + (" with llama3 scaling" if cfg.rope_scaling else "")
+        rope = f", rope theta {cfg.rope_theta:g}" + (f" with {cfg.rope_scaling.rope_type} scaling" if cfg.rope_scaling else "")
     lines = [
         f"{r['path']}",
         *([f"  form           {r['form']}"] if r.get("form") else []),
