@@ -180,3 +180,25 @@ def test_the_soft_caps_bite_in_the_gemma2_like_variant():
         for k, v in model.parameters().items():
             other.parameters()[k][...] = v
         assert np.abs(other.logits(tokens) - capped).max() > 1e-3, (uncapped, np.abs(other.logits(tokens) - capped).max())
+
+
+def test_a_windowed_layers_kv_cache_is_a_ring_bounded_by_the_window():
+    """With a window, a layer's cache keeps window - 1 + a call's rows positions, not the whole
+    length: a 600-token sequence (a prompt of two chunks, then one token at a time, and a
+    rewind within what the ring keeps) computes the full forward's logits, with less cache."""
+    cfg = ModelConfig(**{**LLAMA, "max_seq_len": 700, "sliding_window": 6, "sliding_layers": (0, 2)})
+    model = zoo.Model(cfg, seed=2)
+    randomize_norms(model, 3, scale=0.3)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (1, 600))
+    full = model.logits(tokens)[0]
+    scale = np.abs(full).max()
+    unbounded = zoo.Model(cfg.model_copy(update={"sliding_window": None, "sliding_layers": None}), seed=None)
+    assert model._exec.cache_floats(1, 600) < unbounded._exec.cache_floats(1, 600)
+    model.reset_cache(1, 600)
+    np.testing.assert_allclose(model.forward_cached(tokens[:, :530], 0)[0], full[529], atol=1e-5 * scale)
+    for t in range(530, 600):
+        np.testing.assert_allclose(model.forward_cached(tokens[:, t:t + 1], t)[0], full[t], atol=1e-5 * scale)
+    # Rewinding 20 positions stays within the ring; 590 would not, and is refused.
+    np.testing.assert_allclose(model.forward_cached(tokens[:, 580:590], 580)[0], full[589], atol=1e-5 * scale)
+    with pytest.raises(ValueError, match="rewinds slot 0 .* past what layer 0's windowed KV cache keeps"):
+        model.forward_cached(tokens[:, 5:10], 5)

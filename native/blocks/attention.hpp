@@ -24,11 +24,17 @@ inline void vec_axpy(float a, const float* x, float* y, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-// One query row against keys 0..n_keys-1 (rows kv_stride apart): generation with a KV cache.
-// Writes the softmax probabilities p (n_keys) and the output o (hd).
+// One query row against keys 0..n_keys-1 (rows kv_stride apart), and n_keys2 more at k2, v2
+// (a ring cache's keys wrap around its end): generation with a KV cache. Every key is visible,
+// so their order does not matter. Writes the softmax probabilities p (n_keys + n_keys2) and the
+// output o (hd).
 inline void attention_forward_row(const float* q, const float* k, const float* v, float* p,
-                                  float* o, int kv_stride, int n_keys, int hd, float scale, float softcap = 0.0f) {
-    for (int j = 0; j < n_keys; j++) p[j] = vec_dot(q, k + (size_t)j * kv_stride, hd);
+                                  float* o, int kv_stride, int n_keys, int hd, float scale, float softcap = 0.0f,
+                                  const float* k2 = nullptr, const float* v2 = nullptr, int n_keys2 = 0) {
+    const int n_first = n_keys;
+    for (int j = 0; j < n_first; j++) p[j] = vec_dot(q, k + (size_t)j * kv_stride, hd);
+    for (int j = 0; j < n_keys2; j++) p[n_first + j] = vec_dot(q, k2 + (size_t)j * kv_stride, hd);
+    n_keys += n_keys2;
     if (softcap > 0.0f) {  // the capped scores, then a softmax at scale 1
         for (int j = 0; j < n_keys; j++) p[j] = softcap * std::tanh(scale * p[j] / softcap);
         scale = 1.0f;
@@ -39,7 +45,8 @@ inline void attention_forward_row(const float* q, const float* k, const float* v
     float lse = std::log(sum);
     for (int j = 0; j < n_keys; j++) p[j] = fast_exp(scale * (p[j] - mx) - lse);
     for (int d = 0; d < hd; d++) o[d] = 0.0f;
-    for (int j = 0; j < n_keys; j++) vec_axpy(p[j], v + (size_t)j * kv_stride, o, hd);
+    for (int j = 0; j < n_first; j++) vec_axpy(p[j], v + (size_t)j * kv_stride, o, hd);
+    for (int j = 0; j < n_keys2; j++) vec_axpy(p[n_first + j], v2 + (size_t)j * kv_stride, o, hd);
 }
 
 // The training kernels below work on blocks of query rows with register tiles of 16 floats:
@@ -381,33 +388,34 @@ struct Attention {
         tile_weighted_rows<R>(block, Tp, v, stride, n, hd, o + (size_t)t0 * n_head * hd, (size_t)n_head * hd);
     }
 
-    // Generation against a KV cache laid out (slots, n_kv_head, max_len, hd): each run's rows
-    // of qkv (RoPE applied) put their keys and values into its slot's cache at their positions,
-    // then their queries attend to the slot's keys up to their own position. A run of at least
-    // kBlockRows rows (a prompt) takes the training kernels' tiles against the slot's keys
-    // transposed; shorter ones (new tokens) one row at a time. out: (rows, n_head*hd). scratch:
-    // cached_scratch_floats(threads, max_len); the work runs on at most `threads` threads.
-    size_t cached_thread_floats(int max_len) const { return ((size_t)head_dim + kBlockRows) * padded(max_len); }
-    size_t cached_scratch_floats(int threads, int max_len) const {
-        return (size_t)threads * cached_thread_floats(max_len);
-    }
-    void forward_cached(const float* qkv, const CacheRun* runs, int n_runs, float* k_cache, float* v_cache,
-                        int max_len, float* out, float* scratch, int threads) const {
+    // Generation against a KV cache laid out (slots, n_kv_head, cap, hd): each run's rows of qkv
+    // (RoPE applied) put their keys and values into its slot's cache, position p at row p % cap,
+    // then their queries attend to the slot's keys up to their own position. cap is the cache
+    // length (every position), or for a layer with a window a ring of at least window - 1 +
+    // the rows of a call (the keys any of its rows sees stay in it). A run of at least
+    // kBlockRows rows (a prompt) takes the training kernels' tiles against the keys it sees,
+    // gathered in position order and transposed; shorter ones (new tokens) one row at a time.
+    // out: (rows, n_head*hd). scratch: cached_scratch_floats(threads, cap); the work runs on at
+    // most `threads` threads.
+    size_t cached_thread_floats(int cap) const { return (2 * (size_t)head_dim + kBlockRows) * padded(cap); }
+    size_t cached_scratch_floats(int threads, int cap) const { return (size_t)threads * cached_thread_floats(cap); }
+    void forward_cached(const float* qkv, const CacheRun* runs, int n_runs, float* k_cache, float* v_cache, int cap,
+                        float* out, float* scratch, int threads) const {
         const int stride = qkv_dim(), group = n_head / n_kv_head, hd = head_dim;
         const float scale = softmax_scale();
-        auto cache_at = [&](int slot, int g) { return ((size_t)slot * n_kv_head + g) * max_len * hd; };
+        auto cache_at = [&](int slot, int g) { return ((size_t)slot * n_kv_head + g) * cap * hd; };
         double work = 0;  // multiply-adds, to decide whether threads pay
         for (int r = 0; r < n_runs; r++) {
             const CacheRun& run = runs[r];
             for (int t = 0; t < run.len; t++) {
                 const float* row = qkv + (size_t)(run.row + t) * stride;
                 for (int g = 0; g < n_kv_head; g++) {
-                    const size_t at = cache_at(run.slot, g) + (size_t)(run.start + t) * hd;
+                    const size_t at = cache_at(run.slot, g) + (size_t)((run.start + t) % cap) * hd;
                     std::memcpy(k_cache + at, row + (n_head + g) * hd, sizeof(float) * hd);
                     std::memcpy(v_cache + at, row + (n_head + n_kv_head + g) * hd, sizeof(float) * hd);
                 }
             }
-            work += 2.0 * run.len * (run.start + run.len) * hd * n_head;
+            work += 2.0 * run.len * (run.start + run.len - first_key(run.start)) * hd * n_head;
         }
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (work > 1e5)
         for (int r = 0; r < n_runs; r++)
@@ -417,36 +425,50 @@ struct Attention {
                 const float *kc = k_cache + at, *vc = v_cache + at;
                 const float* q = qkv + (size_t)run.row * stride + h * hd;
                 float* o = out + (size_t)run.row * n_head * hd + h * hd;
-                float* mine = scratch + (size_t)omp_get_thread_num() * cached_thread_floats(max_len);
+                float* mine = scratch + (size_t)omp_get_thread_num() * cached_thread_floats(cap);
                 if (run.len < kBlockRows) {
                     for (int t = 0; t < run.len; t++) {
-                        const int first = first_key(run.start + t);
-                        attention_forward_row(q + (size_t)t * stride, kc + (size_t)first * hd, vc + (size_t)first * hd,
-                                              mine, o + (size_t)t * n_head * hd, hd, run.start + t + 1 - first, hd,
-                                              scale, softcap);
+                        // Positions first..p, at ring rows first % cap on, wrapping once at most.
+                        const int p = run.start + t, first = first_key(p), n = p + 1 - first, at0 = first % cap;
+                        const int n1 = std::min(n, cap - at0);
+                        attention_forward_row(q + (size_t)t * stride, kc + (size_t)at0 * hd, vc + (size_t)at0 * hd,
+                                              mine, o + (size_t)t * n_head * hd, hd, n1, hd, scale, softcap, kc, vc,
+                                              n - n1);
                     }
                     continue;
                 }
-                const int keys = run.start + run.len, Tp = padded(keys);
-                float *kt = mine, *block = mine + (size_t)hd * Tp;
-                transpose_rows(kc, hd, keys, hd, kt, Tp);
+                // The keys the run's rows see, positions k0..keys-1, in order: transposed into kt,
+                // the values gathered into vg where the ring wraps.
+                const int k0 = first_key(run.start), keys = run.start + run.len, n = keys - k0, Tp = padded(n);
+                float *kt = mine, *vg = kt + (size_t)hd * Tp, *block = vg + (size_t)hd * Tp;
+                const int at0 = k0 % cap, n1 = std::min(n, cap - at0);
+                transpose_rows(kc + (size_t)at0 * hd, hd, n1, hd, kt, Tp);
+                const float* v = vc + (size_t)at0 * hd;
+                if (n1 < n) {
+                    for (int d = 0; d < hd; d++)  // the wrapped keys after the first n1
+                        for (int j = n1; j < n; j++) kt[(size_t)d * Tp + j] = kc[(size_t)(j - n1) * hd + d];
+                    std::memcpy(vg, v, sizeof(float) * n1 * hd);
+                    std::memcpy(vg + (size_t)n1 * hd, vc, sizeof(float) * (n - n1) * hd);
+                    v = vg;
+                }
                 int t0 = 0;
                 for (; t0 + kBlockRows <= run.len; t0 += kBlockRows)
-                    cached_rows<kBlockRows>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
-                for (; t0 < run.len; t0++) cached_rows<1>(q, stride, kt, vc, o, block, run.start, t0, Tp, scale);
+                    cached_rows<kBlockRows>(q, stride, kt, v, o, block, run.start, k0, t0, Tp, scale);
+                for (; t0 < run.len; t0++) cached_rows<1>(q, stride, kt, v, o, block, run.start, k0, t0, Tp, scale);
             }
     }
 
-    // Rows t0..t0+R-1 of a run starting at position start: scores against keys 0..start+t0+R-1
-    // (kt, transposed, Tp apart), each row's causal softmax over its keys 0..start+t, output.
+    // Rows t0..t0+R-1 of a run starting at position start: scores against the keys of positions
+    // k0..start+t0+R-1 (kt, transposed, Tp apart; v, rows of hd), each row's causal softmax over
+    // the keys its window leaves it, output.
     template <int R>
     void cached_rows(const float* q, int stride, const float* kt, const float* v, float* o, float* block, int start,
-                     int t0, int Tp, float scale) const {
-        const int hd = head_dim, n = start + t0 + R;
+                     int k0, int t0, int Tp, float scale) const {
+        const int hd = head_dim, n = start + t0 + R - k0;
         tile_rows_dot_cols<R>(q + (size_t)t0 * stride, stride, kt, Tp, hd, padded(n), block, Tp);
         for (int r = 0; r < R; r++) {
             float* s = block + (size_t)r * Tp;
-            const int keys = start + t0 + r + 1, first = first_key(keys - 1);
+            const int keys = start + t0 + r + 1 - k0, first = first_key(start + t0 + r) - k0;
             float sc = scale;
             if (softcap > 0.0f) {
                 for (int j = first; j < keys; j++) s[j] = softcap * std::tanh(scale * s[j] / softcap);

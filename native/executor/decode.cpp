@@ -41,7 +41,6 @@ void Executor::decode_chunk(int rows) {
     const int D = d.d_model, F = d.d_ff, gate = d.mlp->gate_width, hd = d.head_dim, half = d.rotary_half();
     const int qkv_dim = d.qkv_dim(), attn_dim = d.attn_dim(), fc_dim = d.fc_dim();
     const int n_kv = d.n_kv_head, group = d.n_head / d.n_kv_head, tasks = chunk_n_runs_ * n_kv;
-    const size_t layer_kv = (size_t)cache_B_ * n_kv * cache_len_ * hd;
     const float scale = 1.0f / std::sqrt((float)hd);
     const Attention attn{d.n_head, d.n_kv_head, hd};
     const gemv::Isa isa = gemv::best_isa();
@@ -87,7 +86,7 @@ void Executor::decode_chunk(int rows) {
             for (int task = t; task < tasks; task += n) {
                 const CacheRun& run = chunk_runs_[task / n_kv];
                 const int g = task % n_kv;
-                const size_t at = (size_t)i * layer_kv + ((size_t)run.slot * n_kv + g) * cache_len_ * hd;
+                const size_t at = cache_offset_[i] + ((size_t)run.slot * n_kv + g) * cache_cap_[i] * hd;
                 float *kc = k_cache_ + at, *vc = v_cache_ + at;
                 for (int r = 0; r < run.len; r++) {
                     float* row = a.qkv + (size_t)(run.row + r) * qkv_dim;

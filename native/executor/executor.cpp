@@ -875,12 +875,11 @@ struct FlagScope {
 };
 
 LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0, GradMode mode) {
-    const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
     const bool cached = pass == LayerPass::cached;
     return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos(i), rope_sin(i),
                      positions_, hidden_, cached ? c_attention_scratch_ : a_.attention_scratch,
-                     cached ? k_cache_ + i * layer_kv : nullptr, cached ? v_cache_ + i * layer_kv : nullptr,
-                     cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_, c_decode_scratch_, B, T, pos0,
+                     cached ? k_cache_ + cache_offset_[i] : nullptr, cached ? v_cache_ + cache_offset_[i] : nullptr,
+                     cached ? cache_cap_[i] : cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_, c_decode_scratch_, B, T, pos0,
                      pass, mode, &profile};
 }
 
@@ -911,9 +910,9 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
                                             T, positions_, pos0));
     if (cached) {
         // This call's keys and values join the cache; its queries attend to their sequences' keys.
-        const size_t layer_kv = (size_t)cache_B_ * d_.n_kv_head * cache_len_ * d_.head_dim;
-        TIMED(forward, attention, attn.forward_cached(a.qkv, chunk_runs_.data(), chunk_n_runs_, k_cache_ + i * layer_kv,
-                                                      v_cache_ + i * layer_kv, cache_len_, a.att,
+        TIMED(forward, attention, attn.forward_cached(a.qkv, chunk_runs_.data(), chunk_n_runs_,
+                                                      k_cache_ + cache_offset_[i], v_cache_ + cache_offset_[i],
+                                                      cache_cap_[i], a.att,
                                                       c_attention_scratch_, cache_threads_));
     } else {
         if (a.qkv_bf16) round_and_save_bf16(a.qkv, a.qkv_bf16, (size_t)N * d_.qkv_dim());
@@ -1515,13 +1514,23 @@ struct CacheLayout {
     size_t qk_raw, qk_stats, qk_work, branch, branch_stats, post_out;  // the variants' (Dims)
     int rows;
 };
+// Layer i's KV cache holds cache_cap(d, i, ...) positions per slot: all of them, or for a
+// layer with a window a ring of the keys a call's rows can see (window - 1 before the first of
+// at most `rows` rows): its memory bounded by the window, not the length.
+static int cache_cap(const Dims& d, int i, int max_len, int rows) {
+    const int w = d.layer_window.empty() ? 0 : d.layer_window[i];
+    return w ? (int)std::min<int64_t>(max_len, (int64_t)w - 1 + rows) : max_len;
+}
+
 static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) {
     limits::check_batch(B, max_len, "reset_cache");
     if (max_len > d.max_seq_len)
         throw std::invalid_argument("zoo: generation length " + std::to_string(max_len) + " exceeds max_seq_len " +
                                     std::to_string(d.max_seq_len));
-    const size_t D = d.d_model, kv = (size_t)d.n_layer * B * d.n_kv_head * max_len * d.head_dim;
     const int rows = std::min(B * max_len, cache_chunk_rows);  // check_batch keeps B * max_len an int
+    size_t kv = 0;
+    for (int i = 0; i < d.n_layer; i++) kv += (size_t)B * d.n_kv_head * cache_cap(d, i, max_len, rows) * d.head_dim;
+    const size_t D = d.d_model;
     const size_t N = rows;
     ArenaPlanner pl;
     CacheLayout c;
@@ -1573,6 +1582,13 @@ void Executor::reset_cache(int B, int max_len) {
     cache_B_ = B;
     cache_len_ = max_len;
     cache_rows_ = c.rows;
+    cache_cap_.resize(d_.n_layer);
+    cache_offset_.resize(d_.n_layer);
+    for (size_t i = 0, at = 0; i < (size_t)d_.n_layer; i++) {
+        cache_cap_[i] = cache_cap(d_, (int)i, max_len, c.rows);
+        cache_offset_[i] = at;
+        at += (size_t)B * d_.n_kv_head * cache_cap_[i] * d_.head_dim;
+    }
     cache_threads_ = threads;
     slot_len_.assign(B, 0);
     slot_seen_.assign(B, 0);
@@ -1624,6 +1640,13 @@ const float* Executor::forward_segments(const int32_t* tokens, const int32_t* sl
             refuse("position " + std::to_string(start) + ", but slot " + std::to_string(slot) + " holds " +
                    std::to_string(slot_len_[slot]) +
                    " positions (a segment continues its sequence, or rewrites part of it)");
+        for (int i = 0; i < d_.n_layer; i++)  // a ring keeps the latest positions only
+            if (cache_cap_[i] < cache_len_ && start < slot_len_[slot] &&
+                start - d_.layer_window[i] + 1 < slot_len_[slot] - cache_cap_[i])
+                refuse("position " + std::to_string(start) + " rewinds slot " + std::to_string(slot) + " (" +
+                       std::to_string(slot_len_[slot]) + " positions) past what layer " + std::to_string(i) +
+                       "'s windowed KV cache keeps (the last " + std::to_string(cache_cap_[i]) +
+                       " positions; its window is " + std::to_string(d_.layer_window[i]) + ")");
         if ((int64_t)start + len > cache_len_)
             refuse("positions " + std::to_string(start) + ".." + std::to_string((int64_t)start + len) +
                    " exceed the cache length " + std::to_string(cache_len_));

@@ -484,6 +484,8 @@ private:
     // KV cache arena for generation, and the running call's chunk: its rows' positions and runs.
     Arena cache_;
     int cache_B_ = 0, cache_len_ = 0, cache_rows_ = 0, cache_threads_ = 0;
+    std::vector<int> cache_cap_;        // per layer: positions its cache holds per slot (a ring with a window)
+    std::vector<size_t> cache_offset_;  // per layer: where its keys (and values) start in k_cache_ (v_cache_)
     float *k_cache_ = nullptr, *v_cache_ = nullptr, *c_last_ = nullptr, *c_logits_ = nullptr;
     float *c_attention_scratch_ = nullptr, *c_decode_scratch_ = nullptr;
     LayerActs cached_;  // the generation pass's buffers, the same for every layer
