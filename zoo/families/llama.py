@@ -23,7 +23,7 @@ NAMES = TensorNames(
 )
 
 # LlamaMLP computes down(act(gate(x)) * up(x)): SiLU makes it SwiGLU, the tanh GELU GeGLU.
-ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu"}
+ACTIVATIONS = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu_new": "geglu", "gelu_python_tanh": "geglu"}
 
 HF_KEYS = {"vocab_size": "vocab_size", "max_seq_len": "max_position_embeddings", "d_model": "hidden_size",
            "n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_kv_head": "num_key_value_heads",
