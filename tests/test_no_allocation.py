@@ -15,11 +15,19 @@ GPT2 = zoo.ModelConfig(vocab_size=97, max_seq_len=96, d_model=80, n_layer=2, n_h
 LLAMA = zoo.ModelConfig(
     vocab_size=101, max_seq_len=96, d_model=72, n_layer=2, n_head=6, n_kv_head=2, head_dim=12, d_ff=144,
     norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False, mlp_bias=False, tied_embeddings=False)
+# Every variant option at once (Gemma 2/3's and OLMo-2's kind), and GPT-NeoX's parallel layer.
+VARIANTS = zoo.ModelConfig(**{
+    **LLAMA.model_dump(), "norm": "rmsnorm_1p", "mlp": "geglu", "branch_norms": "both", "qk_norm": "head",
+    "sliding_window": 7, "sliding_layers": (0,), "sliding_rope_theta": 100.0, "nope_layers": (1,),
+    "embedding_scale": 3.0, "residual_scale": 0.5, "attention_scale": 0.2, "attention_softcap": 5.0,
+    "logit_softcap": 3.0, "rotary_dim": 8})
+NEOX = zoo.ModelConfig(**{**GPT2.model_dump(), "positions": "rope", "layer": "parallel_two_norms", "mlp": "gelu_erf",
+                          "rotary_dim": 6, "family": "gpt_neox"})
 BACKENDS = ["manual"] + (["clad"] if CLAD else [])
 
 
 @pytest.mark.parametrize("ad", BACKENDS)
-@pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
+@pytest.mark.parametrize("cfg", [GPT2, LLAMA, VARIANTS, NEOX], ids=["gpt2", "llama", "variants", "neox"])
 def test_a_training_step_allocates_nothing(cfg, ad, threads):
     model = zoo.Model(cfg, seed=0, ad=ad)
     rng = np.random.default_rng(0)
