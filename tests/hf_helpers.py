@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
-
 from helpers import LLAMA2_TOKENIZER, shared
 
 VOCAB = 97

@@ -3,10 +3,10 @@ weights and data, and both against an fp64 reference; the trainer and generation
 
 import numpy as np
 import pytest
-
-import zoo
 from helpers import GPT2_TINY, LLAMA_TINY
 from helpers import randomize_norms as _randomize
+
+import zoo
 
 torch = pytest.importorskip("torch")
 from zoo.tools.torch_reference import Reference  # noqa: E402

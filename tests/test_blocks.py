@@ -24,8 +24,8 @@ from typing import Callable, Optional
 
 import numpy as np
 import pytest
-
 from helpers import rel_err
+
 from zoo import ModelConfig, RopeScaling
 from zoo.core import blocks
 from zoo.core.native import _native
@@ -78,7 +78,9 @@ def pullback_backends(name: str) -> list[Optional[str]]:
 
 
 def torch_reference():
-    from zoo.tools import torch_reference as tr  # imports torch: only where a reference is compared
+    from zoo.tools import (
+        torch_reference as tr,  # imports torch: only where a reference is compared
+    )
 
     return tr
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from zoo.tools import cards
-from zoo.cli import main
 from zoo.arch.config import ModelConfig
+from zoo.arch.layout import num_parameters
 from zoo.arch.memory import finetune_memory_bytes
 from zoo.arch.presets import PRESETS, preset_info
-from zoo.arch.layout import num_parameters
+from zoo.cli import main
+from zoo.tools import cards
 
 ROOT = Path(__file__).resolve().parents[1]
 CARDS = ROOT / cards.CARDS_DIR

@@ -7,9 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import (
+    STORIES,
+    gemm_rounding,
+    greedy_agrees,
+    installed,
+    needs,
+    needs_shared,
+    random_batch,
+)
 
 import zoo
-from helpers import STORIES, gemm_rounding, greedy_agrees, installed, needs, needs_shared, random_batch
 from zoo import Model
 from zoo.arch.layout import parameter_shapes
 from zoo.core.errors import CheckpointError
@@ -23,7 +31,15 @@ hf = needs("torch", "transformers")
 if installed("torch") and installed("transformers"):
     import safetensors.torch as safetensors_torch
     import torch
-    from hf_helpers import assert_parity, hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llama, tokens
+    from hf_helpers import (
+        assert_parity,
+        hf_logits,
+        load_hf_fp32,
+        save_hf_as,
+        tiny_gpt2,
+        tiny_llama,
+        tokens,
+    )
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}

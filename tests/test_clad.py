@@ -12,13 +12,23 @@ import json
 
 import numpy as np
 import pytest
+from helpers import (
+    CLAD,
+    GPT2_TINY,
+    LLAMA_TINY,
+    RELU2_TINY,
+    needs,
+    needs_clad,
+    random_batch,
+    randomize_norms,
+    rel_err,
+    without_clad,
+)
+from zoo.core._native import blocks as B
 
 import zoo
-from helpers import (CLAD, GPT2_TINY, LLAMA_TINY, RELU2_TINY, needs, needs_clad, random_batch, randomize_norms,
-                     rel_err, without_clad)
 from zoo import ModelConfig
 from zoo.core import blocks
-from zoo.core._native import blocks as B
 from zoo.model import AD_BLOCKS, ADError, resolve_ad
 
 BACKENDS = ["manual"] + (["clad"] if CLAD else [])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, STORIES, needs, needs_shared
+
 from zoo.cli import main
 from zoo.train.config import DEMO_DATA
 
@@ -117,8 +117,8 @@ def test_generate_from_token_ids(tmp_path, capsys):
     EOS), printing ids; with a tokenizer, their text follows; bad ids are refused by name."""
     import zoo
     from zoo import Model
-    from zoo.io.checkpoints import save_pretrained
     from zoo.generate import generate
+    from zoo.io.checkpoints import save_pretrained
 
     stories = STORIES  # a Llama that transformers wrote, with no tokenizer files
     greedy = ["--temperature", 0, "--threads", 1]

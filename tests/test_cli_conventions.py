@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from helpers import zoo_command
 
 import zoo
-from helpers import zoo_command
 from zoo.cli import build_parser, main
 from zoo.text.tokenizers import Tokenizer
 from zoo.tools import bench

@@ -5,8 +5,8 @@ from pydantic import ValidationError
 
 import zoo
 from zoo import ModelConfig, RopeScaling
-from zoo.cli import main as cli_main
 from zoo.arch.layout import num_parameters
+from zoo.cli import main as cli_main
 
 BASE = dict(vocab_size=100, max_seq_len=32, d_model=64, n_layer=2, n_head=4)
 

@@ -5,7 +5,14 @@ import os
 import numpy as np
 import pytest
 
-from zoo.train.data import DataError, Windows, list_text_files, token_dtype, tokenize_files, tokenizer_identity
+from zoo.train.data import (
+    DataError,
+    Windows,
+    list_text_files,
+    token_dtype,
+    tokenize_files,
+    tokenizer_identity,
+)
 
 
 class Bytes:

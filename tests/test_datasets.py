@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import needs
 
 import zoo
-from helpers import needs
 from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
 from zoo.train.config import TrainConfig
 from zoo.train.data import DataError, MixedWindows, tokenize_files, training_data

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import needs, zoo_command
 
 import zoo
-from helpers import needs, zoo_command
 from zoo.arch.layout import num_parameters
 from zoo.train.config import DEMO_DATA, TrainConfig
 

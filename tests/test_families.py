@@ -11,12 +11,20 @@ import pytest
 pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import (  # noqa: E402
+    VOCAB,
+    assert_parity,
+    hf_logits,
+    load_hf_fp32,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_variant,
+    tokens,
+)
+
 import zoo  # noqa: E402
-from hf_helpers import (VOCAB, _randomized, assert_parity, hf_logits, load_hf_fp32, tiny_gpt2, tiny_llama,  # noqa: E402
-                        tiny_variant, tokens)
 from zoo import families  # noqa: E402
 from zoo.core.errors import CheckpointError  # noqa: E402
-
 
 # family -> a tiny random model of its transformers class
 TINY = {"gpt2": tiny_gpt2, "llama": lambda: tiny_llama(n_kv_head=2, head_dim=12),

@@ -13,9 +13,17 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import (  # noqa: E402
+    VOCAB,
+    as_checkpoint,
+    hf_logits,
+    hf_loss_and_grads,
+    load_hf_fp32,
+    tiny_variant,
+    tokens,
+)
+
 import zoo  # noqa: E402
-from helpers import needs_clad  # noqa: E402
-from hf_helpers import VOCAB, as_checkpoint, hf_logits, hf_loss_and_grads, load_hf_fp32, tiny_variant, tokens  # noqa: E402
 
 # (the tiny checkpoints have no tokenizer: the GGUF files say so, llama.cpp runs their token ids)
 pytestmark = pytest.mark.filterwarnings("ignore:.*no tokenizer to write:RuntimeWarning")

@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 import helpers
-from helpers import STORIES, needs_shared
 import pytest
+from helpers import STORIES, needs_shared
 
 import zoo
 from zoo.arch.config import MAX_LAYERS, MAX_SEQ_LEN, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH
-from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
 from zoo.arch.layout import num_parameters
+from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,18 @@ import re
 from pathlib import Path
 
 import helpers
-from helpers import REPO
 import numpy as np
 import pytest
+from helpers import REPO
 
 import zoo
-from zoo.core.errors import EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_RESOURCES, EXIT_USAGE
+from zoo.core.errors import (
+    EXIT_FILESYSTEM,
+    EXIT_INPUT,
+    EXIT_INTERNAL,
+    EXIT_RESOURCES,
+    EXIT_USAGE,
+)
 from zoo.text.tokenizers import Tokenizer
 
 

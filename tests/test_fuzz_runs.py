@@ -21,8 +21,8 @@ import pytest
 
 import zoo
 from zoo.core.errors import EXIT_INPUT, EXIT_RESOURCES
-from zoo.train.plot import read_metrics
 from zoo.train.config import DEMO_DATA
+from zoo.train.plot import read_metrics
 
 STEPS = 3
 STATE = "checkpoints/step-00000003/trainer_state.json"

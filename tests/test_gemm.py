@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.core.native import _native
 from zoo.core.gemm import PrecisionError
+from zoo.core.native import _native
 
 GEMM = zoo.gemm_info()
 BF16 = GEMM["bf16_native"]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
 from helpers import gemm_rounding, greedy_agrees, needs
+
 from zoo.generate import TextStream, generate, sample_token
 
 

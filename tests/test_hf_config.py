@@ -7,9 +7,15 @@ import pytest
 
 from zoo import preset
 from zoo.arch.config import ModelConfig, RopeScaling
-from zoo.core.errors import CheckpointError
-from zoo.io.hf_config import config_from_hf, config_to_hf, config_to_zoo, hf_incompatibility, read_config
 from zoo.arch.presets import PRESETS
+from zoo.core.errors import CheckpointError
+from zoo.io.hf_config import (
+    config_from_hf,
+    config_to_hf,
+    config_to_zoo,
+    hf_incompatibility,
+    read_config,
+)
 
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 100, "n_positions": 64,
         "n_embd": 48, "n_layer": 3, "n_head": 4, "n_inner": None, "layer_norm_epsilon": 1e-5,

@@ -7,12 +7,19 @@ import subprocess
 
 import numpy as np
 import pytest
+from helpers import gemm_rounding, needs, zoo_command
 
 import zoo
-from helpers import gemm_rounding, needs, zoo_command
 from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
-from zoo.train.data import IGNORE, DataError, PackedWindows, Windows, batches_for, tokenize_files
 from zoo.text.tokenizers import Tokenizer
+from zoo.train.data import (
+    IGNORE,
+    DataError,
+    PackedWindows,
+    Windows,
+    batches_for,
+    tokenize_files,
+)
 
 ZOO = zoo_command()
 

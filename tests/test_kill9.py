@@ -18,12 +18,12 @@ import signal
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 
-import helpers
 import zoo
-from zoo.io.safetensors import SafetensorsFile
 from zoo.io.run_folder import checkpoint_dirs
+from zoo.io.safetensors import SafetensorsFile
 from zoo.train.checkpoint import read_state
 from zoo.train.config import DEMO_DATA, TrainConfig
 from zoo.train.trainer import Trainer
@@ -74,9 +74,9 @@ STEP_DIR = r"checkpoints/\.tmp-step-\d{8}-\d+"
 PHASES = [
     # A fresh run: the third checkpoint's folder half written (its weights in, its moments not).
     ("writing a checkpoint's files", rf"open {STEP_DIR}/\.optimizer\.safetensors\.\d+\.[0-9a-f]{{8}}\.tmp", 3,
-     rf"checkpoints/\.tmp-step-00000003-\d+"),
+     r"checkpoints/\.tmp-step-00000003-\d+"),
     # Resumed at step 2: the folder of step 4 whole, not yet renamed into place.
-    ("publishing a checkpoint", rf"os\.rename {STEP_DIR}", 2, rf"checkpoints/\.tmp-step-00000004-\d+"),
+    ("publishing a checkpoint", rf"os\.rename {STEP_DIR}", 2, r"checkpoints/\.tmp-step-00000004-\d+"),
     # Resumed at step 3: saving step 4 prunes step 2, renamed aside and about to be deleted.
     ("pruning a checkpoint", r"shutil\.rmtree checkpoints/\.trash-step-\d{8}-\d+", 1,
      r"checkpoints/\.trash-step-00000002-\d+"),

@@ -4,12 +4,12 @@ pullback, and whole models against the PyTorch reference."""
 
 import numpy as np
 import pytest
+from helpers import CLAD, needs, needs_clad, randomize_norms, rel_err
 
 import zoo
-from helpers import CLAD, needs, needs_clad, randomize_norms, rel_err
 from zoo import ModelConfig
-from zoo.core import blocks
 from zoo.arch.layout import parameter_layout
+from zoo.core import blocks
 from zoo.core.native import _native
 
 B = _native.blocks

@@ -6,12 +6,22 @@ import json
 
 import numpy as np
 import pytest
+from helpers import (
+    BF16,
+    GPT2_TINY,
+    SHAKESPEARE,
+    STORIES,
+    cli,
+    needs_clad,
+    needs_shared,
+    rel_err,
+    shared,
+)
 
 import zoo
-from helpers import BF16, GPT2_TINY, SHAKESPEARE, STORIES, cli, needs_clad, needs_shared, rel_err, shared
 from zoo import LoraConfig, ModelConfig
-from zoo.train.config import TrainConfig
 from zoo.arch.layout import num_parameters
+from zoo.train.config import TrainConfig
 from zoo.train.trainer import Trainer, TrainInterrupted
 
 # Heads of 10 (no power of two), and adapters over every module of the Llama family.
@@ -309,9 +319,9 @@ def test_the_adapters_clad_pullback_equals_the_hand_written_one(cfg):
 
 
 def test_inspect_works_from_a_preset_name_or_a_config_alone(tmp_path, capsys, monkeypatch):
+    from zoo.cli import main
     from zoo.io.checkpoints import save_pretrained
     from zoo.io.inspect import format_inspection, inspect_checkpoint
-    from zoo.cli import main
 
     monkeypatch.setenv("ZOO_MEMORY_AVAILABLE", str(12 * 2**30))
     report = inspect_checkpoint("llama-3.1-8b", seq_len=256)

@@ -13,16 +13,30 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-import zoo  # noqa: E402
 from helpers import SHAKESPEARE, needs_shared  # noqa: E402
-from hf_helpers import hf_logits, load_hf_fp32, save_hf_as, tiny_gpt2, tiny_llama, tokens  # noqa: E402
+from hf_helpers import (  # noqa: E402
+    hf_logits,
+    load_hf_fp32,
+    save_hf_as,
+    tiny_gpt2,
+    tiny_llama,
+    tokens,
+)
+
+import zoo  # noqa: E402
+from zoo.arch.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
 from zoo.cli import main  # noqa: E402
 from zoo.core.errors import CheckpointError  # noqa: E402
 from zoo.io.hf_config import read_config  # noqa: E402
 from zoo.io.load import load_with_adapter  # noqa: E402
-from zoo.arch.lora import LoraConfig, adapter_layout, adapters, module_names  # noqa: E402
-from zoo.io.peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, KEY_PREFIX, load_adapter,  # noqa: E402
-                         read_adapter, save_adapter)
+from zoo.io.peft import (  # noqa: E402
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    KEY_PREFIX,
+    load_adapter,
+    read_adapter,
+    save_adapter,
+)
 
 FAMILIES = {
     "gpt2": dict(make=lambda: tiny_gpt2(), targets=["c_attn", "c_proj", "c_fc"]),

@@ -14,9 +14,9 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import BF16, run
 
 import zoo
-from helpers import BF16, run
 from zoo import LoraConfig, ModelConfig
 from zoo.arch.layout import num_parameters
 from zoo.arch.memory import finetune_memory_bytes, generation_bytes

@@ -4,9 +4,17 @@ import math
 
 import numpy as np
 import pytest
+from helpers import (
+    GPT2_TINY,
+    LLAMA_TINY,
+    installed,
+    needs,
+    random_batch,
+    randomize_norms,
+    rel_err,
+)
 
 import zoo
-from helpers import GPT2_TINY, LLAMA_TINY, installed, needs, random_batch, randomize_norms, rel_err
 from zoo import ModelConfig
 
 if installed("torch"):

@@ -5,9 +5,9 @@ included, lives in the arenas. Counted natively (native/executor/alloc_count.cpp
 
 import numpy as np
 import pytest
+from helpers import CLAD
 
 import zoo
-from helpers import CLAD
 
 # Rows longer than a Clad tape's inline buffer (64 values): a kernel that taped per element
 # or per key would allocate here.

@@ -4,9 +4,9 @@ within each example, forward and pullback, on both backends."""
 
 import numpy as np
 import pytest
+from test_model_parity import GPT2_TINY, LLAMA_TINY
 
 import zoo
-from test_model_parity import GPT2_TINY, LLAMA_TINY
 
 LENGTHS = (5, 7, 4)  # three examples packed into one row of 16
 

@@ -17,16 +17,16 @@ import math
 
 import numpy as np
 import pytest
+from helpers import BF16, CLAD, installed, needs, rel_err
 
 import zoo
-from helpers import BF16, CLAD, installed, needs, rel_err
 from zoo import ModelConfig
+from zoo.arch.layout import num_parameters
 from zoo.core.errors import CheckpointError
 from zoo.generate import generate
 from zoo.io.gguf import save_gguf
 from zoo.io.hf_config import config_to_hf, hf_incompatibility
 from zoo.model import ADError
-from zoo.arch.layout import num_parameters
 
 if installed("torch"):
     import torch

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import zoo
-from zoo.core.native import _native
 from zoo.arch.presets import preset
+from zoo.core.native import _native
 
 FORWARD, HEAD, PULLBACK = 1, 2, 4
 

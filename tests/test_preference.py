@@ -17,7 +17,13 @@ import zoo
 from zoo.text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
 from zoo.train.config import TrainConfig
 from zoo.train.data import DataError
-from zoo.train.preference import PairSplits, answer_cap, pack_pairs, split_implicit_prompt, tokenize_pairs
+from zoo.train.preference import (
+    PairSplits,
+    answer_cap,
+    pack_pairs,
+    split_implicit_prompt,
+    tokenize_pairs,
+)
 from zoo.train.preference_loss import PreferenceLoss
 from zoo.train.trainer import Trainer, TrainInterrupted
 

@@ -8,9 +8,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import GPT2_TINY, LLAMA_TINY
 
 import zoo
-from helpers import GPT2_TINY, LLAMA_TINY
 from zoo.arch.lora import LoraConfig
 
 torch = pytest.importorskip("torch")

@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from zoo.core.errors import CheckpointError
-from zoo.io.safetensors import (CheckpointReader, SafetensorsFile, plan_shards, write_checkpoint, write_file)
+from zoo.io.safetensors import (
+    CheckpointReader,
+    SafetensorsFile,
+    plan_shards,
+    write_checkpoint,
+    write_file,
+)
 
 st_numpy = pytest.importorskip("safetensors.numpy")
 

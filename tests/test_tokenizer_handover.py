@@ -7,9 +7,9 @@ import json
 import shutil
 
 import pytest
+from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs, needs_shared
 
 import zoo
-from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs, needs_shared
 from zoo.cli import main
 from zoo.io.checkpoints import save_pretrained
 from zoo.text.tokenizers import Tokenizer

@@ -6,8 +6,8 @@ import json
 import shutil
 
 import pytest
-
 from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs, needs_shared
+
 from zoo.core.errors import CheckpointError
 from zoo.text.tokenizers import Tokenizer
 

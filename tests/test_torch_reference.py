@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import RELU2_TINY
 
 import zoo
-from helpers import RELU2_TINY
 from zoo import ModelConfig
 from zoo.core import blocks
 from zoo.tools import bench

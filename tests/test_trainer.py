@@ -14,9 +14,9 @@ import pytest
 
 import zoo
 from zoo import Model
-from zoo.train.config import DEMO_DATA, TrainConfig
 from zoo.io.run_folder import checkpoint_dirs
 from zoo.train.checkpoint import read_state
+from zoo.train.config import DEMO_DATA, TrainConfig
 from zoo.train.trainer import Trainer, TrainError, TrainInterrupted, lr_at
 
 
@@ -319,7 +319,7 @@ def test_plot_log_and_run_folder_however_the_run_stops(tmp_path, capsys, monkeyp
     # The run folder, in full, on the line that starts the run and on the one that ends it.
     starting = [l for l in lines if l.startswith("starting:")]
     assert len(starting) == 1 and starting[0].endswith(f"run folder {out}")
-    end = {"complete": f"done: step 12, train loss ", "sigint": "stopped at step 5 (Ctrl-C): checkpoint step-00000005, ",
+    end = {"complete": "done: step 12, train loss ", "sigint": "stopped at step 5 (Ctrl-C): checkpoint step-00000005, ",
            "diverged": "stopped at step 5 (error): checkpoint step-00000004, ",
            "crash": "stopped at step 5 (error): checkpoint step-00000004, "}[how]
     assert lines[-1].startswith(end) and lines[-1].endswith(f"loss.png and train.log are in {out}"

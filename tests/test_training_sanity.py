@@ -11,9 +11,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import SHAKESPEARE, shared
 
 import zoo
-from helpers import SHAKESPEARE, shared
 
 STEPS, B, T = 200, 8, 64
 LR, WARMUP = 3e-3, 10

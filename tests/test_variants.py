@@ -7,9 +7,9 @@ import math
 
 import numpy as np
 import pytest
+from helpers import needs, needs_clad, random_batch, randomize_norms
 
 import zoo
-from helpers import needs, needs_clad, random_batch, randomize_norms
 from zoo import ModelConfig
 
 LLAMA = dict(vocab_size=61, max_seq_len=32, d_model=32, n_layer=3, n_head=4, n_kv_head=2, d_ff=48, norm="rmsnorm",
@@ -131,6 +131,7 @@ def test_lora_gradients_are_the_merged_models_pulled_back(name):
     the adapters' gradients are the merged model's weight gradient G pulled back (dB = s G A^T,
     dA = s B^T G), the merged model being the trainable one checked against PyTorch above."""
     from test_lora import merged, randomize_adapters
+
     from zoo.arch.lora import adapters
 
     full = model_of(name)

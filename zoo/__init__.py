@@ -1,12 +1,12 @@
 """zoo: GPT-2 and Llama from declarative configs, native C++ blocks, fast CPU finetuning."""
 
-from .core.native import _native, get_threads, set_threads
 from .arch.config import ModelConfig
-from .core.rope import RopeScaling
-from .core.gemm import gemm_info, set_gemm_library
 from .arch.lora import LoraConfig
-from .model import Model
 from .arch.presets import PRESETS, preset
+from .core.gemm import gemm_info, set_gemm_library
+from .core.native import _native, get_threads, set_threads
+from .core.rope import RopeScaling
+from .model import Model
 from .text.tokenizers import Tokenizer
 
 __version__ = "0.1.0"

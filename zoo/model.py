@@ -9,17 +9,31 @@ from typing import Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from .core import blocks
-from .core.native import _native
 from .arch.config import ModelConfig
-from .core.gemm import apply_gemm_environment, check_precision
-from .arch.layout import ParamSpec, frozen_table, initial_value, layout_table, num_parameters, parameter_layout, parameter_offsets
-from .arch.lora import BASE_DTYPES, LoraConfig, adapter_layout, initial_adapter, run_setup, with_targets
+from .arch.layout import (
+    ParamSpec,
+    frozen_table,
+    initial_value,
+    layout_table,
+    num_parameters,
+    parameter_layout,
+    parameter_offsets,
+)
+from .arch.lora import (
+    BASE_DTYPES,
+    LoraConfig,
+    adapter_layout,
+    initial_adapter,
+    run_setup,
+    with_targets,
+)
 from .arch.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
+from .core import blocks
+from .core.gemm import apply_gemm_environment, check_precision
+from .core.native import _native
 from .core.rope import rope_inv_freq
 from .io import load
 from .io.checkpoints import save_pretrained
-
 
 # --- differentiation backends (docs/clad.md) -------------------------------------------
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..core.errors import ResourceError
 from ..core.native import _native
 from .config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
-from ..core.errors import ResourceError
-from .lora import LoraConfig, adapter_layout, default_precision, run_setup
 from .layout import frozen_table, num_parameters, parameter_layout
+from .lora import LoraConfig, adapter_layout, default_precision, run_setup
 
 FLOAT_BYTES = 4
 

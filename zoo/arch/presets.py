@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import ModelConfig
 from ..core.rope import RopeScaling
+from .config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,19 @@ from typing import Callable
 
 from pydantic import ValidationError
 
-from ..core.errors import (EXIT_FILESYSTEM, EXIT_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_RESOURCES, EXIT_USAGE,
-                           DistributedError, ResourceError, TrainError, TrainInterrupted)
+from ..core.errors import (
+    EXIT_FILESYSTEM,
+    EXIT_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_RESOURCES,
+    EXIT_USAGE,
+    DistributedError,
+    ResourceError,
+    TrainError,
+    TrainInterrupted,
+)
 from ..core.files import field_errors
-
 
 # OSError numbers that mean the machine ran out of room, not that the path is wrong.
 _OUT_OF_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM}

@@ -8,7 +8,13 @@ from ..chat import ChatSession
 from ..core.errors import CheckpointError
 from ..generate import check_settings
 from ..io import load
-from .flags import FROM_HELP, add_model_flags, add_sampling_flags, apply_threads, model_for
+from .flags import (
+    FROM_HELP,
+    add_model_flags,
+    add_sampling_flags,
+    apply_threads,
+    model_for,
+)
 
 
 def add_chat(sub) -> None:

@@ -12,7 +12,6 @@ from ..train.evaluate import evaluate
 from ..train.records import parse_columns
 from .flags import FROM_HELP, add_model_flags, apply_threads, check_flag, model_for
 
-
 EVAL_SETTINGS = {"batch_size": 8, "seq_len": 128, "val_fraction": 0.1, "eval_batches": 8, "seed": 0,
                  "train_on_everything": False}
 

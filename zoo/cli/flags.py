@@ -14,7 +14,6 @@ from ..core.native import set_threads
 from ..io import load
 from ..model import Model
 
-
 # What --from (and the other model arguments) takes, in every verb's help.
 FROM_HELP = ("the model: a Hugging Face checkpoint folder (sharded too), a zoo run folder or one of its "
              "checkpoints, a PEFT adapter folder or a GGUF file")

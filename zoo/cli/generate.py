@@ -5,11 +5,24 @@ from __future__ import annotations
 import sys
 
 from ..core.errors import CheckpointError
-from ..generate import NonFiniteLogits, TextStream, check_settings, generate, prompt_tokens
+from ..generate import (
+    NonFiniteLogits,
+    TextStream,
+    check_settings,
+    generate,
+    prompt_tokens,
+)
 from ..generate_file import generate_file, read_prompts
 from ..io import load
 from ..io.checkpoints import stop_ids
-from .flags import FROM_HELP, add_model_flags, add_sampling_flags, apply_threads, check_flag, model_for
+from .flags import (
+    FROM_HELP,
+    add_model_flags,
+    add_sampling_flags,
+    apply_threads,
+    check_flag,
+    model_for,
+)
 
 
 def add_generate(sub) -> None:

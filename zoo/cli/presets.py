@@ -35,7 +35,9 @@ def add_card(sub) -> None:
 
 
 def _cmd_card(args) -> int:
-    from ..tools import cards  # zoo.tools: outside the runtime's import graph, imported when the verb runs
+    from ..tools import (
+        cards,  # zoo.tools: outside the runtime's import graph, imported when the verb runs
+    )
 
     bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
     data = cards.card_data(preset_info(args.name), cards.read_benchmarks(bench_dir))
@@ -54,7 +56,9 @@ def add_cards(sub) -> None:
 
 
 def _cmd_cards(args) -> int:
-    from ..tools import cards  # zoo.tools: outside the runtime's import graph, imported when the verb runs
+    from ..tools import (
+        cards,  # zoo.tools: outside the runtime's import graph, imported when the verb runs
+    )
 
     root = cards.default_root()
     out = Path(args.out) if args.out else root / cards.CARDS_DIR

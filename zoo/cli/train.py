@@ -9,12 +9,12 @@ import sys
 import typing
 from pathlib import Path
 
+from ..generate import TextStream, generate, prompt_tokens
 from ..train import distributed, launch
 from ..train.checkpoint import saved_config
 from ..train.config import DEMO, PATH_FIELDS, TrainConfig, read_config_file, validate
 from ..train.run_folder import lock_run_folder
 from ..train.trainer import Trainer
-from ..generate import TextStream, generate, prompt_tokens
 from .boundary import STDERR_NAME, Stream
 
 

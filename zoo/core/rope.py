@@ -4,10 +4,9 @@ frequencies every rotation reads (the executor's tables, the GGUF writer's rope_
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from typing import Literal, Optional
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .native import _native

@@ -6,7 +6,21 @@ the family up here and read its table.
 
 from __future__ import annotations
 
-from . import gemma, gemma2, gemma3, gpt2, gpt_neox, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from . import (
+    gemma,
+    gemma2,
+    gemma3,
+    gpt2,
+    gpt_neox,
+    granite,
+    llama,
+    mistral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
 from .family import Family, Getter, TensorNames
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY,

@@ -158,9 +158,9 @@ def unexpressed(cfg, arch: str, expresses: tuple[str, ...] = ()) -> Optional[tup
     if "attention_out_bias" not in expresses and cfg.attention_out_bias != cfg.attention_bias:
         return "attention_out_bias", (f"{arch} gives o_proj a bias exactly when q, k and v have one "
                                       f"(attention_bias={cfg.attention_bias}, attention_out_bias={cfg.attention_out_bias})")
-    for field, plain in VARIANT_OPTIONS.items():
-        if field not in expresses and getattr(cfg, field) != plain:
-            return field, f"{arch} cannot express {field}={getattr(cfg, field)!r}"
+    for option, plain in VARIANT_OPTIONS.items():
+        if option not in expresses and getattr(cfg, option) != plain:
+            return option, f"{arch} cannot express {option}={getattr(cfg, option)!r}"
     return None
 
 

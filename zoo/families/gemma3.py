@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import gemma, gemma2, llama
-from .family import Family, Getter
 from ..core.errors import CheckpointError
 from ..core.files import show_value
 from ..core.rope import RopeScaling
+from . import gemma, gemma2, llama
+from .family import Family, Getter
 
 HF_KEYS = dict(gemma2.HF_KEYS, sliding_rope_theta="rope_local_base_freq")
 DEFAULTS = {**gemma2.DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072}

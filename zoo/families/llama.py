@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from ..core.rope import RopeScaling
 from ..core.errors import CheckpointError
 from ..core.files import show_value
+from ..core.rope import RopeScaling
 from .family import Family, Getter, TensorNames, unexpressed
 
 NAMES = TensorNames(

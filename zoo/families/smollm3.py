@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from . import llama
-from .family import Family, Getter
 from ..core.errors import CheckpointError
 from ..core.files import show_value
+from . import llama
+from .family import Family, Getter
 
 HF_KEYS = dict(llama.HF_KEYS, nope_layers="no_rope_layers", sliding_window="sliding_window",
                sliding_layers="layer_types")

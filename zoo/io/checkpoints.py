@@ -19,16 +19,28 @@ from pathlib import Path
 from typing import Optional, Union
 
 from .. import families
-from ..core.atomic import copy_file, write_bytes, write_json
 from ..arch.config import ModelConfig
+from ..arch.layout import ParamSpec, parameter_layout
+from ..core.atomic import copy_file, write_bytes, write_json
 from ..core.errors import CheckpointError
 from ..core.files import parse_model, read_json, regular_file
-from .hf_config import (CONFIG_FILE, config_to_hf, config_to_zoo, hf_incompatibility, read_config,
-                        read_config_json)
-from ..arch.layout import ParamSpec, parameter_layout
-from .safetensors import (DEFAULT_MAX_SHARD_BYTES, DTYPE_NAMES, FLOAT_DTYPES, CheckpointReader, count_nonfinite,
-                             write_checkpoint)
 from ..text.tokenizers import TOKENIZER_FILES, IdsConfig, Tokenizer, has_tokenizer
+from .hf_config import (
+    CONFIG_FILE,
+    config_to_hf,
+    config_to_zoo,
+    hf_incompatibility,
+    read_config,
+    read_config_json,
+)
+from .safetensors import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPE_NAMES,
+    FLOAT_DTYPES,
+    CheckpointReader,
+    count_nonfinite,
+    write_checkpoint,
+)
 
 # transformers' generation settings (bos/eos ids, sampling defaults): the model's, carried from
 # the folder it was loaded from unchanged, or written from the tokenizer's ids.

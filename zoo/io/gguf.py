@@ -39,17 +39,17 @@ import numpy as np
 from pydantic import ValidationError
 
 from .. import families
-from ..core.atomic import atomic_path
 from ..arch.config import ModelConfig
-from ..core.rope import RopeScaling, rope_inv_freq
+from ..arch.layout import ParamSpec, parameter_layout
+from ..core.atomic import atomic_path
 from ..core.errors import CheckpointError
 from ..core.files import first_field_error
-from .hf_config import hf_incompatibility
-from ..arch.layout import ParamSpec, parameter_layout
-from .checkpoints import nonfinite_message
-from .safetensors import count_nonfinite
+from ..core.rope import RopeScaling, rope_inv_freq
 from ..text.chat_template import FALLBACK_TEMPLATE, ChatTemplate
 from ..text.tokenizers import TOKENIZER_FILES, Tokenizer
+from .checkpoints import nonfinite_message
+from .hf_config import hf_incompatibility
+from .safetensors import count_nonfinite
 
 ROPE_FREQS = "rope_freqs.weight"
 # Export: what --dtype names -> the GGUF type of the 2-D weights (norms, biases, GPT-2's positions
@@ -262,7 +262,9 @@ def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int
     a frozen base's format, one tensor at a time), the q/k permutation undone, the tokenizer the
     metadata carries as model.pretrained_tokenizer (save_pretrained writes it). The other
     arguments are checkpoints.load_pretrained's."""
-    from ..text.gguf_tokenizer import tokenizer_from_gguf  # these two import the gguf package: only for a .gguf
+    from ..text.gguf_tokenizer import (
+        tokenizer_from_gguf,  # these two import the gguf package: only for a .gguf
+    )
     from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
@@ -303,7 +305,9 @@ def load_gguf(path: str | os.PathLike, model_class, *, max_seq_len: Optional[int
 def chat_template_from_gguf(path: str | os.PathLike):
     """The chat template a GGUF file carries (tokenizer.chat_template), with its bos/eos texts;
     zoo's fallback where it has none."""
-    from ..text.gguf_tokenizer import tokenizer_files  # these two import the gguf package: only for a .gguf
+    from ..text.gguf_tokenizer import (
+        tokenizer_files,  # these two import the gguf package: only for a .gguf
+    )
     from .gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
@@ -383,7 +387,9 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
 
 
 def _architecture_keys(cfg: ModelConfig, name: str, file_type: int) -> dict[str, tuple]:
-    from gguf.constants import GGML_QUANT_VERSION  # the gguf package: only where a GGUF file is written
+    from gguf.constants import (
+        GGML_QUANT_VERSION,  # the gguf package: only where a GGUF file is written
+    )
     from gguf.constants import GGUFValueType as T
 
     arch = _gguf_arch(cfg)

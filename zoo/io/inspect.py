@@ -11,18 +11,30 @@ from pathlib import Path
 from typing import Optional
 
 from ..arch.config import ModelConfig
-from ..core.errors import CheckpointError
 from ..arch.layout import num_parameters
-from ..arch.memory import available_memory_bytes, finetune_memory_bytes, finetune_ways, human_bytes
+from ..arch.memory import (
+    available_memory_bytes,
+    finetune_memory_bytes,
+    finetune_ways,
+    human_bytes,
+)
 from ..arch.presets import PRESETS, preset
+from ..core.errors import CheckpointError
 from ..text.tokenizers import TOKENIZER_FILES
 from . import load
-from .checkpoints import checkpoint_folder, is_buffer, nonfinite_error, check_tensors, scan_nonfinite
+from .checkpoints import (
+    check_tensors,
+    checkpoint_folder,
+    is_buffer,
+    nonfinite_error,
+    scan_nonfinite,
+)
 from .gguf import check_tensors as check_gguf_tensors
 from .gguf import is_gguf
 from .hf_config import CONFIG_FILE, config_from_hf, read_config_json
 from .peft import ADAPTER_WEIGHTS, read_adapter
 from .safetensors import INDEX_FILE, CheckpointReader, count_nonfinite
+
 
 def inspect_checkpoint(path: str | os.PathLike, batch: int = 1, seq_len: Optional[int] = None,
                        scan: bool = False, lora_r: int = 16) -> dict:

@@ -29,11 +29,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import families
-from ..core.atomic import write_json
 from ..arch.config import ModelConfig
-from ..core.errors import CheckpointError
-from ..core.files import read_json, parse_model
 from ..arch.lora import Adapter, LoraConfig, adapter_layout, adapters, module_names
+from ..core.atomic import write_json
+from ..core.errors import CheckpointError
+from ..core.files import parse_model, read_json
 from .safetensors import FLOAT_DTYPES, SafetensorsFile, count_nonfinite, write_file
 
 ADAPTER_CONFIG = "adapter_config.json"

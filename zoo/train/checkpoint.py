@@ -27,7 +27,13 @@ from ..core.errors import CheckpointError, ResourceError, TrainError
 from ..core.files import read_json_model
 from ..io.checkpoints import save_pretrained
 from ..io.peft import save_adapter
-from ..io.run_folder import CHECKPOINTS, OPTIMIZER_FILE, STATE_FILE, checkpoint_name, latest_checkpoint
+from ..io.run_folder import (
+    CHECKPOINTS,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    checkpoint_name,
+    latest_checkpoint,
+)
 from ..io.safetensors import Pieces, SafetensorsFile, write_file
 from ..model import Model
 from ..text.tokenizers import Tokenizer

@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ..arch.config import MAX_SEQ_LEN, MAX_TOKENS, ModelConfig
 from ..arch.lora import BASE_DTYPES, LoraConfig, default_precision

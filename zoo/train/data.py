@@ -40,7 +40,14 @@ from pydantic import BaseModel, ConfigDict
 from ..core.atomic import atomic_open, write_json
 from ..core.errors import ChatTemplateError, CheckpointError
 from ..core.files import read_json_model, regular_file
-from .records import DataError, data_sources, is_table, records, saved_dataset_files, split_weight
+from .records import (
+    DataError,
+    data_sources,
+    is_table,
+    records,
+    saved_dataset_files,
+    split_weight,
+)
 
 CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
 _HASH_CHUNK = 1 << 20

@@ -125,7 +125,9 @@ class Group:
     def start(cls, timeout: float) -> "Group":
         expected = launched_size()
         try:
-            from mpi4py import MPI  # only in a distributed run: one process alone never imports it
+            from mpi4py import (
+                MPI,  # only in a distributed run: one process alone never imports it
+            )
         except ImportError as e:
             raise DistributedError(
                 f"this process is one of {expected} a launcher started (a distributed run), but mpi4py cannot be "

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..arch.memory import available_memory_bytes, check_finetune_fits, describe, human_bytes
+from ..arch.memory import (
+    available_memory_bytes,
+    check_finetune_fits,
+    describe,
+    human_bytes,
+)
 from ..arch.presets import preset
 from ..core.errors import TrainError
 from ..io import load

@@ -40,7 +40,16 @@ from pydantic import BaseModel, ConfigDict
 from ..core.atomic import atomic_open, write_json
 from ..core.errors import CheckpointError
 from ..core.files import read_json_model
-from .data import SHAREGPT_ROLES, IGNORE, DataError, _cache_key, _map, default_cache_dir, list_text_files, token_dtype
+from .data import (
+    IGNORE,
+    SHAREGPT_ROLES,
+    DataError,
+    _cache_key,
+    _map,
+    default_cache_dir,
+    list_text_files,
+    token_dtype,
+)
 from .records import is_table, records
 
 PAIRS_FORMAT = 1  # bump when the pair cache's layout or the tokenization of a pair changes

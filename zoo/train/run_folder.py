@@ -30,7 +30,13 @@ from ..core.atomic import fsync_dir, fsync_file, named, temp_file_pid, write_byt
 from ..core.errors import TrainError
 from ..io.hf_config import CONFIG_FILE
 from ..io.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from ..io.run_folder import CHECKPOINTS, OPTIMIZER_FILE, STATE_FILE, checkpoint_dirs, latest_checkpoint
+from ..io.run_folder import (
+    CHECKPOINTS,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    checkpoint_dirs,
+    latest_checkpoint,
+)
 from ..io.safetensors import INDEX_FILE
 from ..text.tokenizers import TOKENIZER_FILES
 from .plot import METRICS_FILE, PLOT_FILE, plot_run, read_records
