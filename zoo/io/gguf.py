@@ -349,11 +349,12 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
     elif not isinstance(tokenizer, Tokenizer):
         folder = Path(tokenizer)
         tokenizer = Tokenizer.from_pretrained(folder)
-    keys = _architecture_keys(cfg, name or path.stem, EXPORT_TYPES[dtype][1])
+    name = name or path.stem
+    keys = _architecture_keys(cfg, name, EXPORT_TYPES[dtype][1])
     if tokenizer is not None:
         keys.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab_size,
                                             tokenizer_settings(tokenizer, Path(folder) if folder else None),
-                                            folder or "the tokenizer"))
+                                            folder or "the tokenizer", name))
     else:
         from gguf.constants import GGUFValueType as T
 
