@@ -1,23 +1,31 @@
-"""Tokenizers in and out of GGUF metadata (tokenizer.ggml.*).
+"""Tokenizers in and out of GGUF metadata (tokenizer.ggml.*), as llama.cpp computes them.
 
 In: the vocabulary a GGUF file carries becomes files that zoo's tokenizer reader (tokenizers.py)
-loads, and transformers too:
+loads, and transformers too, encoding as llama.cpp does:
   tokenizer.ggml.model "gpt2"   byte-level BPE: tokens, token types, merges and the pre-tokenizer
-                                named by tokenizer.ggml.pre (gpt-2, llama-bpe, smollm) -> tokenizer.json
+                                named by tokenizer.ggml.pre (PRE_TOKENIZERS) -> tokenizer.json
   tokenizer.ggml.model "llama"  SentencePiece: tokens, scores, token types -> tokenizer.model, a
                                 SentencePiece BPE model (what llama.cpp's "llama" tokenizer computes:
                                 merges by piece score, byte fallback, a space prefix as
                                 tokenizer.ggml.add_space_prefix says)
-plus tokenizer_config.json with the bos/eos/unk/pad tokens, add_bos_token/add_eos_token and
-the chat template. tokenizer.model is protobuf; the few fields written are encoded here (the
-protobuf package is no dependency of zoo), and sentencepiece itself reads the result back
-before it is used.
+plus tokenizer_config.json with the bos/eos/unk/pad tokens, add_bos_token/add_eos_token, the
+chat template, and the tokens llama.cpp matches before the SentencePiece model sees the text
+(user-defined ones, and those that take the whitespace after them: llama_cpp_rstrip). tokenizer.model
+is protobuf; the few fields written are encoded here (the protobuf package is no dependency of
+zoo), and sentencepiece itself reads the result back before it is used.
 
 Out: a folder's tokenizer becomes the same keys, as llama.cpp's converter writes them: the
 vocabulary padded with UNUSED "[PAD<id>]" tokens up to the model's vocab_size, special tokens
-typed CONTROL. zoo's own byte-level tokenizer (ids 0-255 are bytes) is written as a byte-level
-BPE whose tokens 0-255 are the bytes; llama.cpp needs a merges list and gguf's writer refuses an
-empty one, so it gets one merge that valid UTF-8 never reaches (bytes C0 C0).
+typed CONTROL, the other added tokens USER_DEFINED. Kinds written:
+  byte-level BPE (tokenizer.json, vocab.json + merges.txt)  "gpt2", the pre-tokenizer named by
+        its regex (PRE_TOKENIZERS); a normalizer (NFC: Qwen, GPT-NeoX) is lost, with a warning
+  SentencePiece-style BPE tokenizer.json (Mistral, Gemma, Phi-3)  "llama" with scores made from
+        the merges (_space_bpe_vocab says when that is exact; otherwise refused)
+  SentencePiece tokenizer.model  "llama" with its own scores
+  zoo's byte-level tokenizer  a byte-level BPE whose tokens 0-255 are the bytes; llama.cpp needs
+        a merges list and gguf's writer refuses an empty one, so it gets one merge that valid
+        UTF-8 never reaches (bytes C0 C0)
+What llama.cpp would encode differently is refused with a CheckpointError saying why.
 """
 
 from __future__ import annotations
