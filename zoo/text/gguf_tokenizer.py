@@ -566,15 +566,18 @@ def _space_bpe_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
     types = {i: BYTE if _BYTE_TOKEN.fullmatch(t) else NORMAL for t, i in vocab.items()}
     for i, entry in added.items():
         text = entry["content"]
-        if entry.get("special") is not False:
-            tokens[i], types[i] = text, CONTROL
-            continue
-        # Not special: matched in the raw text by llama.cpp, so written with spaces, as its converter does.
-        if entry.get("normalized") and prepend == "legacy" and text.startswith(SPACE):
-            raise CheckpointError(where, f"the added token {text!r} is matched in the text after the ▁ put before "
-                                         "it, which llama.cpp (matching it in the raw text) cannot follow",
+        # llama.cpp matches added tokens in the raw text: one the library matches where the
+        # normalizer made spaces "▁" is written with spaces (as llama.cpp's converter writes
+        # user-defined tokens), unless a "▁" put before the text could be part of it.
+        spaces = bool(entry.get("normalized")) and backend.replace_in_normalizer and SPACE in text
+        special = entry.get("special") is not False
+        if spaces and (special or (prepend == "legacy" and text.startswith(SPACE))):
+            raise CheckpointError(where, f"the added token {text!r} is matched in the normalized text (its spaces "
+                                         f"made ▁{', one put before the text' if not special else ''}), which "
+                                         "llama.cpp, matching added tokens in the raw text, cannot follow",
                                   key="added_tokens")
-        tokens[i], types[i] = text.replace(SPACE, " "), USER_DEFINED
+        tokens[i] = text.replace(SPACE, " ") if spaces else text
+        types[i] = CONTROL if special else USER_DEFINED
     for text, i in tokenizer.special_tokens.items():  # named by the side files only
         if i not in added and i not in tokens:
             tokens[i], types[i] = text, CONTROL if tokenizer.special_flags[text].special else USER_DEFINED
