@@ -405,11 +405,10 @@ def _check_whitespace_rules(tokenizer: Tokenizer, vocab: "_Vocab", name: str, so
         return
     rule = ("llama.cpp lets a token take the whitespace after it (rstrip) only in a model whose general.name holds "
             "'phi3' or 'phi-3' (the file's name), and then every special token but <unk>, <s>, <|endoftext|>")
-    for i in sorted(wanted ^ llama):
-        token = vocab.tokens[i]
-        does = "takes" if i in wanted else "does not take"
-        raise CheckpointError(source, f"the token {token!r} {does} the whitespace after it here, but not in llama.cpp "
-                                      f"with general.name {name!r}: {rule}", key="added_tokens")
+    i = min(wanted ^ llama)
+    does = "takes" if i in wanted else "does not take"
+    raise CheckpointError(source, f"the token {vocab.tokens[i]!r} {does} the whitespace after it here, but not in "
+                                  f"llama.cpp with general.name {name!r}: {rule}", key="added_tokens")
 
 
 def tokenizer_settings(tokenizer: Tokenizer, folder: Optional[Path]) -> dict:
@@ -583,7 +582,7 @@ def _space_bpe_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
             tokens[i], types[i] = text, CONTROL if tokenizer.special_flags[text].special else USER_DEFINED
     tokens[vocab[unk]], types[vocab[unk]] = unk, UNKNOWN  # (an added token too, in the published files)
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
-    scores = _merge_scores(tokens, types, merges, where)
+    scores = _merge_scores(tokens, merges, where)
     token_list, type_list = _padded(tokens, types, vocab_size)
     post = data.get("post_processor") or {}
     steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
@@ -599,8 +598,7 @@ def _space_bpe_vocab(tokenizer: Tokenizer, vocab_size: int, source) -> _Vocab:
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-F]{2}>")
 
 
-def _merge_scores(tokens: dict[int, str], types: dict[int, int], merges: list[tuple[str, str]],
-                  where: Path) -> dict[int, float]:
+def _merge_scores(tokens: dict[int, str], merges: list[tuple[str, str]], where: Path) -> dict[int, float]:
     """id -> score such that merging by score (llama.cpp's SentencePiece tokenizer) is applying
     `merges` in order (the tokenizers library's BPE), or CheckpointError naming the token where
     it is not. llama.cpp merges two neighbouring pieces whenever they make a token of any type;
