@@ -732,8 +732,8 @@ def test_bad_tokenizer_metadata_names_the_key(tmp_path):
     path = small_llama(tmp_path / "m.gguf", keys=keys)  # the merge makes "ab", which is no token
     msg = load_error(path)
     assert str(path) in msg and "'tokenizer.ggml.merges'" in msg and "'ab'" in msg and "zoo-gguf-tokenizer" not in msg
-    path = small_llama(tmp_path / "p.gguf", keys={**keys, "tokenizer.ggml.pre": ("qwen2", T.STRING)})
-    assert "'tokenizer.ggml.pre': pre-tokenizer 'qwen2' is not supported" in load_error(path)
+    path = small_llama(tmp_path / "p.gguf", keys={**keys, "tokenizer.ggml.pre": ("deepseek-llm", T.STRING)})
+    assert "'tokenizer.ggml.pre': pre-tokenizer 'deepseek-llm' is not supported" in load_error(path)
     path = small_llama(tmp_path / "d.gguf", keys={**keys, "tokenizer.ggml.tokens": (["a", "b", "a"], T.ARRAY)})
     assert "token 'a' appears twice (ids 0 and 2)" in load_error(path)
     path = small_llama(tmp_path / "b.gguf", keys={**keys, "tokenizer.ggml.model": ("bert", T.STRING)})

@@ -330,8 +330,9 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
     tokenizer.ggml.* keys with its tokenizer_config.json's chat template and bos/eos settings; by
     default the model's own (the GGUF or folder it was loaded from). Without one the file says
     tokenizer.ggml.model = "none" with {arch}.vocab_size, which llama.cpp loads and runs on token
-    ids but cannot tokenize text with; a RuntimeWarning says so in one line. name: general.name
-    (default: the file's stem)."""
+    ids but cannot tokenize text with; a RuntimeWarning says so in one line. A tokenizer that
+    llama.cpp would encode differently is refused (gguf_tokenizer.py says which). name:
+    general.name (default: the file's stem), by which llama.cpp also sets Phi-3's token rules."""
     import gguf  # the gguf package, and the module over it: imported only when a GGUF file is written
 
     from ..text.gguf_tokenizer import gguf_tokenizer_metadata, tokenizer_settings
@@ -353,11 +354,12 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
     elif not isinstance(tokenizer, Tokenizer):
         folder = Path(tokenizer)
         tokenizer = Tokenizer.from_pretrained(folder)
-    keys = _architecture_keys(cfg, name or path.stem, EXPORT_TYPES[dtype][1])
+    name = name or path.stem
+    keys = _architecture_keys(cfg, name, EXPORT_TYPES[dtype][1])
     if tokenizer is not None:
         keys.update(gguf_tokenizer_metadata(tokenizer, cfg.vocab_size,
                                             tokenizer_settings(tokenizer, Path(folder) if folder else None),
-                                            folder or "the tokenizer"))
+                                            folder or "the tokenizer", name))
     else:
         from gguf.constants import GGUFValueType as T
 
