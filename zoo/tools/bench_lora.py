@@ -13,6 +13,8 @@ memory (getrusage's ru_maxrss, read in the child) is its own and none competes f
   torch_bf16    python zoo/tools/bench_lora_torch.py --setting bf16: transformers + PEFT, bf16
                 weights, fp32 adapters, autocast bf16
   torch_fp32    ... --setting fp32: everything in fp32
+                (the model is transformers' own class of the preset's family, Qwen3ForCausalLM for a
+                qwen3 preset; --hf-class eager|sdpa picks its attention implementation)
                 (--torch-checkpointing: transformers' gradient checkpointing)
 
 The PyTorch worker is run by path and never imports zoo; it builds the transformers model of the
@@ -64,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "no PyTorch system (default bf16 when torch, transformers and peft are installed)")
     p.add_argument("--torch-checkpointing", action="store_true",
                    help="PyTorch with transformers' gradient checkpointing")
+    p.add_argument("--hf-class", nargs="?", const="sdpa", choices=["sdpa", "eager"], default=None, metavar="ATTN",
+                   help="the PyTorch side is transformers' own class of the preset's family; this names its "
+                        "attention implementation: sdpa (transformers' default; the default of the bare flag) "
+                        "or eager (default: transformers picks)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--threads", type=int, default=None,
@@ -167,14 +173,15 @@ def run_bench(args: argparse.Namespace) -> dict:
         for setting in settings:
             name = f"torch_{setting}"
             cmd = [sys.executable, torch_worker, "--setting", setting, *common]
-            raw[name] = _run_worker(name, cmd + (["--checkpointing"] if args.torch_checkpointing else []),
-                                    work / f"{name}.json", threads)
+            cmd += ["--checkpointing"] if args.torch_checkpointing else []
+            cmd += ["--attn", args.hf_class] if args.hf_class else []
+            raw[name] = _run_worker(name, cmd, work / f"{name}.json", threads)
 
     systems = {}
     for name, result in raw.items():
         s = _summary([result], tokens, flops["total"])
         s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "trainable_params", "imported_zoo",
-                                         "kernels_used")
+                                         "kernels_used", "hf_class", "attention")
                   if k in result})
         s["checkpointing"] = args.checkpointing if name.startswith("zoo_") else args.torch_checkpointing
         systems[name] = s
@@ -191,7 +198,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                "--torch", *(settings or ["none"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--threads", str(threads), "--seed", str(args.seed)]
     command += (["--checkpointing"] if args.checkpointing else []) + (
-        ["--torch-checkpointing"] if args.torch_checkpointing else [])
+        ["--torch-checkpointing"] if args.torch_checkpointing else []) + (
+        ["--hf-class", args.hf_class] if args.hf_class else [])
     return {
         "schema": SCHEMA,
         "command": shlex.join(command),
@@ -199,7 +207,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         "model": {"preset": preset_name, "config_file": args.config, "config": cfg.model_dump(),
                   "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": args.batch_size, "seq_len": args.seq_len, "tokens_per_step": tokens, "steps": args.steps,
-        "warmup": args.warmup, "threads": threads, "seed": args.seed, "lora": lora,
+        "warmup": args.warmup, "threads": threads, "seed": args.seed, "lora": lora, "hf_class": args.hf_class,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm", over="the adapters only"),
         "flops_per_step": flops["total"], "flops": flops,
         "systems": systems, "ratios": ratios, "machine": machine_info(),
@@ -232,6 +240,9 @@ def markdown(r: dict) -> str:
     lines.append(f"- FLOPs per step: {f['total'] / 1e9:,.1f} GFLOP = frozen products 4 x {f['matmul_params']:,} x "
                  f"{r['tokens_per_step']} ({f['frozen'] / 1e9:,.1f}) + adapters ({f['adapters'] / 1e9:,.2f}); "
                  "attention not counted")
+    for name, s in r["systems"].items():
+        if s.get("hf_class"):
+            lines.append(f"- {name}: transformers' {s['hf_class']}, {s['attention']} attention")
     for name, s in r["systems"].items():  # the kernels zoo's products ran on, as oneDNN named them
         used = s.get("kernels_used")
         if used:
