@@ -339,6 +339,9 @@ def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: in
         "built_in": under_test["gemm"]["built_in"],
         "cpu_vendor": under_test["gemm"]["cpu_vendor"],
         "onednn_isa": under_test["gemm"]["onednn_isa"],
+        # OpenBLAS's kernels as the process ran them (OPENBLAS_CORETYPE, or OpenBLAS's own pick)
+        "openblas_core": under_test["gemm"].get("openblas_core"),
+        "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE"),  # the workers inherit it
         "bf16_native": under_test["gemm"]["bf16_native"],
         "cpu": under_test["cpu"]["model"],
         "cpu_flags": under_test["cpu"]["flags"],
@@ -619,7 +622,12 @@ def markdown(r: dict) -> str:
             f"{100 * r['zoo_bf16_step_fraction_of_bf16_gemm']:.0f}% of that bf16 rate",
         ]
     g = r["gemm"]
-    libraries = f"fp32 on {g['fp32_library']} (LM head kernel {g['lm_head_kernel']['fp32']})"
+    libraries = f"fp32 on {g['fp32_library']} (LM head kernel {g['lm_head_kernel']['fp32']}"
+    if g["fp32_library"] == "openblas" and g.get("openblas_core"):
+        libraries += f", OpenBLAS's {g['openblas_core']} kernels"
+        if g.get("openblas_coretype_env"):
+            libraries += f" as OPENBLAS_CORETYPE={g['openblas_coretype_env']} picks"
+    libraries += ")"
     if g["bf16_library"]:
         libraries += f", bf16 on {g['bf16_library']} (LM head kernel {g['lm_head_kernel']['bf16']})"
     lines.append(f"- GEMM as zoo's workers ran it: {libraries}; CPU {g['cpu'] or 'unknown'} ({g['cpu_vendor']}), "
