@@ -105,16 +105,33 @@ def test_system_names():
 
 @needs("torch", "transformers", "peft")
 def test_bench_lora_names_transformers_class(tmp_path, capsys):
-    """bench_lora's PyTorch side is transformers' class of the family; --hf-class picks its attention."""
+    """bench_lora's PyTorch side is transformers' class of the family; --hf-class picks its
+    attention (a system each when it names two); --rounds runs the systems in turn and pools;
+    --profile profiles zoo per block."""
     out = tmp_path / "lora.json"
     assert bench_lora.main(["--config", str(config_file(tmp_path, "qwen3")), "--base", "bf16", "--torch", "bf16",
-                            "--hf-class", "eager", "--seq-len", "16", "--rank", "4", "--json", str(out), *FAST]) == 0
-    assert "- torch_bf16: transformers' Qwen3ForCausalLM, eager attention" in capsys.readouterr().out
+                            "--hf-class", "eager", "sdpa", "--rounds", "2", "--profile", "--seq-len", "16", "--rank", "4",
+                            "--json", str(out), *FAST]) == 0
+    table = capsys.readouterr().out
+    assert "- torch_bf16_eager: transformers' Qwen3ForCausalLM, eager attention" in table
+    assert "- torch_bf16_sdpa: transformers' Qwen3ForCausalLM, sdpa attention" in table
+    assert "| round | zoo_bf16 s | torch_bf16_eager s | torch_bf16_sdpa s |" in table
     r = json.loads(out.read_text())
-    s = r["systems"]["torch_bf16"]
-    assert s["hf_class"] == "Qwen3ForCausalLM" and s["attention"] == "eager" and s["imported_zoo"] is False
-    assert r["hf_class"] == "eager" and "--hf-class eager" in r["command"]
-    assert set(r["ratios"]) == {"zoo_bf16_over_torch_bf16"}
+    assert set(r["systems"]) == {"zoo_bf16", "torch_bf16_eager", "torch_bf16_sdpa"}
+    for attn in ("eager", "sdpa"):
+        s = r["systems"][f"torch_bf16_{attn}"]
+        assert s["hf_class"] == "Qwen3ForCausalLM" and s["attention"] == attn and s["imported_zoo"] is False
+        assert len(s["step_ms"]) == 4  # 2 steps in each of 2 rounds
+    assert r["hf_class"] == ["eager", "sdpa"] and "--hf-class eager sdpa --rounds 2 --profile" in r["command"]
+    assert "zoo_bf16 per block (a separate profiled run" in table  # --profile: zoo's blocks, once more
+    blocks = r["systems"]["zoo_bf16"]["blocks"]
+    assert blocks["lora"]["total_ms"] > 0 and blocks["linear"]["total_ms"] > 0
+    assert r["systems"]["zoo_bf16"]["profiled_step_ms_mean"] > 0
+    assert set(r["ratios"]) == {"zoo_bf16_over_torch_bf16_eager", "zoo_bf16_over_torch_bf16_sdpa"}
+    assert len(r["by_round"]) == 2
+    for e in r["by_round"]:
+        assert e["zoo_bf16_over_torch_bf16_eager"] == pytest.approx(
+            e["zoo_bf16_step_ms"] / e["torch_bf16_eager_step_ms"], rel=1e-9)
 
 
 def test_bench_variants(tmp_path, capsys):
