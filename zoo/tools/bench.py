@@ -11,10 +11,17 @@ memory is its own (getrusage's ru_maxrss, read in the child) and no two compete 
   torch_fused_bf16  ... bench_torch.py --optimizer fused --precision bf16
                                                                         autocast bf16, AdamW(fused=True)
   torch_default     python zoo/tools/bench_torch.py --optimizer default AdamW() as PyTorch defaults it
+  torch_hf_<attn>   ... bench_torch.py --optimizer fused --hf-class <attn>
+                                                                        transformers' own class of the
+                                                                        config's family (--hf-class), eager
+                                                                        or sdpa attention, AdamW(fused=True)
+  torch_hf_<attn>_bf16  the same under autocast bf16 (with --precision bf16)
   (profile)         python -m zoo.tools.bench_worker --mode profile     per-block times, zoo's precision
                                                                         under test
 
-The *_bf16 systems run with --precision bf16 only, next to the fp32 ones, in every round.
+The *_bf16 systems run with --precision bf16 only, next to the fp32 ones, in every round. The
+torch_hf_* systems run with --hf-class (next to the reference ones with --vs torch, instead of
+them with --vs hf); they get zoo's weights by name, so their losses are zoo's too.
 
 This process writes the weights (zoo's init, zoo.arch.layout.initial_value), the token batch and
 zoo's parameter layout into a temporary work folder that every worker reads. The FLOP count of
@@ -51,6 +58,37 @@ ZOO_OF_PRECISION = {"fp32": "zoo", "bf16": "zoo_bf16"}
 # The optimizer both sides run: AdamW, weight decay on 2-D matmul weights, global-norm clipping.
 OPTIMIZER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}
 BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "cross_entropy", "adamw")
+# transformers' attention implementations a torch_hf system can run (--hf-class); sdpa is
+# transformers' default, eager its matmul-softmax-matmul.
+HF_ATTENTION = ("sdpa", "eager")
+
+
+def system_precision(name: str) -> str:
+    """The precision of a system's matrix products: its name ends in _bf16 or it is fp32."""
+    return "bf16" if name.endswith("_bf16") else "fp32"
+
+
+def is_torch(name: str) -> bool:
+    return name.startswith("torch_")
+
+
+def hf_attention(name: str) -> Optional[str]:
+    """The attention implementation of a torch_hf_<attn>[_bf16] system, else None."""
+    if not name.startswith("torch_hf_"):
+        return None
+    return name[len("torch_hf_"):].removesuffix("_bf16")
+
+
+def system_names(precision: str, vs: str, hf_attn: tuple[str, ...] = ()) -> list[str]:
+    """The systems a run measures, in the order each round runs them: zoo's, then the reference
+    PyTorch ones (--vs torch), then transformers' classes (--hf-class), each in fp32 and, with
+    --precision bf16, under autocast."""
+    names = [n for n in SYSTEMS[precision] if not is_torch(n) or vs == "torch"]
+    for attn in hf_attn if vs in ("torch", "hf") else ():
+        names.append(f"torch_hf_{attn}")
+        if precision == "bf16":
+            names.append(f"torch_hf_{attn}_bf16")
+    return names
 
 
 class BenchError(Exception):
@@ -81,8 +119,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "each round are reported too (default 1)")
     p.add_argument("--threads", type=int, default=None,
                    help=f"threads for every system (default: the CPUs this process may use, {default_threads()})")
-    p.add_argument("--vs", choices=["torch", "none"], default=None,
-                   help="compare with PyTorch eager (default when torch is installed) or measure zoo alone")
+    p.add_argument("--vs", choices=["torch", "hf", "none"], default=None,
+                   help="compare with PyTorch eager (default when torch is installed), with transformers' "
+                        "class alone (hf: the torch_hf systems of --hf-class, sdpa attention when "
+                        "--hf-class names none), or measure zoo alone")
+    p.add_argument("--hf-class", nargs="*", choices=HF_ATTENTION, default=None, metavar="ATTN",
+                   help="also time transformers' own modeling class of the config's family (Qwen2ForCausalLM, "
+                        "...; needs transformers), with zoo's weights, one system per attention "
+                        "implementation named: sdpa (transformers' default, and the default here), eager")
     p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     p.add_argument("--png", metavar="FILE", default=None,
                    help="chart of step times and zoo's per-block times (default: next to --json)")
@@ -112,7 +156,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             cfg, preset_name=args.preset or (None if args.config else "gpt2"), config_file=args.config,
             batch=args.batch_size, seq_len=args.seq_len, steps=args.steps, warmup=args.warmup,
             rounds=args.rounds, threads=args.threads, vs=args.vs, ad=args.ad, checkpointing=args.checkpointing,
-            seed=args.seed, precision=args.precision)
+            seed=args.seed, precision=args.precision,
+            hf_class=None if args.hf_class is None else tuple(args.hf_class or ("sdpa",)))
     except (BenchError, ValueError, KeyError, OSError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"zoo bench: error: {msg}", file=sys.stderr)
@@ -189,10 +234,15 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> None:
+def transformers_available() -> bool:
+    return torch_available() and importlib.util.find_spec("transformers") is not None
+
+
+def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int, hf_config: Optional[dict] = None) -> None:
     """manifest.json, weights.bin (float32, zoo's arena order) and tokens.bin (int32, B x (T+1)).
     The weights are zoo's init (zoo.arch.layout.initial_value, the draws in the order zoo.Model(cfg,
-    seed) makes them, so they are the weights of that model); written one tensor at a time."""
+    seed) makes them, so they are the weights of that model); written one tensor at a time.
+    hf_config: the transformers config of cfg (zoo.io.hf_config.config_to_hf), for --hf-class."""
     import numpy as np
 
     from ..arch.layout import initial_value, parameter_layout
@@ -203,12 +253,12 @@ def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int) -> No
         for p in parameter_layout(cfg):
             f.write(initial_value(p, rng, cfg.n_layer).tobytes())
             entries.append({"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer,
-                            "offset": offset, "decay": p.decay})
+                            "offset": offset, "decay": p.decay, "hf_transposed": p.hf_transposed})
             offset += math.prod(p.shape)
     tokens = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     tokens.tofile(workdir / "tokens.bin")
     manifest = {"config": cfg.model_dump(), "batch": batch, "seq_len": seq_len, "optimizer": OPTIMIZER,
-                "params": entries}
+                "params": entries, "hf_config": hf_config}
     (workdir / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -238,7 +288,8 @@ def _summary(runs: list[dict], tokens: int, flops: float) -> dict:
            "step_ms_mean": statistics.fmean(ms), "step_ms": ms, "gflops": flops / (median / 1000.0) / 1e9,
            "threads": raw["threads"], "loss_first": raw["losses"][0], "loss_last": raw["losses"][-1],
            "rss_after_import_mib": raw["rss_after_import_mib"], "implementation": raw["implementation"]}
-    for k in ("activation_mib", "torch_version", "build_info"):
+    for k in ("activation_mib", "torch_version", "build_info", "build_s", "hf_class", "hf_attention",
+              "transformers_version", "imported_zoo"):
         if k in raw:
             out[k] = raw[k]
     if raw.get("activation_error"):
@@ -288,6 +339,9 @@ def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: in
         "built_in": under_test["gemm"]["built_in"],
         "cpu_vendor": under_test["gemm"]["cpu_vendor"],
         "onednn_isa": under_test["gemm"]["onednn_isa"],
+        # OpenBLAS's kernels as the process ran them (OPENBLAS_CORETYPE, or OpenBLAS's own pick)
+        "openblas_core": under_test["gemm"].get("openblas_core"),
+        "openblas_coretype_env": os.environ.get("OPENBLAS_CORETYPE"),  # the workers inherit it
         "bf16_native": under_test["gemm"]["bf16_native"],
         "cpu": under_test["cpu"]["model"],
         "cpu_flags": under_test["cpu"]["flags"],
@@ -297,8 +351,9 @@ def _gemm_report(zoo_fp32: dict, zoo_bf16: Optional[dict], m: int, k: int, n: in
 def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[str] = None, batch: int = 4,
               seq_len: int = 64, steps: int = 10, warmup: int = 3, rounds: int = 1, threads: Optional[int] = None,
               vs: Optional[str] = None, ad: str = "manual", checkpointing: bool = False,
-              seed: int = 0, precision: str = "fp32") -> dict:
-    """Runs every worker and returns the results (the --json document)."""
+              seed: int = 0, precision: str = "fp32", hf_class: Optional[tuple[str, ...]] = None) -> dict:
+    """Runs every worker and returns the results (the --json document). hf_class: the attention
+    implementations of transformers' class to time (torch_hf_<attn> systems), or None."""
     from ..arch.layout import num_parameters
 
     for name, v, low in (("--batch-size", batch, 1), ("--seq-len", seq_len, 1), ("--steps", steps, 1),
@@ -314,6 +369,21 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         vs = "torch" if torch_available() else "none"
     elif vs == "torch" and not torch_available():
         raise ValueError("--vs torch: PyTorch is not installed here (pip install torch), or use --vs none")
+    if vs == "hf" and not hf_class:
+        hf_class = ("sdpa",)
+    if hf_class and vs == "none":
+        raise ValueError("--hf-class: transformers' class is a PyTorch system; --vs none measures zoo alone")
+    hf_class = tuple(dict.fromkeys(hf_class or ()))
+    bad = [a for a in hf_class if a not in HF_ATTENTION]
+    if bad:
+        raise ValueError(f"--hf-class {bad[0]}: choose from {', '.join(HF_ATTENTION)}")
+    hf_config = None
+    if hf_class:
+        if not transformers_available():
+            raise ValueError("--hf-class: PyTorch and transformers must be installed (pip install -e '.[dev]')")
+        from ..io.hf_config import config_to_hf
+
+        hf_config = config_to_hf(cfg)  # a CheckpointError names the field transformers' class cannot express
     if precision not in SYSTEMS:
         raise ValueError(f"--precision {precision!r}: choose fp32 or bf16")
     if precision == "bf16":
@@ -323,26 +393,28 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
 
     tokens = batch * seq_len
     flops = step_flops(cfg, batch, seq_len)
-    names = SYSTEMS[precision]
-    to_run = [n for n in names if vs == "torch" or n not in TORCH_OPTIMIZER]
+    to_run = system_names(precision, vs, hf_class)
+    names = list(SYSTEMS[precision]) + [n for n in to_run if n not in SYSTEMS[precision]]
     common = ["--steps", str(steps), "--warmup", str(warmup), "--threads", str(threads)]
     zoo_flags = ["--ad", ad] + (["--checkpointing"] if checkpointing else [])
     raw: dict[str, list[dict]] = {}  # system -> one result per round
     with tempfile.TemporaryDirectory(prefix="zoo-bench-") as tmp:
         work = Path(tmp)
         print(f"zoo bench: writing weights and data ({num_parameters(cfg):,} parameters)", file=sys.stderr)
-        write_workdir(work, cfg, batch, seq_len, seed)
+        write_workdir(work, cfg, batch, seq_len, seed, hf_config)
         zoo_cmd = [sys.executable, "-m", "zoo.tools.bench_worker", "--workdir", tmp] + common + zoo_flags
         # By path, not -m: the PyTorch process must not import zoo (bench_torch.py says why).
         script = str(Path(__file__).with_name("bench_torch.py"))
         for r in range(rounds):
             of = f" (round {r + 1} of {rounds})" if rounds > 1 else ""
             for name in to_run:
-                p = SYSTEM_PRECISION[name]
-                if name in TORCH_OPTIMIZER:
+                p = system_precision(name)
+                if is_torch(name):
                     what = f"{name}: {steps} steps after {warmup} warm-up{of}"
-                    cmd = [sys.executable, script, "--workdir", tmp, "--optimizer", TORCH_OPTIMIZER[name],
+                    cmd = [sys.executable, script, "--workdir", tmp, "--optimizer", TORCH_OPTIMIZER.get(name, "fused"),
                            "--precision", p] + common
+                    if hf_attention(name):
+                        cmd += ["--hf-class", hf_attention(name)]
                 else:
                     what = f"{name}: {steps} steps after {warmup} warm-up, then the {p} GEMM{of}"
                     cmd = zoo_cmd + ["--mode", "time", "--precision", p]
@@ -356,9 +428,9 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
         systems[name] = None
         if name in raw:
             systems[name] = _summary(raw[name], tokens, flops["total"])
-            systems[name]["precision"] = SYSTEM_PRECISION[name]
+            systems[name]["precision"] = system_precision(name)
     # Every system against zoo in the same precision: zoo_over_torch_fused, zoo_bf16_over_torch_fused_bf16, ...
-    pairs = [(ZOO_OF_PRECISION[SYSTEM_PRECISION[n]], n) for n in names if n in TORCH_OPTIMIZER]
+    pairs = [(ZOO_OF_PRECISION[system_precision(n)], n) for n in names if is_torch(n)]
     ratios = {}
     for a, b in pairs:
         sa, sb = systems[a], systems[b]
@@ -410,14 +482,15 @@ def run_bench(cfg, *, preset_name: Optional[str] = None, config_file: Optional[s
              "--batch-size", str(batch), "--seq-len", str(seq_len), "--steps", str(steps), "--warmup", str(warmup),
              "--rounds", str(rounds), "--threads", str(threads), "--vs", vs, "--ad", ad, "--seed", str(seed),
              "--precision", precision]
-            + (["--checkpointing"] if checkpointing else [])),
+            + (["--checkpointing"] if checkpointing else []) + (["--hf-class", *hf_class] if hf_class else [])),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": preset_name, "config_file": config_file, "config": cfg.model_dump(),
                   "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": batch, "seq_len": seq_len, "tokens_per_step": tokens, "steps": steps, "warmup": warmup,
         "rounds": rounds,
         "threads": threads, "vs": vs, "ad": ad, "checkpointing": checkpointing, "seed": seed,
-        "precision": precision,
+        "precision": precision, "hf_class": list(hf_class), "system_order": to_run,
+        "hf_config": hf_config,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm",
                           decay_on="2-D matmul weights (zoo's decay mask)"),
         "flops_per_step": flops["total"],
@@ -505,11 +578,14 @@ def markdown(r: dict) -> str:
               "torch_fused": f"torch_fused: eager{fp32}, AdamW(fused=True)",
               "torch_fused_bf16": "torch_fused_bf16: eager, autocast bf16, AdamW(fused=True)",
               "torch_default": f"torch_default: eager{fp32}, AdamW()"}
-    for key in SYSTEMS[r["precision"]]:
+    for key in r.get("system_order") or SYSTEMS[r["precision"]]:
         s = r["systems"][key]
         if s is None:
             continue
-        zoo_ms = r["systems"][ZOO_OF_PRECISION[SYSTEM_PRECISION[key]]]["step_ms_median"]
+        if hf_attention(key):
+            labels[key] = (f"{key}: transformers {s.get('hf_class', '?')} ({hf_attention(key)} attention)"
+                           + (", autocast bf16" if system_precision(key) == "bf16" else fp32) + ", AdamW(fused=True)")
+        zoo_ms = r["systems"][ZOO_OF_PRECISION[system_precision(key)]]["step_ms_median"]
         lines.append(f"| {labels[key]} | {_f(s['step_ms_median'])} | {_f(s['step_ms_min'])} | {_f(s['step_ms_max'])} "
                      f"| {_f(s['tokens_per_s'], 0)} | {_f(s['gflops'])} | {_f(s['peak_rss_mib'], 0)} "
                      f"| {zoo_ms / s['step_ms_median']:.3f}x |")
@@ -546,7 +622,12 @@ def markdown(r: dict) -> str:
             f"{100 * r['zoo_bf16_step_fraction_of_bf16_gemm']:.0f}% of that bf16 rate",
         ]
     g = r["gemm"]
-    libraries = f"fp32 on {g['fp32_library']} (LM head kernel {g['lm_head_kernel']['fp32']})"
+    libraries = f"fp32 on {g['fp32_library']} (LM head kernel {g['lm_head_kernel']['fp32']}"
+    if g["fp32_library"] == "openblas" and g.get("openblas_core"):
+        libraries += f", OpenBLAS's {g['openblas_core']} kernels"
+        if g.get("openblas_coretype_env"):
+            libraries += f" as OPENBLAS_CORETYPE={g['openblas_coretype_env']} picks"
+    libraries += ")"
     if g["bf16_library"]:
         libraries += f", bf16 on {g['bf16_library']} (LM head kernel {g['lm_head_kernel']['bf16']})"
     lines.append(f"- GEMM as zoo's workers ran it: {libraries}; CPU {g['cpu'] or 'unknown'} ({g['cpu_vendor']}), "
@@ -601,13 +682,16 @@ def write_png(r: dict, path) -> None:
     bf16 = r["precision"] == "bf16"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14 if bf16 else 12, 4.8),
                                    gridspec_kw={"width_ratios": [1.4 if bf16 else 1, 1.5]})
-    names = [k for k in SYSTEMS[r["precision"]] if r["systems"][k] is not None]
+    names = [k for k in r.get("system_order") or SYSTEMS[r["precision"]] if r["systems"][k] is not None]
     med = [r["systems"][k]["step_ms_median"] for k in names]
     lo = [m - r["systems"][k]["step_ms_min"] for k, m in zip(names, med)]
     hi = [r["systems"][k]["step_ms_max"] - m for k, m in zip(names, med)]
     # The bf16 bars in a lighter shade of their fp32 system's colour.
     colors = {"zoo": "tab:green", "zoo_bf16": "yellowgreen", "torch_fused": "tab:blue",
               "torch_fused_bf16": "lightskyblue", "torch_default": "tab:gray"}
+    for k in names:
+        if hf_attention(k):
+            colors[k] = "navajowhite" if system_precision(k) == "bf16" else "tab:orange"
     bars = ax1.bar(names, med, yerr=[lo, hi], capsize=6, color=[colors[k] for k in names])
     ax1.tick_params(axis="x", labelsize=8 if len(names) > 3 else 10)
     for b, k in zip(bars, names):

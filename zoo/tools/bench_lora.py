@@ -13,6 +13,8 @@ memory (getrusage's ru_maxrss, read in the child) is its own and none competes f
   torch_bf16    python zoo/tools/bench_lora_torch.py --setting bf16: transformers + PEFT, bf16
                 weights, fp32 adapters, autocast bf16
   torch_fp32    ... --setting fp32: everything in fp32
+                (the model is transformers' own class of the preset's family, Qwen3ForCausalLM for a
+                qwen3 preset; --hf-class eager|sdpa picks its attention implementation)
                 (--torch-checkpointing: transformers' gradient checkpointing)
 
 The PyTorch worker is run by path and never imports zoo; it builds the transformers model of the
@@ -30,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import shlex
+import statistics
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -64,6 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "no PyTorch system (default bf16 when torch, transformers and peft are installed)")
     p.add_argument("--torch-checkpointing", action="store_true",
                    help="PyTorch with transformers' gradient checkpointing")
+    p.add_argument("--hf-class", nargs="*", choices=["sdpa", "eager"], default=None, metavar="ATTN",
+                   help="the PyTorch side is transformers' own class of the preset's family; this names its "
+                        "attention implementation: sdpa (transformers' default; the default of the bare flag) "
+                        "or eager, or both: a system each, torch_<setting>_<attn> (default: transformers picks)")
+    p.add_argument("--profile", action="store_true",
+                   help="then each zoo system once more, profiled per block (a process of its own, after the "
+                        "timed ones)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems in turn this many times and pool their steps; the ratios of each round "
+                        "are reported too (default 1)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per system (default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--threads", type=int, default=None,
@@ -122,7 +135,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     cfg = model_config(args.preset or (None if args.config else "llama-3.2-1b"), args.config)
     preset_name = args.preset or (None if args.config else "llama-3.2-1b")
     for name, v, low in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 1),
-                         ("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rank", args.rank, 1)):
+                         ("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rank", args.rank, 1),
+                         ("--rounds", args.rounds, 1)):
         if v < low:
             raise ValueError(f"{name} must be at least {low}, got {v}")
     if args.seq_len > cfg.max_seq_len:
@@ -145,7 +159,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     tokens = args.batch_size * args.seq_len
     flops = lora_flops(cfg, tokens, args.rank, adapters(cfg, LoraConfig(r=args.rank, targets=targets)))
 
-    raw: dict[str, dict] = {}
+    raw: dict[str, list[dict]] = {}  # system -> one result per round
     with tempfile.TemporaryDirectory(prefix="zoo-bench-lora-") as tmp:
         work = Path(tmp)
         import numpy as np
@@ -158,25 +172,41 @@ def run_bench(args: argparse.Namespace) -> dict:
         (work / "manifest.json").write_text(json.dumps(manifest))
         common = ["--workdir", str(work), "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--threads", str(threads)]
-        for base in bases:
-            name = f"zoo_{base}"
-            cmd = [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", base, *common]
-            raw[name] = _run_worker(name, cmd + (["--checkpointing"] if args.checkpointing else []),
-                                    work / f"{name}.json", threads)
+        attns = list(dict.fromkeys(args.hf_class or ["sdpa"])) if args.hf_class is not None else [None]
+        # (system, command): zoo's bases, then PyTorch's settings, each with every attention named
+        runs = [(f"zoo_{base}", [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", base, *common]
+                 + (["--checkpointing"] if args.checkpointing else [])) for base in bases]
         torch_worker = str(Path(__file__).with_name("bench_lora_torch.py"))
         for setting in settings:
-            name = f"torch_{setting}"
-            cmd = [sys.executable, torch_worker, "--setting", setting, *common]
-            raw[name] = _run_worker(name, cmd + (["--checkpointing"] if args.torch_checkpointing else []),
-                                    work / f"{name}.json", threads)
+            for attn in attns:
+                name = f"torch_{setting}" + (f"_{attn}" if len(attns) > 1 else "")
+                cmd = [sys.executable, torch_worker, "--setting", setting, *common]
+                cmd += ["--checkpointing"] if args.torch_checkpointing else []
+                cmd += ["--attn", attn] if attn else []
+                runs.append((name, cmd))
+        for r in range(args.rounds):
+            of = f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""
+            for name, cmd in runs:
+                raw.setdefault(name, []).append(_run_worker(name + of, cmd, work / f"{name}.json", threads))
+        profiles = {}
+        for name, cmd in runs if args.profile else ():
+            if name.startswith("zoo_"):
+                profiles[name] = _run_worker(f"{name}, profiled per block", cmd + ["--profile"],
+                                             work / f"{name}-profile.json", threads)
 
     systems = {}
-    for name, result in raw.items():
-        s = _summary([result], tokens, flops["total"])
+    for name, results in raw.items():
+        result = results[0]
+        s = _summary(results, tokens, flops["total"])
         s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "trainable_params", "imported_zoo",
-                                         "kernels_used")
+                                         "kernels_used", "hf_class", "attention")
                   if k in result})
         s["checkpointing"] = args.checkpointing if name.startswith("zoo_") else args.torch_checkpointing
+        if name in profiles:
+            prof = profiles[name]
+            s["blocks"] = {k: {"forward_ms": 1000.0 * f / args.steps, "pullback_ms": 1000.0 * b / args.steps,
+                               "total_ms": 1000.0 * (f + b) / args.steps} for k, (f, b) in prof["blocks_s"].items()}
+            s["profiled_step_ms_mean"] = 1000.0 * statistics.fmean(prof["step_s"])
         systems[name] = s
     ratios = {}
     for a in (n for n in systems if n.startswith("zoo_")):
@@ -184,6 +214,11 @@ def run_bench(args: argparse.Namespace) -> dict:
             ratios[f"{a}_over_{b}"] = {
                 "step_time": systems[a]["step_ms_median"] / systems[b]["step_ms_median"],
                 "peak_rss": systems[a]["peak_rss_mib"] / systems[b]["peak_rss_mib"]}
+    by_round = []
+    for r in range(args.rounds):
+        ms = {name: 1000.0 * statistics.median(raw[name][r]["step_s"]) for name in raw}
+        by_round.append({**{f"{name}_step_ms": v for name, v in ms.items()},
+                         **{key: ms[key.split("_over_")[0]] / ms[key.split("_over_")[1]] for key in ratios}})
     command = ["python", "-m", "zoo.tools.bench_lora",
                *(["--config", args.config] if args.config else ["--preset", preset_name]),
                "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--rank", str(args.rank),
@@ -191,7 +226,9 @@ def run_bench(args: argparse.Namespace) -> dict:
                "--torch", *(settings or ["none"]), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--threads", str(threads), "--seed", str(args.seed)]
     command += (["--checkpointing"] if args.checkpointing else []) + (
-        ["--torch-checkpointing"] if args.torch_checkpointing else [])
+        ["--torch-checkpointing"] if args.torch_checkpointing else []) + (
+        ["--hf-class", *args.hf_class] if args.hf_class is not None else []) + (
+        ["--rounds", str(args.rounds)] if args.rounds > 1 else []) + (["--profile"] if args.profile else [])
     return {
         "schema": SCHEMA,
         "command": shlex.join(command),
@@ -199,7 +236,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         "model": {"preset": preset_name, "config_file": args.config, "config": cfg.model_dump(),
                   "n_params": num_parameters(cfg), "matmul_params": flops["matmul_params"]},
         "batch": args.batch_size, "seq_len": args.seq_len, "tokens_per_step": tokens, "steps": args.steps,
-        "warmup": args.warmup, "threads": threads, "seed": args.seed, "lora": lora,
+        "warmup": args.warmup, "threads": threads, "seed": args.seed, "lora": lora, "hf_class": args.hf_class,
+        "rounds": args.rounds, "by_round": by_round,
         "optimizer": dict(OPTIMIZER, name="AdamW", clipping="global L2 norm", over="the adapters only"),
         "flops_per_step": flops["total"], "flops": flops,
         "systems": systems, "ratios": ratios, "machine": machine_info(),
@@ -213,7 +251,9 @@ def markdown(r: dict) -> str:
         f"seq {r['seq_len']} = {r['tokens_per_step']} tokens, {r['threads']} thread{'s' if r['threads'] != 1 else ''}",
         "",
         f"LoRA r={lora['r']}, alpha={lora['alpha']:g} on {', '.join(lora['targets'])} in every layer; "
-        f"{r['steps']} timed steps after {r['warmup']} warm-up, each system in its own process. A step: zero grads, "
+        f"{r['steps']} timed steps after {r['warmup']} warm-up, each system in its own process"
+        + (f", the systems in turn {r['rounds']} times (steps pooled)" if r.get("rounds", 1) > 1 else "")
+        + ". A step: zero grads, "
         f"forward, cross-entropy, backward, clip to norm {r['optimizer']['max_grad_norm']}, AdamW over the adapters.",
         "",
         "| system | setting | step s (median) | min | max | tokens/s | GFLOP/s | peak RSS GiB | build s |",
@@ -228,10 +268,22 @@ def markdown(r: dict) -> str:
     for key, ratio in r["ratios"].items():
         a, b = key.split("_over_")
         lines.append(f"- {a} / {b}: step time {ratio['step_time']:.3f}x, peak RSS {ratio['peak_rss']:.3f}x")
+    if r.get("rounds", 1) > 1:
+        keys = list(r["ratios"])
+        lines += ["", "| round | " + " | ".join(f"{n} s" for n in r["systems"]) + " | "
+                  + " | ".join(k.replace("_over_", " / ") for k in keys) + " |",
+                  "|---:" * (1 + len(r["systems"]) + len(keys)) + "|"]
+        for i, e in enumerate(r["by_round"], 1):
+            lines.append(f"| {i} | " + " | ".join(f"{e[n + '_step_ms'] / 1000:.2f}" for n in r["systems"]) + " | "
+                         + " | ".join(f"{e[k]:.3f}x" for k in keys) + " |")
+        lines.append("")
     f = r["flops"]
     lines.append(f"- FLOPs per step: {f['total'] / 1e9:,.1f} GFLOP = frozen products 4 x {f['matmul_params']:,} x "
                  f"{r['tokens_per_step']} ({f['frozen'] / 1e9:,.1f}) + adapters ({f['adapters'] / 1e9:,.2f}); "
                  "attention not counted")
+    for name, s in r["systems"].items():
+        if s.get("hf_class"):
+            lines.append(f"- {name}: transformers' {s['hf_class']}, {s['attention']} attention")
     for name, s in r["systems"].items():  # the kernels zoo's products ran on, as oneDNN named them
         used = s.get("kernels_used")
         if used:
@@ -240,6 +292,18 @@ def markdown(r: dict) -> str:
             lines.append(f"- {name}'s products ran on {', '.join(kernels)}"
                          + (f" (**{slow} of its {len(used)} bf16 product shapes on kernels without bf16 dot products**)"
                             if slow else ""))
+    for name, s in r["systems"].items():
+        if s.get("blocks"):
+            total = s["profiled_step_ms_mean"]
+            lines += ["", f"{name} per block (a separate profiled run, ms per step):", "",
+                      "| block | forward | pullback | total | share |", "|---|---:|---:|---:|---:|"]
+            for kind, b in s["blocks"].items():
+                if b["total_ms"] > 0:
+                    lines.append(f"| {kind} | {b['forward_ms']:.1f} | {b['pullback_ms']:.1f} | {b['total_ms']:.1f} | "
+                                 f"{100 * b['total_ms'] / total:.1f}% |")
+            outside = total - sum(b["total_ms"] for b in s["blocks"].values())
+            lines += [f"| outside blocks | | | {outside:.1f} | {100 * outside / total:.1f}% |",
+                      f"| profiled step (mean) | | | {total:.1f} | 100% |", ""]
     versions = dict.fromkeys(s["implementation"].split(": ", 1)[0] for s in r["systems"].values())
     lines.append(f"- {r['machine']['cpu']}; {'; '.join(versions)}")
     return "\n".join(lines)

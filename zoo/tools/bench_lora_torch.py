@@ -13,7 +13,10 @@ float32 copy of a bf16 model), with transformers' own random init:
   fp32: everything in fp32.
 A step: zero_grad, forward, cross-entropy over the next tokens, backward, clip_grad_norm_, AdamW
 (fused) over the adapters. --checkpointing turns on transformers' gradient checkpointing (the
-non-reentrant form, which needs no input gradients).
+non-reentrant form, which needs no input gradients). The model is transformers' own class of
+the preset's family (LlamaForCausalLM, Qwen3ForCausalLM, ...: AutoModelForCausalLM picks it from
+the config's model_type); --attn picks its attention implementation (sdpa, transformers' default,
+or eager), and without it transformers picks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 from bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, read_tokens, timed_steps
 
 
-def build_model(hf_config: dict, dtype, lora: dict, checkpointing: bool):
+def build_model(hf_config: dict, dtype, lora: dict, checkpointing: bool, attn=None):
     import peft
     import torch
     import transformers
@@ -38,7 +41,8 @@ def build_model(hf_config: dict, dtype, lora: dict, checkpointing: bool):
     config.use_cache = False
     torch.manual_seed(0)
     # Built in `dtype` from the start: a bf16 8B model never exists in fp32.
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=dtype, **({"attn_implementation": attn} if attn else {}))
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
@@ -47,7 +51,8 @@ def build_model(hf_config: dict, dtype, lora: dict, checkpointing: bool):
     return peft.get_peft_model(model, lora_config)
 
 
-def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int, threads: int) -> dict:
+def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int, threads: int,
+        attn=None) -> dict:
     rss_start = _rss_now_mib()
     import numpy as np
     import peft
@@ -60,7 +65,7 @@ def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int
     B, T, o = manifest["batch"], manifest["seq_len"], manifest["optimizer"]
     dtype = torch.bfloat16 if setting == "bf16" else torch.float32
     t0 = time.perf_counter()
-    model = build_model(manifest["hf_config"], dtype, manifest["lora"], checkpointing)
+    model = build_model(manifest["hf_config"], dtype, manifest["lora"], checkpointing, attn)
     build_s = time.perf_counter() - t0
     rss_built = _rss_now_mib()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -88,6 +93,7 @@ def run(workdir: str, setting: str, checkpointing: bool, steps: int, warmup: int
         "rss_after_build_mib": rss_built, "threads": torch.get_num_threads(),
         "trainable_params": sum(p.numel() for p in trainable),
         "attention": model.config._attn_implementation,
+        "hf_class": type(model.get_base_model()).__name__,
         "implementation": f"PyTorch {torch.__version__} + transformers {transformers.__version__} + PEFT "
                           f"{peft.__version__}: {describe}"
                           + (", gradient checkpointing" if checkpointing else "") + ", AdamW(fused=True)",
@@ -105,9 +111,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--attn", choices=["sdpa", "eager"], default=None,
+                    help="transformers' attention implementation (default: transformers picks, sdpa)")
     ap.add_argument("--out", required=True, help="where to write the result (JSON)")
     a = ap.parse_args(argv)
-    result = run(a.workdir, a.setting, a.checkpointing, a.steps, a.warmup, a.threads)
+    result = run(a.workdir, a.setting, a.checkpointing, a.steps, a.warmup, a.threads, a.attn)
     with open(a.out, "w") as f:
         json.dump(result, f)
     return 0

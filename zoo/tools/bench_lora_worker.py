@@ -20,7 +20,8 @@ from .bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, read_tokens
 from .bench_worker import cpu_info
 
 
-def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: int, threads: int) -> dict:
+def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: int, threads: int,
+        profile: bool = False) -> dict:
     rss_start = _rss_now_mib()
     import numpy as np
 
@@ -49,8 +50,11 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
         model.adamw_step(o["lr"], o["beta1"], o["beta2"], o["eps"], o["weight_decay"], o["max_grad_norm"])
         return loss
 
-    times, losses = timed_steps(step, steps, warmup)
+    times, losses = timed_steps(step, steps, warmup,
+                                after_warmup=(lambda: model.set_profiling(True)) if profile else None)
+    blocks = {k: list(v) for k, v in model.block_profile().items()} if profile else None
     return {
+        "blocks_s": blocks, "profiled": profile,
         "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,
         "rss_after_build_mib": rss_built, "threads": zoo.get_threads(),
@@ -71,10 +75,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--profile", action="store_true", help="time every block (the executor's profile)")
     ap.add_argument("--out", required=True, help="where to write the result (JSON)")
     a = ap.parse_args(argv)
     try:
-        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads)
+        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads, a.profile)
     except ValueError as e:  # a setting this zoo cannot honour: one line for the parent to show
         print(f"zoo bench_lora worker: {e}", file=sys.stderr)
         return 3
