@@ -36,7 +36,7 @@ inline void attention_forward_row(const float* q, const float* k, const float* v
     for (int j = 0; j < n_keys2; j++) p[n_first + j] = vec_dot(q, k2 + (size_t)j * kv_stride, hd);
     n_keys += n_keys2;
     if (softcap > 0.0f) {  // the capped scores, then a softmax at scale 1
-        for (int j = 0; j < n_keys; j++) p[j] = softcap * std::tanh(scale * p[j] / softcap);
+        for (int j = 0; j < n_keys; j++) p[j] = softcap * fast_tanh(scale * p[j] / softcap);
         scale = 1.0f;
     }
     float mx = row_max(p, n_keys);
@@ -367,7 +367,7 @@ struct Attention {
             float sc = scale;  // with a soft cap: the capped scores, then a softmax at scale 1
             if (softcap > 0.0f) {
                 for (int run = 0; run < 2; run++)
-                    for (int j = run_begin[run]; j < run_end[run]; j++) s[j] = softcap * std::tanh(scale * s[j] / softcap);
+                    for (int j = run_begin[run]; j < run_end[run]; j++) s[j] = softcap * fast_tanh(scale * s[j] / softcap);
                 sc = 1.0f;
             }
             const float mx = softmax_shift_skipping(s, vis.first, vis.lo, vis.hi, keys);
@@ -471,7 +471,7 @@ struct Attention {
             const int keys = start + t0 + r + 1 - k0, first = first_key(start + t0 + r) - k0;
             float sc = scale;
             if (softcap > 0.0f) {
-                for (int j = first; j < keys; j++) s[j] = softcap * std::tanh(scale * s[j] / softcap);
+                for (int j = first; j < keys; j++) s[j] = softcap * fast_tanh(scale * s[j] / softcap);
                 sc = 1.0f;
             }
             const float mx = row_max(s + first, keys - first);
@@ -710,10 +710,10 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
             // pass only sums (the scores stay for the second, which recomputes the tanh).
             for (int run = 0; run < 2; run++)
                 for (int j = run_begin[run]; j < run_end[run]; j++)
-                    dot += fast_exp(softcap * std::tanh(scale * pr[j] / softcap) - l) * dsr[j];
+                    dot += fast_exp(softcap * fast_tanh(scale * pr[j] / softcap) - l) * dsr[j];
             for (int run = 0; run < 2; run++)
                 for (int j = run_begin[run]; j < run_end[run]; j++) {
-                    const float t = std::tanh(scale * pr[j] / softcap);
+                    const float t = fast_tanh(scale * pr[j] / softcap);
                     pr[j] = fast_exp(softcap * t - l);
                     dsr[j] = pr[j] * (dsr[j] - dot) * scale * (1.0f - t * t);
                 }

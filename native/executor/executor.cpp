@@ -1191,7 +1191,7 @@ void Executor::finish_logits(float* z, size_t n, float* t) const {
     if (cap <= 0.0f) return;
 #pragma omp parallel for schedule(static)
     for (size_t k = 0; k < n; k++) {
-        const float th = std::tanh(z[k] / cap);
+        const float th = fast_tanh(z[k] / cap);
         if (t) t[k] = th;
         z[k] = cap * th;
     }
@@ -1231,7 +1231,8 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         int counted = 0;
         double chunk_mean = 0.0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
-        finish_logits(a_.head_logits, (size_t)rows * V, pullback ? a_.head_tanh : nullptr);
+        // (The scale and soft cap count as the cross-entropy's, the head's other elementwise pass.)
+        TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, pullback ? a_.head_tanh : nullptr));
         if (!pullback) {
             TIMED(forward, cross_entropy,
                   chunk_mean = ce.forward(a_.head_logits, targets + r0, a_.row_loss + r0, rows, &counted));
@@ -1243,7 +1244,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
               chunk_mean = pb_.cross_entropy(ce, a_.head_logits, targets + r0, a_.row_loss + r0, rows, n_valid,
                                              grad_scale, &counted, nullptr, a_.head_scratch));
         total += chunk_mean * counted;
-        logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V);
+        TIMED(pullback, cross_entropy, logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V));
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
                                                       false, a_.matrix_scratch));
@@ -1342,7 +1343,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
-        finish_logits(a_.head_logits, (size_t)rows * V, row_weight ? a_.head_tanh : nullptr);
+        TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, row_weight ? a_.head_tanh : nullptr));
         if (!row_weight) {
             TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
             continue;
@@ -1350,7 +1351,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         TIMED(forward, cross_entropy,
               pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
                                 row_weight + r0, a_.head_scratch));
-        logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V);
+        TIMED(pullback, cross_entropy, logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V));
         float* dx = a_.d_norm + (size_t)r0 * d;
         if (d_.frozen)
             TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));

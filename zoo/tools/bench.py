@@ -245,15 +245,19 @@ def write_workdir(workdir: Path, cfg, batch: int, seq_len: int, seed: int, hf_co
     hf_config: the transformers config of cfg (zoo.io.hf_config.config_to_hf), for --hf-class."""
     import numpy as np
 
+    from .. import families
     from ..arch.layout import initial_value, parameter_layout
 
     rng = np.random.default_rng(seed)
     entries, offset = [], 0
+    family = families.get(cfg.family)
     with open(workdir / "weights.bin", "wb") as f:
         for p in parameter_layout(cfg):
             f.write(initial_value(p, rng, cfg.n_layer).tobytes())
+            order = family.row_order(cfg, p.name)  # rows a checkpoint keeps in another order (GPT-NeoX's q|k|v)
             entries.append({"name": p.name, "shape": list(p.shape), "role": p.role, "layer": p.layer,
-                            "offset": offset, "decay": p.decay, "hf_transposed": p.hf_transposed})
+                            "offset": offset, "decay": p.decay, "hf_transposed": p.hf_transposed,
+                            "hf_row_order": None if order is None else order.tolist()})
             offset += math.prod(p.shape)
     tokens = np.random.default_rng(seed + 1).integers(0, cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     tokens.tofile(workdir / "tokens.bin")

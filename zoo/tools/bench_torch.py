@@ -132,6 +132,8 @@ def load_hf_weights(model, manifest: dict, weights_path: str) -> tuple[list, lis
     with open(weights_path, "rb") as f:
         for p in manifest["params"]:
             t = named.get(p["name"])
+            if t is None and p["role"] == "lm_head_w":  # transformers 5 names every LM head lm_head
+                t = named.get("lm_head.weight")
             if t is None:
                 raise ValueError(f"bench_torch: transformers' {type(model).__name__} has no parameter {p['name']}")
             n = math.prod(p["shape"])
@@ -139,13 +141,17 @@ def load_hf_weights(model, manifest: dict, weights_path: str) -> tuple[list, lis
             value = np.fromfile(f, dtype=np.float32, count=n).reshape(p["shape"])
             if p.get("hf_transposed"):
                 value = value.T
+            if p.get("hf_row_order") is not None:  # the checkpoint's row order: stored[order] = zoo's
+                stored = np.empty_like(value)
+                stored[np.asarray(p["hf_row_order"])] = value
+                value = stored
             if tuple(t.shape) != value.shape:
                 raise ValueError(f"bench_torch: {p['name']} is {list(t.shape)} in transformers, "
                                  f"{list(value.shape)} in zoo")
             with torch.no_grad():
                 t.copy_(torch.from_numpy(np.ascontiguousarray(value)))
             (decay if p["decay"] else no_decay).append(t)
-            seen.add(p["name"])
+            seen.add(next(name for name, param in named.items() if param is t))
     missing = [name for name in named if name not in seen]
     if missing:
         raise ValueError(f"bench_torch: zoo has no weights for {', '.join(missing[:3])} of {type(model).__name__}")
