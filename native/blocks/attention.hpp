@@ -263,7 +263,8 @@ inline void attention_normalize_row(const float* e, float* p, int r, int Tp, int
 }
 
 // Query rows t0..t0+R-1 of one head against keys 0..t0+R-1: row r attends to keys
-// first[r]..t0+r (its packed example) except the hidden span [lo[r], hi[r]). Adds the output rows into o (the caller zeroes o): an add
+// first[r]..t0+r (its packed example and window) except the hidden span [lo[r], hi[r]), the scaled
+// scores soft-capped where softcap > 0. Adds the output rows into o (the caller zeroes o): an add
 // passes the adjoint through, so the gradient reads dL/do where it lies. s, e, p: R x Tp each.
 // The softmax is arranged for what Clad's gradient computes (docs/clad.md): the exponentials
 // e = exp(s - max) are an array, computed in this function's own loop, so Clad's forward sweep
@@ -367,7 +368,8 @@ struct Attention {
             float sc = scale;  // with a soft cap: the capped scores, then a softmax at scale 1
             if (softcap > 0.0f) {
                 for (int run = 0; run < 2; run++)
-                    for (int j = run_begin[run]; j < run_end[run]; j++) s[j] = softcap * fast_tanh(scale * s[j] / softcap);
+                    for (int j = run_begin[run]; j < run_end[run]; j++)
+                        s[j] = softcap * fast_tanh(scale * s[j] / softcap);
                 sc = 1.0f;
             }
             const float mx = softmax_shift_skipping(s, vis.first, vis.lo, vis.hi, keys);

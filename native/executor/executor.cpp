@@ -879,8 +879,8 @@ LayerCall Executor::layer_call(int i, const LayerActs& a, int B, int T, LayerPas
     return LayerCall{&d_, precision_, &pb_, &w_.layers[i], &g_.layers[i], &a, &a_, rope_cos(i), rope_sin(i),
                      positions_, hidden_, cached ? c_attention_scratch_ : a_.attention_scratch,
                      cached ? k_cache_ + cache_offset_[i] : nullptr, cached ? v_cache_ + cache_offset_[i] : nullptr,
-                     cached ? cache_cap_[i] : cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_, c_decode_scratch_, B, T, pos0,
-                     pass, mode, &profile};
+                     cached ? cache_cap_[i] : cache_len_, chunk_runs_.data(), chunk_n_runs_, cache_threads_,
+                     c_decode_scratch_, B, T, pos0, pass, mode, &profile};
 }
 
 void Executor::linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,

@@ -4,8 +4,8 @@
 // (registry.hpp); activations are planned here by liveness (plan.hpp) for a (B, T).
 #pragma once
 #include <algorithm>
-#include <cmath>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <set>
 #include <stdexcept>
@@ -187,7 +187,7 @@ struct SlotAdapters {
 // pointers, null otherwise; bf16.hpp). Generation: x, res_mid and out are one buffer, the
 // residual stream updated in place.
 struct LayerActs {
-    const float* x;  // (with the parallel layer, res_mid, ln2 and ln2_stats are unused)
+    const float* x;  // (a parallel layer adds both branches into out: res_mid unused; with one norm, ln2 too)
     float *ln1, *ln1_stats, *qkv, *lse, *att, *res_mid, *ln2, *ln2_stats, *fc, *act, *out;
     uint16_t *qkv_bf16 = nullptr, *att_bf16 = nullptr, *fc_bf16 = nullptr;
     // The variants' (Dims): q and k before their norm, as [all q rows | all k rows], with the

@@ -134,8 +134,8 @@ inline void layer_rope_call(float* qkv, const LayerCall* c) {
     const LayerTimer timer(c, k_rope, false);
     const Dims& d = *c->d;
     if (d.rope && !c->replay())
-        RoPE{d.head_dim, d.rotary_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin, c->B, c->T,
-                                 c->positions, c->pos0);
+        RoPE{d.head_dim, d.rotary_dim}.forward(qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
+                                               c->B, c->T, c->positions, c->pos0);
 }
 
 // att = causal attention over qkv: over the whole sequences in training (saving lse, and in a
@@ -222,8 +222,8 @@ inline void layer_rope_call_pullback(float* qkv, const LayerCall* c, float* d_qk
     const ::zoo::LayerTimer timer(c, ::zoo::k_rope, true);
     const ::zoo::Dims& d = *c->d;
     if (d.rope)
-        c->pb->rope(::zoo::RoPE{d.head_dim, d.rotary_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos, c->rope_sin,
-                    c->B, c->T, c->positions);
+        c->pb->rope(::zoo::RoPE{d.head_dim, d.rotary_dim}, d_qkv, d.qkv_dim(), d.n_head + d.n_kv_head, c->rope_cos,
+                    c->rope_sin, c->B, c->T, c->positions);
 }
 
 // The attention pullback writes d_qkv: the arrangement's one reader of qkv (the layer pullback
@@ -247,7 +247,8 @@ inline void layer_activation_call_pullback(float* fc, float* act, const LayerCal
 
 namespace zoo {
 
-inline const LayerArrangement sequential_layer{"sequential", /*second_norm=*/true, /*parallel=*/false, nullptr, nullptr};
+inline const LayerArrangement sequential_layer{"sequential", /*second_norm=*/true, /*parallel=*/false, nullptr,
+                                               nullptr};
 inline const LayerArrangement* const layer_arrangements[] = {&sequential_layer, &parallel_layer,
                                                             &parallel_two_norms_layer};
 // Every block ad= names: the registry's, and the layer arrangements Clad can chain (kind "layer":
