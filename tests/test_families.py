@@ -77,3 +77,23 @@ def test_a_family_refuses_what_its_class_cannot_hold(tmp_path):
     with pytest.warns(UserWarning, match="MistralForCausalLM has no biases"):
         model.save_pretrained(tmp_path / "biased")  # zoo's own config.json then
     assert json.loads((tmp_path / "biased" / "config.json").read_text())["model_type"] == "zoo"
+
+
+def test_linear_rope_scaling_loads_computes_and_exports(tmp_path):
+    """rope_type "linear" (every frequency divided by the factor), as transformers computes it,
+    through save, GGUF export and back."""
+    from zoo.io.gguf import save_gguf
+
+    hf = tiny_llama(n_kv_head=2, rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 100.0})
+    hf.save_pretrained(tmp_path / "hf")
+    model = zoo.Model.from_pretrained(tmp_path / "hf")
+    assert model.config.rope_scaling.rope_type == "linear"
+    assert_parity(hf, model)
+    model.save_pretrained(tmp_path / "zoo")
+    tok, _ = tokens(1)
+    np.testing.assert_allclose(hf_logits(load_hf_fp32(tmp_path / "zoo"), tok), model.logits(tok), atol=1e-4)
+    with pytest.warns(RuntimeWarning, match="no tokenizer"):
+        save_gguf(model, tmp_path / "m.gguf")
+    back = zoo.Model.from_pretrained(tmp_path / "m.gguf")
+    assert back.config.rope_scaling == model.config.rope_scaling
+    np.testing.assert_array_equal(back.logits(tok), model.logits(tok))

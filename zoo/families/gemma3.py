@@ -11,7 +11,6 @@ from typing import Optional
 
 from ..core.errors import CheckpointError
 from ..core.files import show_value
-from ..core.rope import RopeScaling
 from . import gemma, gemma2, llama
 from .family import Family, Getter
 
@@ -69,27 +68,15 @@ def write_config(cfg) -> dict:
 
 
 def read_gguf(key, f) -> dict:
-    scaling_type = key("rope.scaling.type", str, "none")
-    fields = gemma.read_gguf(_without_scaling(key), f, "gemma3")
+    fields = gemma.read_gguf(key, f, "gemma3")
     n_layer, window = key("block_count", int), key("attention.sliding_window", int, None)
     pattern = tuple(i for i in range(n_layer) if (i + 1) % 6)  # llama.cpp's gemma3: five sliding, one full
-    scaling = None
-    if scaling_type == "linear":
-        scaling = RopeScaling(rope_type="linear", factor=key("rope.scaling.factor", float))
-    elif scaling_type != "none":
-        raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (gemma3 has linear)",
-                              key="gemma3.rope.scaling.type")
     shape = {"n_layer": n_layer, "d_model": key("embedding_length", int), "n_head": key("attention.head_count", int),
              "head_dim": fields["head_dim"]}
-    return {**fields, "branch_norms": "both", "qk_norm": "head", "rope_scaling": scaling,
+    return {**fields, "branch_norms": "both", "qk_norm": "head",
             "attention_scale": gemma2.gguf_attention_scale(shape),
             **({"sliding_window": window, "sliding_layers": pattern, "sliding_rope_theta":
                 key("rope.freq_base_swa", float, 10000.0)} if window else {})}
-
-
-def _without_scaling(key):
-    """The metadata reader, with the rope scaling keys read here and not by Llama's reader."""
-    return lambda name, *a: ("none" if name == "rope.scaling.type" else key(name, *a))
 
 
 def write_gguf(cfg) -> dict:
@@ -102,11 +89,8 @@ def write_gguf(cfg) -> dict:
                              f"not {cfg.sliding_layers}")
         keys["attention.sliding_window"] = (cfg.sliding_window, "UINT32")
         keys["rope.freq_base_swa"] = (cfg.sliding_rope_theta or cfg.rope_theta, "FLOAT32")
-    if cfg.rope_scaling is not None:
-        if cfg.rope_scaling.rope_type != "linear":
-            raise ValueError(f"rope_scaling: llama.cpp's gemma3 scales RoPE linearly, not by {cfg.rope_scaling.rope_type}")
-        keys["rope.scaling.type"] = ("linear", "STRING")
-        keys["rope.scaling.factor"] = (cfg.rope_scaling.factor, "FLOAT32")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type != "linear":
+        raise ValueError(f"rope_scaling: llama.cpp's gemma3 scales RoPE linearly, not by {cfg.rope_scaling.rope_type}")
     return keys
 
 

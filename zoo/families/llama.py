@@ -211,14 +211,16 @@ def read_gguf(key, f, family: str = "llama") -> dict:
     if rotary > head_dim or rotary % 2 or rotary <= 0:
         raise CheckpointError(f.path, f"{rotary} rotated values of a head of {head_dim}: zoo rotates an even number "
                               "up to the head size", key=f"{arch}.rope.dimension_count")
-    scaling_type = key("rope.scaling.type", str, "none")
-    if scaling_type != "none":
-        raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (zoo computes Llama 3's, "
-                                      "which GGUF stores as rope_freqs.weight)", key=f"{arch}.rope.scaling.type")
+    scaling_type, scaling = key("rope.scaling.type", str, "none"), None
+    if scaling_type == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=key("rope.scaling.factor", float))
+    elif scaling_type != "none":
+        raise CheckpointError(f.path, f"rope scaling {scaling_type!r} is not supported (zoo computes linear and "
+                                      "Llama 3's, which GGUF stores as rope_freqs.weight)", key=f"{arch}.rope.scaling.type")
     if key("rope.scale_linear", float, 1.0) != 1.0:
         raise CheckpointError(f.path, "linear rope scaling is not supported", key=f"{arch}.rope.scale_linear")
     return dict(family=family, n_kv_head=key("attention.head_count_kv", int, n_head), head_dim=head_dim,
-                rotary_dim=None if rotary == head_dim else rotary,
+                rotary_dim=None if rotary == head_dim else rotary, **({"rope_scaling": scaling} if scaling else {}),
                 norm="rmsnorm", norm_eps=key("attention.layer_norm_rms_epsilon", float), mlp="swiglu",
                 positions="rope", rope_theta=key("rope.freq_base", float, 10000.0),
                 attention_bias="blk.0.attn_q.bias" in f.tensors,
@@ -233,6 +235,9 @@ def write_gguf(cfg) -> dict:
     if cfg.head_dim * cfg.n_head != cfg.d_model:
         keys["attention.key_length"] = (cfg.head_dim, "UINT32")
         keys["attention.value_length"] = (cfg.head_dim, "UINT32")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "linear":  # (llama3's: rope_freqs.weight)
+        keys["rope.scaling.type"] = ("linear", "STRING")
+        keys["rope.scaling.factor"] = (cfg.rope_scaling.factor, "FLOAT32")
     return keys
 
 
