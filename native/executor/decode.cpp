@@ -5,13 +5,17 @@
 // region (a fork and a join) for each of its nine steps:
 //   - the norms run on every thread, each into its own buffer, and each thread prepares its
 //     own copy of the product's operand from it: no barrier between a norm and its product;
-//   - the products split the rows of each matrix over the threads (gemv.hpp);
+//   - the threads take the rows of each matrix a chunk at a time from a counter (gemv.hpp):
+//     on a machine shared with other work, a thread the system sets aside holds up only the
+//     chunk it has, and the others take the rest;
 //   - RoPE, the KV cache append and attention go together, one task per (sequence, KV head);
-//   - the MLP's activation follows its input product on each thread's own rows (for a gated
-//     activation, gate row o and up row d_ff + o go to the same thread).
+//   - the MLP's activation follows its input product on the units each thread took (for a
+//     gated activation, gate row o and up row d_ff + o go to the same thread).
 // The sequential layer over a base without adapters; others take Executor::cached_chunk.
 #include <omp.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -48,6 +52,8 @@ void Executor::decode_chunk(int rows) {
     const LayerActs& a = cached_;
     float* x = a.out;  // the residual stream, updated in place
     const bool timing = profile.on;
+    std::atomic<int>* counters = decode_next_.get();
+    for (int k = 0; k < 4 * d.n_layer; k++) counters[k].store(0, std::memory_order_relaxed);
 #pragma omp parallel num_threads(cache_threads_)
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
@@ -64,11 +70,13 @@ void Executor::decode_chunk(int rows) {
             profile.forward[slot] += now - t0;
             t0 = now;
         };
-        // y rows [share t] = r + x W^T + b, x prepared on this thread.
-        auto product = [&](const float* in, int ld, const Matrix& W, const float* b, const float* r, float* y,
-                           int ldy) {
+        // work(r0, r1) over the chunks of R rows this thread takes from the counter next.
+        auto take = [&](std::atomic<int>& next, int R, auto&& work) { gemv::take_rows(next, R, n, work); };
+        // y = r + x W^T + b over the rows this thread takes, x prepared on this thread.
+        auto product = [&](std::atomic<int>& next, const float* in, int ld, const Matrix& W, const float* b,
+                           const float* r, float* y, int ldy) {
             const gemv::Operand op = gemv::prepare(p, rows, in, ld, W, operand, isa);
-            gemv::rows(op, W, gemv::share(W.rows, n, t), gemv::share(W.rows, n, t + 1), b, r, ldy, y, ldy);
+            take(next, W.rows, [&](int r0, int r1) { gemv::rows(op, W, r0, r1, b, r, ldy, y, ldy); });
         };
 #pragma omp single
         Embedding{D}.forward(chunk_tokens_.data(), chunk_positions_.data(), wm_.wte, w_.wpe, x, 1, rows);
@@ -78,7 +86,8 @@ void Executor::decode_chunk(int rows) {
             const LayerMatrices& wm = wm_.layers[i];
             d.norm->forward({D, d.norm_eps, rows, x, w.ln1_w, w.ln1_b, stats}, ln);
             lap(k_norm);
-            product(ln, D, wm.qkv_w, w.qkv_b, nullptr, a.qkv, qkv_dim);
+            std::atomic<int>* next = counters + 4 * i;  // this layer's four products'
+            product(next[0], ln, D, wm.qkv_w, w.qkv_b, nullptr, a.qkv, qkv_dim);
 #pragma omp barrier
             lap(k_linear);
             // Task (run, g): the run's keys of KV head g rotated and put in the cache with its
@@ -107,29 +116,30 @@ void Executor::decode_chunk(int rows) {
             }
 #pragma omp barrier
             lap(k_attention);
-            product(a.att, attn_dim, wm.attn_out_w, w.attn_out_b, x, x, D);
+            product(next[1], a.att, attn_dim, wm.attn_out_w, w.attn_out_b, x, x, D);
 #pragma omp barrier
             lap(k_linear);
             d.norm->forward({D, d.norm_eps, rows, x, w.ln2_w, w.ln2_b, stats}, ln);
             lap(k_norm);
-            // This thread's MLP units [f0, f1): their rows of each gate part, then the activation.
-            const int f0 = gemv::share(F, n, t), f1 = gemv::share(F, n, t + 1), width = f1 - f0;
+            // The MLP's units [f0, f1) this thread takes: their rows of each gate part, then the
+            // activation (timed as linear here).
             {
                 const gemv::Operand op = gemv::prepare(p, rows, ln, D, wm.fc_w, operand, isa);
-                for (int part = 0; part < gate; part++)
-                    gemv::rows(op, wm.fc_w, part * F + f0, part * F + f1, w.fc_b, nullptr, fc_dim, a.fc, fc_dim);
-            }
-            lap(k_linear);
-            if (width > 0)
-                for (int m = 0; m < rows; m++) {
+                take(next[2], F, [&](int f0, int f1) {
+                    const int width = f1 - f0;
                     for (int part = 0; part < gate; part++)
-                        std::memcpy(gathered + (size_t)part * width, a.fc + (size_t)m * fc_dim + (size_t)part * F + f0,
-                                    sizeof(float) * width);
-                    d.mlp->forward(width, gathered, a.act + (size_t)m * F + f0, 1);
-                }
+                        gemv::rows(op, wm.fc_w, part * F + f0, part * F + f1, w.fc_b, nullptr, fc_dim, a.fc, fc_dim);
+                    for (int m = 0; m < rows; m++) {
+                        for (int part = 0; part < gate; part++)
+                            std::memcpy(gathered + (size_t)part * width,
+                                        a.fc + (size_t)m * fc_dim + (size_t)part * F + f0, sizeof(float) * width);
+                        d.mlp->forward(width, gathered, a.act + (size_t)m * F + f0, 1);
+                    }
+                });
+            }
 #pragma omp barrier
-            lap(k_activation);
-            product(a.act, F, wm.proj_w, w.proj_b, x, x, D);
+            lap(k_linear);
+            product(next[3], a.act, F, wm.proj_w, w.proj_b, x, x, D);
 #pragma omp barrier
             lap(k_linear);
         }

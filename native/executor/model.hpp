@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -499,6 +501,7 @@ private:
     // The same in one parallel region (decode.cpp), where fused_decode(rows) says it applies.
     bool fused_decode(int rows) const;
     void decode_chunk(int rows);
+    std::unique_ptr<std::atomic<int>[]> decode_next_;  // each layer's four products' chunk counters
     bool has_adapters_ = false;
     // A linear layer's forward: in generation (cached), a few rows on the decode kernels.
     void linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,
