@@ -11,7 +11,8 @@
 //   - RoPE, the KV cache append and attention go together, one task per (sequence, KV head);
 //   - the MLP's activation follows its input product on the units each thread took (for a
 //     gated activation, gate row o and up row d_ff + o go to the same thread).
-// The sequential layer over a base without adapters; others take Executor::cached_chunk.
+// The sequential layer over a base without adapters, with the variants' options that act inside
+// a head or a scale (Dims::fused_decode_options); others take Executor::cached_chunk.
 #include <omp.h>
 
 #include <algorithm>
@@ -37,7 +38,7 @@ size_t decode_thread_floats(const Dims& d) {
 }
 
 bool Executor::fused_decode(int rows) const {
-    return rows <= gemv::max_rows && !d_.layer->parallel && !has_adapters_ && !d_.variant();
+    return rows <= gemv::max_rows && !d_.layer->parallel && !has_adapters_ && d_.fused_decode_options();
 }
 
 void Executor::decode_chunk(int rows) {
@@ -45,7 +46,7 @@ void Executor::decode_chunk(int rows) {
     const int D = d.d_model, F = d.d_ff, gate = d.mlp->gate_width, hd = d.head_dim, half = d.rotary_half();
     const int qkv_dim = d.qkv_dim(), attn_dim = d.attn_dim(), fc_dim = d.fc_dim();
     const int n_kv = d.n_kv_head, group = d.n_head / d.n_kv_head, tasks = chunk_n_runs_ * n_kv;
-    const float scale = 1.0f / std::sqrt((float)hd);
+    const float scale = d.softmax_scale(), softcap = d.attention_softcap;
     const Attention attn{d.n_head, d.n_kv_head, hd};
     const gemv::Isa isa = gemv::best_isa();
     const Precision p = precision_;
@@ -79,7 +80,11 @@ void Executor::decode_chunk(int rows) {
             take(next, W.rows, [&](int r0, int r1) { gemv::rows(op, W, r0, r1, b, r, ldy, y, ldy); });
         };
 #pragma omp single
-        Embedding{D}.forward(chunk_tokens_.data(), chunk_positions_.data(), wm_.wte, w_.wpe, x, 1, rows);
+        {
+            Embedding{D}.forward(chunk_tokens_.data(), chunk_positions_.data(), wm_.wte, w_.wpe, x, 1, rows);
+            if (d.embedding_scale != 1.0f)
+                for (size_t k = 0; k < (size_t)rows * D; k++) x[k] *= d.embedding_scale;
+        }
         lap(k_embedding);
         for (int i = 0; i < d.n_layer; i++) {
             const LayerTensors& w = w_.layers[i];
@@ -92,26 +97,43 @@ void Executor::decode_chunk(int rows) {
             lap(k_linear);
             // Task (run, g): the run's keys of KV head g rotated and put in the cache with its
             // values, then the group's query heads rotated and attending.
+            // The layer's options: q and k RMS-normalized per head (Qwen3, Gemma 3), then rotated by
+            // its table (none in a NoPE layer, the local one in a sliding layer), its keys in a
+            // ring of cap positions where it has a window (a query sees positions first..p).
+            const Attention layer_attn = attention(i);
+            const bool rotates = layer_rotates(i);
+            const float *cos_i = rope_cos(i), *sin_i = rope_sin(i);
+            const int cap = cache_cap_[i];
+            auto qk_norm = [&](float* v, const float* nw) {  // one head's row, in place (through ln)
+                d.norm->forward({hd, d.norm_eps, 1, v, nw, nullptr, stats}, ln);
+                std::memcpy(v, ln, sizeof(float) * hd);
+            };
             for (int task = t; task < tasks; task += n) {
                 const CacheRun& run = chunk_runs_[task / n_kv];
                 const int g = task % n_kv;
-                const size_t at = cache_offset_[i] + ((size_t)run.slot * n_kv + g) * cache_cap_[i] * hd;
+                const size_t at = cache_offset_[i] + ((size_t)run.slot * n_kv + g) * cap * hd;
                 float *kc = k_cache_ + at, *vc = v_cache_ + at;
                 for (int r = 0; r < run.len; r++) {
                     float* row = a.qkv + (size_t)(run.row + r) * qkv_dim;
-                    const size_t pos = run.start + r;
+                    const size_t pos = run.start + r, ring = pos % cap;
                     float* k = row + (size_t)(d.n_head + g) * hd;
-                    if (d.rope) rope_forward_row(k, rope_cos_.data() + pos * half, rope_sin_.data() + pos * half, half);
-                    std::memcpy(kc + pos * hd, k, sizeof(float) * hd);
-                    std::memcpy(vc + pos * hd, row + (size_t)(d.n_head + n_kv + g) * hd, sizeof(float) * hd);
+                    if (d.qk_norm) qk_norm(k, w.k_norm_w);
+                    if (rotates) rope_forward_row(k, cos_i + pos * half, sin_i + pos * half, half);
+                    std::memcpy(kc + ring * hd, k, sizeof(float) * hd);
+                    std::memcpy(vc + ring * hd, row + (size_t)(d.n_head + n_kv + g) * hd, sizeof(float) * hd);
                 }
                 for (int h = g * group; h < (g + 1) * group; h++)
                     for (int r = 0; r < run.len; r++) {
                         float* q = a.qkv + (size_t)(run.row + r) * qkv_dim + (size_t)h * hd;
-                        const size_t pos = run.start + r;
-                        if (d.rope) rope_forward_row(q, rope_cos_.data() + pos * half, rope_sin_.data() + pos * half, half);
-                        attention_forward_row(q, kc, vc, probs, a.att + (size_t)(run.row + r) * attn_dim + (size_t)h * hd,
-                                              hd, (int)pos + 1, hd, scale);
+                        const int pos = run.start + r;
+                        if (d.qk_norm) qk_norm(q, w.q_norm_w);
+                        if (rotates) rope_forward_row(q, cos_i + (size_t)pos * half, sin_i + (size_t)pos * half, half);
+                        // Positions first..pos at ring rows first % cap on, wrapping once at most.
+                        const int first = layer_attn.first_key(pos), keys = pos + 1 - first, at0 = first % cap;
+                        const int n1 = std::min(keys, cap - at0);
+                        attention_forward_row(q, kc + (size_t)at0 * hd, vc + (size_t)at0 * hd, probs,
+                                              a.att + (size_t)(run.row + r) * attn_dim + (size_t)h * hd, hd, n1, hd,
+                                              scale, softcap, kc, vc, keys - n1);
                     }
             }
 #pragma omp barrier

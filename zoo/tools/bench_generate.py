@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("bench_generate: llama-cpp-python is not installed: zoo alone (pip install llama-cpp-python)",
                   file=sys.stderr)
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.preset:
             for base in a.base:
@@ -228,12 +228,19 @@ def main(argv=None) -> int:
                     for system in ["zoo"] + (["llama.cpp"] if have_llama else []):
                         print(f"bench_generate: {preset}, {base}, {system} ({rep + 1}/{a.repeats}) ...",
                               file=sys.stderr)
-                        runs[system].append(_run_worker(a, system, base, preset, gguf, system == "zoo" and rep == 0))
+                        try:
+                            runs[system].append(_run_worker(a, system, base, preset, gguf,
+                                                            system == "zoo" and rep == 0))
+                        except RuntimeError as e:  # the others still run; the table says what is missing
+                            print(e, file=sys.stderr)
+                            failed.append({"preset": preset, "base": base, "system": system, "repeat": rep + 1})
                 gguf.unlink(missing_ok=True)
                 rows.append({"preset": preset, "base": base, "runs": runs})
     _print_table(a, rows, have_llama)
     targets = _targets(a, rows, have_llama)
     _print_targets(targets)
+    for f in failed:
+        print(f"failed: {f['preset']} {f['base']}, {f['system']} run {f['repeat']}")
     if a.json:
         from zoo.core.atomic import write_json
 
@@ -242,7 +249,7 @@ def main(argv=None) -> int:
                                   "new_tokens": a.new_tokens, "prefill_len": a.prefill_len, "batch": a.batch,
                                   "threads": a.threads, "repeats": a.repeats, "cpu": cpu_info(),
                                   "cpus": os.cpu_count(), "llama_cpp": _llama_cpp_version() if have_llama else None,
-                                  "results": rows, "targets": targets})
+                                  "results": rows, "targets": targets, "failed": failed})
         print(f"\nwrote {a.json}")
     return 0
 
@@ -310,6 +317,9 @@ def _print_table(a, rows: list[dict], have_llama: bool) -> None:
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         z, l = row["runs"]["zoo"], row["runs"]["llama.cpp"]
+        if not z:
+            print(f"| {row['preset']} | {row['base']} | - | (zoo failed) |")
+            continue
         zd, ld = _best(z, "decode_tokens_per_s"), _best(l, "decode_tokens_per_s")
         zp, lp = _best(z, "prefill_tokens_per_s"), _best(l, "prefill_tokens_per_s")
         zb = _best(z, "batch_tokens_per_s")
