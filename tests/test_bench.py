@@ -317,3 +317,28 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path, clock):
     assert r["base_zoo"] == str(root / "zoo") and r["current_zoo"] != r["base_zoo"]
     with pytest.raises(SystemExit, match="no zoo package there"):
         bench_ab.main(["--base", str(tmp_path / "nowhere")])
+
+
+def test_bench_generate_zoo_alone_writes_table_json_and_targets(tmp_path, capsys):
+    # The generation benchmark without llama.cpp: zoo's side runs, the JSON records each run's load
+    # average, and the targets are those that need no llama.cpp (the batch's, at the 1.1B shape).
+    from zoo.tools import bench_generate
+
+    out = tmp_path / "gen.json"
+    assert bench_generate.main(["--preset", "tiny-llama", "--base", "int8", "--repeats", "1", "--new-tokens", "6",
+                                "--prefill-len", "32", "--batch", "2", "--no-llama-cpp", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| tiny-llama | int8 (bf16) | - |" in table
+    data = json.loads(out.read_text())
+    assert data["schema"] == "zoo-bench-generate/3" and data["llama_cpp"] is None
+    (zoo_run,) = data["results"][0]["runs"]["zoo"]
+    assert zoo_run["decode_tokens_per_s"] > 0 and zoo_run["batch_tokens_per_s"] > 0
+    assert zoo_run["prefill_tokens_per_s"] > 0 and zoo_run["load_before"] is not None
+    assert data["targets"] == []  # no llama.cpp, and the batch target is the 1.1B shape's
+    rows = [{"preset": "tinyllama-1.1b", "base": "int8",
+             "runs": {"zoo": [{"decode_tokens_per_s": 10.0, "prefill_tokens_per_s": 100.0, "batch_tokens_per_s": 45.0}],
+                      "llama.cpp": [{"decode_tokens_per_s": 11.0, "prefill_tokens_per_s": 90.0}]}}]
+    args = bench_generate.argparse.Namespace(prefill_len=512, batch=8)
+    got = {t["target"]: (round(t["value"], 3), t["met"]) for t in bench_generate._targets(args, rows, True)}
+    assert got == {"decode tinyllama-1.1b int8 vs Q8_0": (0.909, False), "prompt 512 tinyllama-1.1b int8": (1.111, True),
+                   "batch 8 vs one tinyllama-1.1b int8": (4.5, True)}

@@ -35,6 +35,12 @@ VARIANTS = {
                                  attention_softcap=0.3, logit_softcap=0.25, sliding_window=4, sliding_layers=(0, 2),
                                  sliding_rope_theta=10.0, attention_scale=4.0, tied_embeddings=True),
     "partial_rotary": dict(rotary_dim=4, head_dim=16),
+    # Every option the fused decode step computes at once (Qwen3's q/k norm per head, a window
+    # with its own RoPE table, a NoPE layer, partial rotary, the embedding and attention scales,
+    # the score cap).
+    "fused_decode_options": dict(qk_norm="head", head_dim=16, rotary_dim=8, sliding_window=5, sliding_layers=(0,),
+                                 sliding_rope_theta=10.0, nope_layers=(2,), embedding_scale=2.0, attention_scale=0.2,
+                                 attention_softcap=2.0),
     "parallel_one_norm_gelu_erf": dict(layer="parallel", norm="layernorm", mlp="gelu_erf", attention_bias=True,
                                        mlp_bias=True, rotary_dim=2),
     "parallel_two_norms_neox_like": dict(layer="parallel_two_norms", norm="layernorm", mlp="gelu_erf",
@@ -219,3 +225,40 @@ def test_bf16_products_stay_close_to_fp32(name):
     assert abs(loss16 - loss) <= 1e-2 * loss
     flat, flat16 = (np.concatenate([g[k].ravel() for k in sorted(g)]) for g in (grads, grads16))
     assert flat @ flat16 / (np.linalg.norm(flat) * np.linalg.norm(flat16)) > 0.99
+
+
+# The variants whose new tokens take the fused decode step (native/executor/decode.cpp); the rest
+# (q/k norm over the projection, norms on branch outputs, the residual scale, the parallel layers)
+# decode one block call at a time.
+FUSED = {"qkv_bias_only", "qk_norm_head_wide_heads", "window_on_two_layers", "window_everywhere_gqa", "nope_layer",
+         "partial_rotary", "fused_decode_options"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_which_variants_decode_in_the_fused_step(name):
+    model = model_of(name)
+    assert model._exec.decodes_fused(1) == (name in FUSED)
+    assert model._exec.decodes_fused(8) == (name in FUSED)
+    assert not model._exec.decodes_fused(9)  # more rows than the decode products take
+
+
+@pytest.mark.parametrize("name", sorted(FUSED - {"qkv_bias_only"}))
+def test_the_fused_decode_step_matches_the_full_forward(name):
+    """Three sequences in one call each step (prompts of 3, 2 and 1 tokens: runs of several rows),
+    then one new token each, past the window, against the full forward of each sequence."""
+    model = model_of(name)
+    rng = np.random.default_rng(8)
+    seqs = rng.integers(0, model.config.vocab_size, (3, 16))
+    full = model.logits(seqs)
+    scale = np.abs(full).max()
+    model.reset_cache(3, 16)
+    at = [3, 2, 1]
+    assert model._exec.decodes_fused(sum(at))
+    got = model.forward_segments([0, 1, 2], [seqs[k, :at[k]].tolist() for k in range(3)], [0, 0, 0])
+    for k in range(3):
+        np.testing.assert_allclose(got[k], full[k, at[k] - 1], atol=1e-5 * scale, err_msg=f"prompt {k}")
+    for step in range(12):
+        got = model.forward_segments([0, 1, 2], [[int(seqs[k, at[k]])] for k in range(3)], list(at))
+        for k in range(3):
+            np.testing.assert_allclose(got[k], full[k, at[k]], atol=1e-5 * scale, err_msg=f"step {step}, sequence {k}")
+            at[k] += 1

@@ -696,6 +696,8 @@ PYBIND11_MODULE(_native, m) {
 #undef ZOO_PROFILE_ENTRY
             return out;
         })
+        .def("decodes_fused", &Executor::decodes_fused, py::arg("rows"),
+             "Whether a call of `rows` new rows (over all its segments) takes the fused decode step.")
         .def("reset_cache", [](Executor& e, int64_t batch, int64_t max_len) {
             const auto [B, T] = batch_shape(batch, max_len, "reset_cache");
             e.reset_cache(B, T);

@@ -1598,6 +1598,7 @@ void Executor::reset_cache(int B, int max_len) {
     chunk_tokens_.assign(c.rows, 0);
     chunk_positions_.assign(c.rows, 0);
     chunk_runs_.assign(std::min(B, c.rows), CacheRun{});
+    decode_next_.reset(new std::atomic<int>[4 * d_.n_layer]);
 }
 
 int Executor::slot_length(int slot) const {

@@ -5,8 +5,10 @@
 #pragma once
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -84,6 +86,11 @@ struct Dims {
         for (char r : layer_rope) if (r != 1) return true;
         return false;
     }
+    // The options the fused decode step computes (decode.cpp) besides the plain layer's: q/k norms
+    // per head, windows (ring caches), NoPE and local-RoPE layers, the embedding and attention
+    // scales and the score soft-cap. Not: q/k norms over all heads, norms on branch outputs or
+    // none on their inputs, the residual scale (a branch through a buffer of its own).
+    bool fused_decode_options() const { return qk_norm != 2 && pre_norm && !branch_buffer(); }
     float softmax_scale() const { return attention_scale != 0.0f ? attention_scale : 1.0f / std::sqrt((float)head_dim); }
 };
 
@@ -499,6 +506,11 @@ private:
     // The same in one parallel region (decode.cpp), where fused_decode(rows) says it applies.
     bool fused_decode(int rows) const;
     void decode_chunk(int rows);
+public:
+    // Whether a call of `rows` new rows takes the fused decode step (tests).
+    bool decodes_fused(int rows) const { return fused_decode(rows); }
+private:
+    std::unique_ptr<std::atomic<int>[]> decode_next_;  // each layer's four products' chunk counters
     bool has_adapters_ = false;
     // A linear layer's forward: in generation (cached), a few rows on the decode kernels.
     void linear_forward(const Linear& l, bool cached, const float* x, const Matrix& W, const float* b, float* y,

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -527,6 +528,13 @@ namespace avx512 {
 inline __mmask16 tail16(int n) { return n >= 16 ? (__mmask16)0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 inline __mmask32 tail32(int n) { return n >= 32 ? (__mmask32)0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
 
+// Each row of a block is its own stream through memory. The int8 and nf4 kernels read a row's
+// next line from DRAM sooner when they ask for it prefetch_bytes ahead themselves (a matrix far
+// larger than the caches, one thread: int8 about 15% more bytes a second, nf4 20-30%); the bf16
+// one, which reads a whole line per step, gains nothing from it and is left to the hardware.
+constexpr int prefetch_bytes = 1024;
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + prefetch_bytes, _MM_HINT_T0); }
+
 // Four sums at once: {sum a, sum b, sum c, sum d}.
 inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
     auto half = [](__m512 v) {
@@ -739,8 +747,11 @@ inline void block_i16(const Job& j, int r) {
         for (k = k0; k < k1; k += 32) {
             __m512i wv[RB];
             ZOO_UNROLL
-            for (int i = 0; i < RB; i++)
-                wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (size_t)(r + i) * K + k)));
+            for (int i = 0; i < RB; i++) {
+                const int8_t* p = w + (size_t)(r + i) * K + k;
+                if (!(k & 63)) prefetch(p);
+                wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)p));
+            }
             step(wv, k);
         }
         flush();
@@ -766,9 +777,12 @@ inline void block_i16(const Job& j, int r) {
     }
 }
 
+// One or two rows of x against 8 rows of W at a time: twice the rows streaming from memory at
+// once, which a single thread reads about 8% faster from DRAM than 4 (its 16 sums and 8
+// widened rows fit the 32 registers).
 template <int M>
 void rows_i16_m(const Job& j, int r0, int r1) {
-    by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+    by_groups<M, (M <= 2 ? 8 : 4)>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
         block_i16<decltype(m)::value, decltype(rb)::value>(g, r);
     });
 }
@@ -780,6 +794,7 @@ struct BF16Dot {
     const uint16_t* w;
     int K;
     __m512bh load(int r, int k) const { return (__m512bh)_mm512_loadu_si512(w + (size_t)r * K + k); }
+    void prefetch(int, int) const {}
     __m512bh load_tail(int r, int k, int n) const {
         return (__m512bh)_mm512_maskz_loadu_epi16(tail32(n), w + (size_t)r * K + k);
     }
@@ -793,6 +808,9 @@ struct Int8Dot {  // int8 values are exact in bf16 (8 significant bits)
         return _mm512_cvtne2ps_pbh(hi, lo);
     }
     __m512bh load(int r, int k) const { return widen(_mm256_loadu_si256((const __m256i*)(w + (size_t)r * K + k))); }
+    void prefetch(int r, int k) const {
+        if (!(k & 63)) avx512::prefetch(w + (size_t)r * K + k);
+    }
     __m512bh load_tail(int r, int k, int n) const {
         return widen(_mm256_maskz_loadu_epi8(tail32(n), w + (size_t)r * K + k));
     }
@@ -817,7 +835,10 @@ inline void block_dot(const Job& j, const F& f, int r, int kv, bool int8) {
     for (; k < kv; k += 32) {
         __m512bh w[RB];
         ZOO_UNROLL
-        for (int i = 0; i < RB; i++) w[i] = f.load(r + i, k);
+        for (int i = 0; i < RB; i++) {
+            f.prefetch(r + i, k);
+            w[i] = f.load(r + i, k);
+        }
         step(w, k);
     }
     if (k < j.K) {
@@ -854,8 +875,9 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
         const size_t k = b * nf4_block;
         ZOO_UNROLL
         for (int i = 0; i < RB; i++) {
-            const __m512i codes =
-                _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(v + (r + i) * row_bytes + k / 2)));
+            const uint8_t* p = v + (r + i) * row_bytes + k / 2;
+            if (!(b & 1)) prefetch(p);
+            const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
             const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(15)), table);
             const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
             const __m512 s = _mm512_set1_ps(scales[(r + i) * blocks + b]);
@@ -1005,10 +1027,11 @@ bool worth_threads(const Matrix& W) { return value_bytes(W.dtype, W.rows, W.cols
 void product(Precision p, int M, const float* x, int ldx, const Matrix& W, const float* bias, const float* residual,
              int ldr, float* y, int ldy, float* scratch, Isa isa, bool parallel) {
     const Operand op = prepare(p, M, x, ldx, W, scratch, isa);
+    std::atomic<int> next{0};
 #pragma omp parallel if (parallel && worth_threads(W))
     {
-        const int n = omp_get_num_threads(), t = omp_get_thread_num();
-        rows(op, W, share(W.rows, n, t), share(W.rows, n, t + 1), bias, residual, ldr, y, ldy);
+        take_rows(next, W.rows, omp_get_num_threads(),
+                  [&](int r0, int r1) { rows(op, W, r0, r1, bias, residual, ldr, y, ldy); });
     }
 }
 

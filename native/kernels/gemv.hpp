@@ -17,6 +17,8 @@
 // its row's scale, so that the sums run on integer multiply-adds (|x' - x| <= max|x| / 65534:
 // finer than bf16's |x| / 512 wherever |x| > max|x| / 128). In an fp32 product x' = x, L' = L.
 #pragma once
+#include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -60,11 +62,24 @@ Operand prepare(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
 void rows(const Operand& x, const Matrix& W, int r0, int r1, const float* bias, const float* residual, int ldr,
           float* y, int ldy);
 
-// Thread t's first row of R rows shared among n threads (t = n: R): equal shares, cut at
-// multiples of 16 rows (a cache line of y).
-inline int share(int R, int n, int t) { return t >= n ? R : (int)((int64_t)R * t / n / 16 * 16); }
+// Threads take the rows of a product a chunk at a time as they finish the last (next: the first
+// row nobody has taken), not a fixed share each: on a machine shared with other work, a thread
+// the system sets aside holds up only the chunk it has, and the others take the rest. Each chunk
+// is a share of what is left (guided scheduling): the first are long runs of W, which the
+// hardware prefetchers stream at full speed, the last short. Whole cache lines of y.
+template <class Work>
+inline void take_rows(std::atomic<int>& next, int R, int threads, Work&& work) {
+    int r0 = next.load(std::memory_order_relaxed);
+    while (r0 < R) {
+        const int c = std::max(16, ((R - r0) / (2 * threads) + 15) / 16 * 16), r1 = std::min(R, r0 + c);
+        if (next.compare_exchange_weak(r0, r1, std::memory_order_relaxed)) {
+            work(r0, r1);
+            r0 = next.load(std::memory_order_relaxed);
+        }
+    }
+}
 
-// The whole product: prepare, then the rows split over the OpenMP threads where W is large
+// The whole product: prepare, then the rows in chunks over the OpenMP threads where W is large
 // enough to pay for waking them (parallel false: the calling thread alone).
 void product(Precision p, int M, const float* x, int ldx, const Matrix& W, const float* bias, const float* residual,
              int ldr, float* y, int ldy, float* scratch, Isa isa, bool parallel = true);

@@ -13,7 +13,13 @@ in a fresh process:
   batched  (zoo) --batch prompts of --prompt-len tokens decoded together, --new-tokens each:
            new tokens per second of all of them, after the first token of each
 Each figure is the best of its repeats (on a machine shared with other work the best is what the
-code does when it runs; every repeat is in the JSON). Prints a table, writes JSON."""
+code does when it runs; every repeat is in the JSON, with the machine's load average before and
+after it). Prints a table with the ratios and issue 33's targets, met or not:
+  decode    zoo / llama.cpp >= 1.0 in bf16 (BF16) and int8 (Q8_0), >= 0.9 in nf4 (Q4_0)
+  prompt    zoo / llama.cpp >= 1.0 over --prefill-len tokens
+  batched   --batch prompts >= 4x one prompt's new tokens per second, at the 1.1B shape
+and writes JSON (--json, benchmarks/generate-vs-llama.cpp.json by default; --json '' for none).
+Without llama-cpp-python (or with --no-llama-cpp) the zoo side runs alone."""
 
 from __future__ import annotations
 
@@ -28,6 +34,13 @@ from pathlib import Path
 
 from .bench_torch import _peak_rss_mib
 from .bench_worker import cpu_info
+
+# Issue 33's targets: decode against llama.cpp by format, prompt processing, and the batch's
+# tokens per second against one prompt's at the 1.1B shape.
+DECODE_TARGETS = {"fp32": 1.0, "bf16": 1.0, "int8": 1.0, "nf4": 0.9}
+PREFILL_TARGET = 1.0
+BATCH_TARGET = 4.0
+BATCH_TARGET_PRESETS = ("tinyllama-1.1b",)
 
 # The GGUF type llama.cpp runs for each zoo base format.
 GGUF_TYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "q8_0", "nf4": "q4_0"}
@@ -149,10 +162,21 @@ def _run_worker(a, system: str, base: str, preset: str, gguf: Path, export: bool
         if export:
             cmd += ["--export", str(gguf)]
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-        r = subprocess.run(cmd, env=env)
+        load_before = _load()
+        r = subprocess.run(cmd, env=env, check=False)
         if r.returncode:
             raise RuntimeError(f"bench_generate: the {system} worker ({preset}, {base}) failed (status {r.returncode})")
-        return json.loads(out.read_text())
+        result = json.loads(out.read_text())
+        result.update(load_before=load_before, load_after=_load())
+        return result
+
+
+def _load() -> float | None:
+    """The machine's 1-minute load average (None where the system has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def _best(runs: list[dict], key: str):
@@ -174,7 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="zoo and llama.cpp runs in turn, each this many times")
     ap.add_argument("--no-llama-cpp", dest="llama_cpp", action="store_false",
                     help="zoo alone, even where llama-cpp-python is installed")
-    ap.add_argument("--json", default=None, metavar="FILE")
+    ap.add_argument("--json", default="benchmarks/generate-vs-llama.cpp.json", metavar="FILE",
+                    help="where the JSON goes ('' for nowhere)")
     ap.add_argument("--worker", choices=["zoo", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -193,7 +218,7 @@ def main(argv=None) -> int:
         except ImportError:
             print("bench_generate: llama-cpp-python is not installed: zoo alone (pip install llama-cpp-python)",
                   file=sys.stderr)
-    rows = []
+    rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for preset in a.preset:
             for base in a.base:
@@ -203,17 +228,28 @@ def main(argv=None) -> int:
                     for system in ["zoo"] + (["llama.cpp"] if have_llama else []):
                         print(f"bench_generate: {preset}, {base}, {system} ({rep + 1}/{a.repeats}) ...",
                               file=sys.stderr)
-                        runs[system].append(_run_worker(a, system, base, preset, gguf, system == "zoo" and rep == 0))
+                        try:
+                            runs[system].append(_run_worker(a, system, base, preset, gguf,
+                                                            system == "zoo" and rep == 0))
+                        except RuntimeError as e:  # the others still run; the table says what is missing
+                            print(e, file=sys.stderr)
+                            failed.append({"preset": preset, "base": base, "system": system, "repeat": rep + 1})
                 gguf.unlink(missing_ok=True)
                 rows.append({"preset": preset, "base": base, "runs": runs})
     _print_table(a, rows, have_llama)
+    targets = _targets(a, rows, have_llama)
+    _print_targets(targets)
+    for f in failed:
+        print(f"failed: {f['preset']} {f['base']}, {f['system']} run {f['repeat']}")
     if a.json:
         from zoo.core.atomic import write_json
 
-        write_json(Path(a.json), {"schema": "zoo-bench-generate/2", "presets": a.preset, "prompt_len": a.prompt_len,
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        write_json(Path(a.json), {"schema": "zoo-bench-generate/3", "presets": a.preset, "prompt_len": a.prompt_len,
                                   "new_tokens": a.new_tokens, "prefill_len": a.prefill_len, "batch": a.batch,
                                   "threads": a.threads, "repeats": a.repeats, "cpu": cpu_info(),
-                                  "llama_cpp": _llama_cpp_version() if have_llama else None, "results": rows})
+                                  "cpus": os.cpu_count(), "llama_cpp": _llama_cpp_version() if have_llama else None,
+                                  "results": rows, "targets": targets, "failed": failed})
         print(f"\nwrote {a.json}")
     return 0
 
@@ -224,25 +260,73 @@ def _llama_cpp_version() -> str:
     return getattr(llama_cpp, "__version__", "unknown")
 
 
+def _num(v) -> str:
+    return f"{v:.1f}" if v else "-"
+
+
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
+
+
+def _loads(row: dict) -> str:
+    """The load averages around a row's runs: lowest-highest."""
+    values = [v for runs in row["runs"].values() for r in runs for v in (r.get("load_before"), r.get("load_after"))
+              if v is not None]
+    return f"{min(values):.1f}-{max(values):.1f}" if values else "-"
+
+
+def _targets(a, rows: list[dict], have_llama: bool) -> list[dict]:
+    """Issue 33's targets over the rows: what was measured against what was asked."""
+    out = []
+    for row in rows:
+        z, l = row["runs"]["zoo"], row["runs"]["llama.cpp"]
+        zd = _best(z, "decode_tokens_per_s")
+        where = f"{row['preset']} {row['base']}"
+        if have_llama and row["base"] in DECODE_TARGETS:
+            ld = _best(l, "decode_tokens_per_s")
+            out.append({"target": f"decode {where} vs {GGUF_NAMES[row['base']]}", "value": zd / ld if zd and ld else None,
+                        "goal": DECODE_TARGETS[row["base"]]})
+        if have_llama and a.prefill_len:
+            zp, lp = _best(z, "prefill_tokens_per_s"), _best(l, "prefill_tokens_per_s")
+            out.append({"target": f"prompt {a.prefill_len} {where}", "value": zp / lp if zp and lp else None,
+                        "goal": PREFILL_TARGET})
+        if a.batch > 1 and row["preset"] in BATCH_TARGET_PRESETS:
+            zb = _best(z, "batch_tokens_per_s")
+            out.append({"target": f"batch {a.batch} vs one {where}", "value": zb / zd if zb and zd else None,
+                        "goal": BATCH_TARGET})
+    for t in out:
+        t["met"] = t["value"] is not None and t["value"] >= t["goal"]
+    return out
+
+
+def _print_targets(targets: list[dict]) -> None:
+    if not targets:
+        return
+    met = sum(t["met"] for t in targets)
+    print(f"\ntargets (issue 33): {met} of {len(targets)} met")
+    for t in targets:
+        value = f"{t['value']:.2f}x" if t["value"] is not None else "-"
+        print(f"  {'met ' if t['met'] else 'MISS'}  {t['target']}: {value} (goal {t['goal']:.1f}x)")
 
 
 def _print_table(a, rows: list[dict], have_llama: bool) -> None:
     print(f"## bench_generate: prompt {a.prompt_len} tokens then {a.new_tokens} new (greedy), prompt processing "
           f"{a.prefill_len} tokens, batch {a.batch}; {a.threads} threads; best of {a.repeats}\n")
     print("| model | zoo weights (products) | llama.cpp | decode tok/s zoo | llama.cpp | ratio | "
-          f"prompt {a.prefill_len} tok/s zoo | llama.cpp | ratio | batch {a.batch} tok/s | vs one | peak RSS GiB |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          f"prompt {a.prefill_len} tok/s zoo | llama.cpp | ratio | batch {a.batch} tok/s | vs one | peak RSS GiB | load |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         z, l = row["runs"]["zoo"], row["runs"]["llama.cpp"]
+        if not z:
+            print(f"| {row['preset']} | {row['base']} | - | (zoo failed) |")
+            continue
         zd, ld = _best(z, "decode_tokens_per_s"), _best(l, "decode_tokens_per_s")
         zp, lp = _best(z, "prefill_tokens_per_s"), _best(l, "prefill_tokens_per_s")
         zb = _best(z, "batch_tokens_per_s")
         print(f"| {row['preset']} | {row['base']} ({z[0]['precision']}) | "
-              f"{GGUF_NAMES[row['base']] if have_llama else '-'} | {zd:.1f} | {ld or 0:.1f} | {_ratio(zd, ld)} | "
-              f"{zp or 0:.1f} | {lp or 0:.1f} | {_ratio(zp, lp)} | {zb or 0:.1f} | {_ratio(zb, zd)} | "
-              f"{max(r['peak_rss_mib'] for r in z) / 1024:.2f} |")
+              f"{GGUF_NAMES[row['base']] if have_llama else '-'} | {_num(zd)} | {_num(ld)} | {_ratio(zd, ld)} | "
+              f"{_num(zp)} | {_num(lp)} | {_ratio(zp, lp)} | {_num(zb)} | {_ratio(zb, zd)} | "
+              f"{max(r['peak_rss_mib'] for r in z) / 1024:.2f} | {_loads(row)} |")
 
 
 if __name__ == "__main__":
