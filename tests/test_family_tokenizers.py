@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from helpers import SHAKESPEARE
+from zoo.train.config import DEMO_DATA
 
 from zoo.core.errors import CheckpointError
 from zoo.text.chat_template import ChatTemplate, ChatTemplateError
@@ -68,7 +69,10 @@ CL100K_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
 
 
 def _corpus() -> list[str]:
-    text = SHAKESPEARE.read_text()[:60_000] if SHAKESPEARE.is_file() else "To be, or not to be.\n" * 2000
+    # The shared Shakespeare, else zoo's own demo texts: varied English either way (a repeated
+    # line would train merges into pieces longer than SentencePiece takes).
+    text = SHAKESPEARE.read_text()[:60_000] if SHAKESPEARE.is_file() else "\n\n".join(
+        p.read_text() for p in sorted(DEMO_DATA.iterdir()))[:60_000]
     paragraphs = [p + "\n\n" for p in text.split("\n\n")]
     return paragraphs + [SAMPLE] * 20
 

@@ -18,6 +18,7 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 import zoo  # noqa: E402
+from helpers import LLAMA2_TOKENIZER, SHAKESPEARE, needs_shared  # noqa: E402
 from zoo.arch.lora import LoraConfig  # noqa: E402
 from zoo.io.peft import KEY_PREFIX, load_adapter  # noqa: E402
 from zoo.train.preference import PairFile, PairSplits, tokenize_pairs  # noqa: E402
@@ -182,12 +183,12 @@ def test_one_step_equals_trl(family, case, tmp_path):
         assert abs(metrics["rewards/margins"]) > 1e-3
 
 
+@needs_shared(LLAMA2_TOKENIZER, SHAKESPEARE)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_text_records_tokenize_as_trl_dpo_does(family, tmp_path):
     """zoo's pairs from the JSONL records equal the prompt, chosen and rejected ids of TRL's
     DPOTrainer, EOS and (Llama) BOS included: Llama-2's SentencePiece tokenizer, and a byte-level
     BPE, each saved by zoo for transformers."""
-    from helpers import LLAMA2_TOKENIZER, SHAKESPEARE
     from hf_helpers import gpt2_checkpoint
 
     if family == "llama":
