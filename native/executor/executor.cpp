@@ -1034,11 +1034,7 @@ void Executor::layer_pullback(int i, int B, int T, GradMode mode) {
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     float* scratch = a_.pullback_scratch;
-    if (a.qkv_bf16) {  // a bf16 step: this layer's saved values into the buffers the layers share
-        expand_bf16(a.qkv_bf16, a.qkv, (size_t)N * d_.qkv_dim());
-        expand_bf16(a.att_bf16, a.att, (size_t)N * d_.attn_dim());
-        expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
-    }
+    expand_saved_bf16(d_, a, N);
     // The norm outputs and the activation output live in buffers every layer shares, and the
     // weight gradient of the linear layer after each reads its own. With a trainable base that
     // layer's pullback runs in halves: dx first, then the pullback of the block before it,
@@ -1131,11 +1127,7 @@ void Executor::parallel_pullback(int i, int B, int T, GradMode mode) {
     const Linear qkv = linear(d, d_.qkv_dim()), attn_out = linear(d_.attn_dim(), d), fc = linear(d, d_.fc_dim()),
                  proj = linear(d_.d_ff, d);
     const bool two = d_.layer->second_norm;
-    if (a.qkv_bf16) {
-        expand_bf16(a.qkv_bf16, a.qkv, (size_t)N * d_.qkv_dim());
-        expand_bf16(a.att_bf16, a.att, (size_t)N * d_.attn_dim());
-        expand_bf16(a.fc_bf16, a.fc, (size_t)N * d_.fc_dim());
-    }
+    expand_saved_bf16(d_, a, N);
     // The norm outputs, in buffers every layer shares: recomputed.
     TIMED(pullback, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
     if (two) TIMED(pullback, norm, norm_forward(a.x, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));

@@ -81,6 +81,15 @@ struct LayerTimer {
     }
 };
 
+// A bf16 step keeps a layer's q|k|v, attention output and MLP input in bf16 (bf16.hpp): its
+// pullback first widens them into the fp32 buffers the layers share.
+inline void expand_saved_bf16(const Dims& d, const LayerActs& a, size_t N) {
+    if (!a.qkv_bf16) return;
+    expand_bf16(a.qkv_bf16, a.qkv, N * d.qkv_dim());
+    expand_bf16(a.att_bf16, a.att, N * d.attn_dim());
+    expand_bf16(a.fc_bf16, a.fc, N * d.fc_dim());
+}
+
 // --- block calls: what an arrangement's forward is written in --------------------------------
 // Each runs its block forward (all of it in training and generation; in a pullback's replay
 // only where the output lives in a buffer every layer shares: the norm output and the MLP

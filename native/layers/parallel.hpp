@@ -86,11 +86,7 @@ void zoo::parallel_layer_pullback_clad(const LayerCall& c) {
     const LayerActs& a = *c.a;
     const ActivationPlan& p = *c.plan;
     const size_t N = c.N();
-    if (a.qkv_bf16) {  // a bf16 step: this layer's saved values into the buffers the layers share
-        expand_bf16(a.qkv_bf16, a.qkv, N * d.qkv_dim());
-        expand_bf16(a.att_bf16, a.att, N * d.attn_dim());
-        expand_bf16(a.fc_bf16, a.fc, N * d.fc_dim());
-    }
+    expand_saved_bf16(d, a, N);
     // Clad's gradient adds into every adjoint: they start at zero. The output's adjoint (the
     // seed, d_res) is read, never aliased by the input's, which the norm and the residual add into.
     std::memset(p.d_layer_in, 0, sizeof(float) * N * d.d_model);
@@ -120,11 +116,7 @@ void zoo::parallel_two_norms_layer_pullback_clad(const LayerCall& c) {
     const LayerActs& a = *c.a;
     const ActivationPlan& p = *c.plan;
     const size_t N = c.N();
-    if (a.qkv_bf16) {
-        expand_bf16(a.qkv_bf16, a.qkv, N * d.qkv_dim());
-        expand_bf16(a.att_bf16, a.att, N * d.attn_dim());
-        expand_bf16(a.fc_bf16, a.fc, N * d.fc_dim());
-    }
+    expand_saved_bf16(d, a, N);
     for (float* adjoint : {p.d_layer_in, p.d_norm, p.d_branch})
         std::memset(adjoint, 0, sizeof(float) * N * d.d_model);
     std::memset(p.d_qkv, 0, sizeof(float) * N * d.qkv_dim());
