@@ -18,25 +18,17 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from zoo.tools.bench_worker import cpu_info
+from zoo.tools.bench_worker import cpu_info, timed_step
+
 
 # Profile kinds (native/executor/model.hpp) to the block names of ad=, where the model decides.
 def _block_name(kind: str, cfg) -> str:
     return {"norm": cfg.norm, "activation": cfg.mlp}.get(kind, kind)
-
-
-def _step(model, x, y) -> float:
-    t0 = time.perf_counter()
-    model.zero_grads()
-    model.forward_backward(x, y)
-    model.adamw_step(1e-4)
-    return time.perf_counter() - t0
 
 
 def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: int = 2, seed: int = 0) -> dict:
@@ -49,20 +41,20 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(warmup):
         for m in models.values():
-            _step(m, x, y)
+            timed_step(m, x, y)
     # The whole step: unprofiled, in ABBA order (a backend that always ran second would find
     # the caches and the threads as the other left them).
     steps = {ad: [] for ad in models}
     for r in range(rounds):
         for ad in (("manual", "clad") if r % 2 == 0 else ("clad", "manual")):
-            steps[ad].append(_step(models[ad], x, y))
+            steps[ad].append(timed_step(models[ad], x, y))
     # Per block: profiled steps of their own.
     pullback = {ad: {} for ad in models}  # ad -> block -> [seconds per round]
     for r in range(rounds):
         for ad in (("manual", "clad") if r % 2 == 0 else ("clad", "manual")):
             m = models[ad]
             m.set_profiling(True)
-            _step(m, x, y)
+            timed_step(m, x, y)
             for kind, (fwd, back) in m.block_profile().items():
                 # The hand-written cross-entropy computes the loss and its adjoint in one fused
                 # pass (profiled as forward): compare loss plus adjoint for both backends.

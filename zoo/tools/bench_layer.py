@@ -29,17 +29,11 @@ from typing import Optional
 
 import numpy as np
 
+from zoo.tools.bench_worker import timed_step
+
 # (layer, ad, how the layer's pullback is chained); the Clad rows where the build has Clad.
 MODELS = (("sequential", "manual", "hand"), ("parallel", "manual", "hand"))
 CLAD_MODELS = (("parallel", {"parallel": "clad"}, "clad"), ("sequential", "clad", "hand"), ("parallel", "clad", "clad"))
-
-
-def _step(model, x, y) -> float:
-    t0 = time.perf_counter()
-    model.zero_grads()
-    model.forward_backward(x, y)
-    model.adamw_step(1e-4)
-    return time.perf_counter() - t0
 
 
 def _forward(model, x, y) -> float:
@@ -60,13 +54,13 @@ def measure(cfg, batch: int, seq_len: int, threads: int, rounds: int, warmup: in
     x, y = tokens[:, :-1], tokens[:, 1:]
     for _ in range(warmup):
         for m in models.values():
-            _step(m, x, y)
+            timed_step(m, x, y)
     steps = {k: [] for k in models}
     forwards = {k: [] for k in models}
     order = list(models)
     for r in range(rounds):  # each round starts with the next model: none always runs after the same one
         for k in order[r % len(order):] + order[:r % len(order)]:
-            steps[k].append(_step(models[k], x, y))
+            steps[k].append(timed_step(models[k], x, y))
             forwards[k].append(_forward(models[k], x, y))
     rows = []
     for key in models:

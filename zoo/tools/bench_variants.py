@@ -30,12 +30,13 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from zoo.tools.bench_worker import timed_step
 
 SCHEMA = "zoo-bench-variants/1"
 SLOTS = ("embedding", "norm", "linear", "lora", "rope", "attention", "activation", "cross_entropy", "adamw")
@@ -89,14 +90,6 @@ def _build(cfg, base_dtype: Optional[str], precision: str):
                      lora=LoraConfig(r=16, alpha=32.0))
 
 
-def _step(model, x, y) -> float:
-    t0 = time.perf_counter()
-    model.zero_grads()
-    model.forward_backward(x, y)
-    model.adamw_step(1e-4)
-    return time.perf_counter() - t0
-
-
 def measure(base, names: list[str], batch: int, seq_len: int, rounds: int, steps: int, warmup: int,
             base_dtype: Optional[str], precision: str, log=None) -> dict:
     tokens = np.random.default_rng(1).integers(0, base.vocab_size, (batch, seq_len + 1))
@@ -110,10 +103,10 @@ def measure(base, names: list[str], batch: int, seq_len: int, rounds: int, steps
                 log(f"round {r + 1} of {rounds}: {name}")
             model = _build(variant_config(base, name), base_dtype, precision)
             for _ in range(warmup):
-                _step(model, x, y)
-            step_s[name].append(statistics.median(_step(model, x, y) for _ in range(steps)))
+                timed_step(model, x, y)
+            step_s[name].append(statistics.median(timed_step(model, x, y) for _ in range(steps)))
             model.set_profiling(True)
-            _step(model, x, y)
+            timed_step(model, x, y)
             prof = model.block_profile()
             model.set_profiling(False)
             for k in SLOTS:

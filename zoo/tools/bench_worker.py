@@ -51,6 +51,16 @@ def cpu_info() -> dict:
     return {"model": name, "flags": [f for f in CPU_FLAGS if f in flags]}
 
 
+def timed_step(model, x, y) -> float:
+    """Seconds of one training step as a user runs it (zero_grads, forward_backward, adamw_step):
+    the unit of the side-by-side tools (bench_ad, bench_layer, bench_variants)."""
+    t0 = time.perf_counter()
+    model.zero_grads()
+    model.forward_backward(x, y)
+    model.adamw_step(1e-4)
+    return time.perf_counter() - t0
+
+
 def load_model(workdir: str, manifest: dict, ad: str, checkpointing: bool, precision: str):
     import zoo
     from zoo.arch.config import ModelConfig
