@@ -48,7 +48,8 @@ class ModelConfig(BaseModel):
     norm_eps: float = Field(default=1e-5, gt=0)
     mlp: str = "gelu"  # an activation of the registry: gelu, swiglu, relu2 (forward only without Clad), ...
     # How a layer arranges its blocks: "sequential" (x + attn(norm1(x)), then + mlp(norm2(.))) or
-    # "parallel" (x + attn(norm(x)) + mlp(norm(x)), GPT-J/Falcon; trains only with the Clad backend).
+    # "parallel" (x + attn(norm(x)) + mlp(norm(x)), GPT-J/Falcon) or "parallel_two_norms"
+    # (x + attn(norm1(x)) + mlp(norm2(x)), GPT-NeoX).
     layer: str = "sequential"
     positions: Literal["learned", "rope"] = "learned"
     rope_theta: float = Field(default=10000.0, gt=0)

@@ -26,10 +26,10 @@ def activations() -> dict[str, dict]:
 
 
 def layers() -> dict[str, dict]:
-    """{name: {"second_norm": bool, "trainable": bool}} for every layer arrangement
-    (ModelConfig.layer): whether it has a norm of its own before the MLP (ln_2), and whether
-    this build can train it (an arrangement other than sequential trains on the pullback Clad
-    generates from its forward, so only a build with the Clad backend)."""
+    """{name: {"second_norm": bool, "parallel": bool, "trainable": bool}} for every layer
+    arrangement (ModelConfig.layer): whether it has a norm of its own before the MLP (ln_2),
+    whether attention and MLP both read the layer's input, and whether this build can train it
+    (every arrangement now: the executor chains each by hand; Clad's chaining is an option)."""
     return dict(_info()["layers"])
 
 
