@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict
 from ..core.atomic import atomic_open, write_json
 from ..core.errors import CheckpointError
 from ..core.files import read_json_model
+from ..text.chat_template import ChatTemplateError
 from .data import (
     IGNORE,
     SHAREGPT_ROLES,
@@ -139,8 +140,6 @@ class _PairEncoder:
         return self._split(self.before + enc(prompt), whole(chosen), whole(rejected))
 
     def chat(self, prompt: list, chosen: list, rejected: list, where: str) -> tuple[list, list, list]:
-        from ..text.chat_template import ChatTemplateError
-
         if self.chat_template is None:
             raise DataError(f"{where}: messages need a chat template, and none was given")
         enc = self.tokenizer.encode
