@@ -640,6 +640,10 @@ PYBIND11_MODULE(_native, m) {
                  return n;
              },
              py::arg("tokens"), py::arg("targets"), py::arg("steps"))
+        // The allocations the last count_*_allocations call saw inside oneDNN's primitive
+        // execution, which zoo's count leaves out, and how many executions there were.
+        .def_static("library_allocations",
+                    []() { return py::make_tuple(zoo::library_allocations_counted(), zoo::library_calls_counted()); })
         // The same for a preference step: select_forward, select_backward (row weights 1), AdamW.
         .def("count_select_step_allocations",
              [](Executor& e, Tokens tokens, Tokens positions, Tokens hidden, Tokens rows, Tokens targets, int steps) {

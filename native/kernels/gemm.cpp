@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstdlib>
 
+#include "executor/alloc_count.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/isa.hpp"
 
@@ -151,6 +152,12 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
             // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
             // a long-lived process that sees many lengths does not keep every primitive forever.
             if (cache.size() >= 512) cache.clear();
+            // A weight gradient's product (op(A) transposed: dW = dy^T x) writes in the first
+            // step and adds from the second on (GradLifecycle, model.hpp: AdamW leaves zeros to
+            // add into). Its other form is made with it, so the second step makes no primitive.
+            Key twin = key;
+            twin.accumulate = !key.accumulate;
+            if (ta && !cache.count(twin)) cache.emplace(twin, make_matmul(twin));
             it = cache.emplace(key, make_matmul(key)).first;
         }
         Matmul& m = it->second;
@@ -161,9 +168,14 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
             dnnl_memory_set_data_handle(m.c.get(), C);
             const dnnl_exec_arg_t args[3] = {
                 {DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
-            if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
-                throw std::runtime_error("zoo: oneDNN matmul failed");
-            stream.wait();
+            {
+                // oneDNN builds its argument map and execution context on the heap on every call,
+                // whatever the caller passes: counted apart (alloc_count.hpp).
+                const LibraryCall in_onednn;
+                if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+                    throw std::runtime_error("zoo: oneDNN matmul failed");
+                stream.wait();
+            }
             return;
         }
     }
