@@ -376,6 +376,8 @@ PYBIND11_MODULE(_native, m) {
         return out;
     }, py::arg("reset") = false,
        "The oneDNN products run since the last reset: shape, kernel, whether it is a bf16 kernel, calls.");
+    m.def("gemm_primitive_cache", []() { return zoo::gemm::primitive_cache_entries(); },
+          "(primitives kept, the most kept): oneDNN primitives, one per product shape and form.");
     m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
           "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });

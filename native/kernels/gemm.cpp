@@ -78,6 +78,7 @@ struct Matmul {
     bool rounds_operands = false;
     std::string panels;  // the kernels the panels ran on, " + " between them
     long calls = 0;
+    unsigned long last_use = 0;  // use_clock at its last call (or its making)
 };
 
 dnnl::engine& engine() {
@@ -135,6 +136,21 @@ std::string onednn_kernel(const Key& k) { return kernel_name(make_matmul(k)); }
 // Every oneDNN product made in this process, with its primitive: what kernels_used() reports.
 std::mutex cache_mutex;  // the cached memory objects are rebound on every call
 std::unordered_map<Key, Matmul, KeyHash> cache;
+unsigned long use_clock = 0;  // counts the calls, under cache_mutex
+
+// A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so a
+// long-lived process that sees many lengths does not keep every primitive forever: when full,
+// the half used longest ago goes. (Clearing it all, in the middle of a step, dropped that step's
+// first products too, and the next step made them again.)
+constexpr size_t cache_capacity = 512;
+void evict_older_half() {
+    std::vector<unsigned long> uses;
+    uses.reserve(cache.size());
+    for (const auto& [k, m] : cache) uses.push_back(m.last_use);
+    std::nth_element(uses.begin(), uses.begin() + uses.size() / 2, uses.end());
+    const unsigned long cut = uses[uses.size() / 2];
+    for (auto i = cache.begin(); i != cache.end();) i = i->second.last_use < cut ? cache.erase(i) : std::next(i);
+}
 
 // rows x cols of a (leading dimension lda) rounded to bf16, packed.
 void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
@@ -155,21 +171,24 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
         std::unique_lock<std::mutex> lock(cache_mutex);
         auto it = cache.find(key);
         if (it == cache.end()) {
-            // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
-            // a long-lived process that sees many lengths does not keep every primitive forever.
-            if (cache.size() >= 512) cache.clear();
+            if (cache.size() >= cache_capacity) evict_older_half();
             // A weight gradient's product (op(A) transposed: dW = dy^T x) writes in the first
             // step and adds from the second on (GradLifecycle, model.hpp: AdamW leaves zeros to
             // add into). Its other form is made with it, so the second step makes no primitive.
             Key twin = key;
             twin.accumulate = !key.accumulate;
-            if (ta && !cache.count(twin)) cache.emplace(twin, make_matmul(twin));
+            if (ta && !cache.count(twin)) cache.emplace(twin, make_matmul(twin)).first->second.last_use = ++use_clock;
             it = cache.emplace(key, make_matmul(key)).first;
         }
         Matmul& m = it->second;
-        if (!panel_of) m.calls++;
-        else if (auto whole = cache.find(*panel_of); whole != cache.end() && whole->second.panels.find(m.kernel) == std::string::npos)
-            whole->second.panels += (whole->second.panels.empty() ? "" : " + ") + m.kernel;  // once per kernel
+        m.last_use = ++use_clock;
+        if (!panel_of) {
+            m.calls++;
+        } else if (auto whole = cache.find(*panel_of); whole != cache.end()) {
+            std::string& panels = whole->second.panels;
+            if (panels.find(m.kernel) == std::string::npos)  // once per kernel: the first step's
+                panels += (panels.empty() ? "" : " + ") + m.kernel;
+        }
         if (!m.rounds_operands) {
             dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
             dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
@@ -432,6 +451,15 @@ std::vector<KernelUse> kernels_used() {
     });
 #endif
     return used;
+}
+
+std::pair<size_t, size_t> primitive_cache_entries() {
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    return {cache.size(), cache_capacity};
+#else
+    return {0, 0};
+#endif
 }
 
 void reset_kernels_used() {
