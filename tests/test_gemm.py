@@ -210,6 +210,23 @@ def test_the_products_report_names_each_kernel_and_warns_of_bf16_products_withou
 
 
 @needs_bf16
+def test_a_product_zoo_rounds_reports_the_kernels_its_panels_ran_on():
+    """Too large to round whole (gemm.cpp's 4M-value buffer), an LM-head-like forward runs as
+    panels of C's columns; oneDNN 3.2 runs such a panel (C strided) on its gemm, not on the
+    brgemm it picks for the whole product, and the report says what ran."""
+    M, N, K = 128, 8192, 768
+    if "(operands rounded by zoo)" not in _native.gemm_kernel("bf16", False, True, M, N, K):
+        pytest.skip("oneDNN's fpmath mode runs bf16 products of fp32 operands here (AMX): zoo rounds nothing")
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((N, K), dtype=np.float32)
+    _native.gemm_kernels_used(reset=True)
+    _native.gemm(x, w, False, True, "bf16")
+    used = [u for u in _native.gemm_kernels_used() if (u["M"], u["N"], u["K"]) == (M, N, K)]
+    assert len(used) == 1 and used[0]["calls"] == 1 and used[0]["bf16_kernel"]
+    assert used[0]["kernel"] == "onednn:gemm:jit:bf16 (operands rounded by zoo)"
+
+
+@needs_bf16
 def test_the_kernels_a_process_ran_are_recorded_with_their_calls():
     _native.gemm_kernels_used(reset=True)
     rng = np.random.default_rng(2)

@@ -376,6 +376,8 @@ PYBIND11_MODULE(_native, m) {
         return out;
     }, py::arg("reset") = false,
        "The oneDNN products run since the last reset: shape, kernel, whether it is a bf16 kernel, calls.");
+    m.def("gemm_primitive_cache", []() { return zoo::gemm::primitive_cache_entries(); },
+          "(primitives kept, the most kept): oneDNN primitives, one per product shape and form.");
     m.def("require_precision", [](const std::string& p) { zoo::gemm::require_precision(zoo::precision_named(p)); },
           "Raises, naming what is missing, where a precision cannot run well here.");
     m.def("get_threads", []() { return omp_get_max_threads(); });
@@ -640,6 +642,10 @@ PYBIND11_MODULE(_native, m) {
                  return n;
              },
              py::arg("tokens"), py::arg("targets"), py::arg("steps"))
+        // The allocations the last count_*_allocations call saw inside oneDNN's primitive
+        // execution, which zoo's count leaves out, and how many executions there were.
+        .def_static("library_allocations",
+                    []() { return py::make_tuple(zoo::library_allocations_counted(), zoo::library_calls_counted()); })
         // The same for a preference step: select_forward, select_backward (row weights 1), AdamW.
         .def("count_select_step_allocations",
              [](Executor& e, Tokens tokens, Tokens positions, Tokens hidden, Tokens rows, Tokens targets, int steps) {

@@ -4,6 +4,7 @@
 #include <cctype>
 #include <cstdlib>
 
+#include "executor/alloc_count.hpp"
 #include "kernels/bf16.hpp"
 #include "kernels/isa.hpp"
 
@@ -71,9 +72,13 @@ struct Matmul {
     std::string kernel;  // oneDNN's name for the implementation it picked
     // A bf16 product of fp32 operands that zoo rounds to bf16 itself (rounded_gemm, which runs
     // it in panels as products of bf16 operands): where oneDNN's fpmath_mode::bf16 picks no bf16
-    // kernel. The primitive here, of the whole product, only names the kernel.
+    // kernel. The primitive here, of the whole product, names the kernel until the panels have
+    // run; then `panels` names theirs (oneDNN may pick another kernel for a panel: a block of
+    // C's columns, strided, takes gemm:jit:bf16 where the whole product takes brgemm).
     bool rounds_operands = false;
+    std::string panels;  // the kernels the panels ran on, " + " between them
     long calls = 0;
+    unsigned long last_use = 0;  // use_clock at its last call (or its making)
 };
 
 dnnl::engine& engine() {
@@ -122,12 +127,30 @@ Matmul make_matmul(const Key& k) {
     }
 }
 
-std::string kernel_name(const Matmul& m) { return m.rounds_operands ? m.kernel + " (operands rounded by zoo)" : m.kernel; }
+std::string kernel_name(const Matmul& m) {
+    if (!m.rounds_operands) return m.kernel;
+    return (m.panels.empty() ? m.kernel : m.panels) + " (operands rounded by zoo)";
+}
 std::string onednn_kernel(const Key& k) { return kernel_name(make_matmul(k)); }
 
 // Every oneDNN product made in this process, with its primitive: what kernels_used() reports.
 std::mutex cache_mutex;  // the cached memory objects are rebound on every call
 std::unordered_map<Key, Matmul, KeyHash> cache;
+unsigned long use_clock = 0;  // counts the calls, under cache_mutex
+
+// A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so a
+// long-lived process that sees many lengths does not keep every primitive forever: when full,
+// the half used longest ago goes. (Clearing it all, in the middle of a step, dropped that step's
+// first products too, and the next step made them again.)
+constexpr size_t cache_capacity = 512;
+void evict_older_half() {
+    std::vector<unsigned long> uses;
+    uses.reserve(cache.size());
+    for (const auto& [k, m] : cache) uses.push_back(m.last_use);
+    std::nth_element(uses.begin(), uses.begin() + uses.size() / 2, uses.end());
+    const unsigned long cut = uses[uses.size() / 2];
+    for (auto i = cache.begin(); i != cache.end();) i = i->second.last_use < cut ? cache.erase(i) : std::next(i);
+}
 
 // rows x cols of a (leading dimension lda) rounded to bf16, packed.
 void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
@@ -135,39 +158,56 @@ void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
     for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
 }
 
-void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
-                  float beta, float* C, int ldc);
+void rounded_gemm(const Key& whole, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
+                  int ldb, float beta, float* C, int ldc);
 
-// counted: whether kernels_used() counts this call (not the blocks of a product zoo rounds,
-// which is counted as itself).
+// panel_of: the product zoo rounds that this call is a panel of (kernels_used() counts that
+// product, not its panels, and names the kernels its panels ran on), or null.
 void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
-                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, bool counted = true) {
+                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, const Key* panel_of = nullptr) {
     static dnnl::stream stream(engine());
     const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands};
     {
         std::unique_lock<std::mutex> lock(cache_mutex);
         auto it = cache.find(key);
         if (it == cache.end()) {
-            // A step uses a few dozen shapes; generation adds one per prompt length. Bounded, so
-            // a long-lived process that sees many lengths does not keep every primitive forever.
-            if (cache.size() >= 512) cache.clear();
+            if (cache.size() >= cache_capacity) evict_older_half();
+            // A weight gradient's product (op(A) transposed: dW = dy^T x) writes in the first
+            // step and adds from the second on (GradLifecycle, model.hpp: AdamW leaves zeros to
+            // add into). Its other form is made with it, so the second step makes no primitive.
+            Key twin = key;
+            twin.accumulate = !key.accumulate;
+            if (ta && !cache.count(twin)) cache.emplace(twin, make_matmul(twin)).first->second.last_use = ++use_clock;
             it = cache.emplace(key, make_matmul(key)).first;
         }
         Matmul& m = it->second;
-        if (counted) m.calls++;
+        m.last_use = ++use_clock;
+        if (!panel_of) {
+            m.calls++;
+        } else if (auto whole = cache.find(*panel_of); whole != cache.end()) {
+            std::string& panels = whole->second.panels;
+            if (panels.find(m.kernel) == std::string::npos)  // once per kernel: the first step's
+                panels += (panels.empty() ? "" : " + ") + m.kernel;
+        }
         if (!m.rounds_operands) {
             dnnl_memory_set_data_handle(m.a.get(), const_cast<void*>(A));
             dnnl_memory_set_data_handle(m.b.get(), const_cast<void*>(B));
             dnnl_memory_set_data_handle(m.c.get(), C);
             const dnnl_exec_arg_t args[3] = {
                 {DNNL_ARG_SRC, m.a.get()}, {DNNL_ARG_WEIGHTS, m.b.get()}, {DNNL_ARG_DST, m.c.get()}};
-            if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
-                throw std::runtime_error("zoo: oneDNN matmul failed");
-            stream.wait();
+            {
+                // oneDNN builds its argument map and execution context on the heap on every call,
+                // whatever the caller passes: counted apart (alloc_count.hpp).
+                const LibraryCall in_onednn;
+                if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+                    throw std::runtime_error("zoo: oneDNN matmul failed");
+                stream.wait();
+            }
             return;
         }
     }
-    rounded_gemm(ta, tb, M, N, K, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C, ldc);
+    rounded_gemm(key, ta, tb, M, N, K, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C,
+                 ldc);
 }
 
 // A bf16 product of fp32 operands that zoo rounds itself (where oneDNN's fpmath mode picks no
@@ -180,8 +220,8 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
 // memory, more time.
 constexpr size_t rounded_budget = size_t(4) << 20;  // 8 MiB of bf16
 
-void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B, int ldb,
-                  float beta, float* C, int ldc) {
+void rounded_gemm(const Key& whole, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
+                  int ldb, float beta, float* C, int ldc) {
     static std::mutex mutex;  // one buffer for the process
     static std::vector<uint16_t> rounded;
     std::lock_guard<std::mutex> lock(mutex);
@@ -204,7 +244,7 @@ void rounded_gemm(bool ta, bool tb, int M, int N, int K, const float* A, int lda
     };
     auto product = [&](int m0, int m, int n0, int n, int k0, int k, const uint16_t* a, const uint16_t* b) {
         onednn_gemm(Precision::bf16, ta, tb, m, n, k, a, ta ? m : k, b, tb ? k : n, k0 ? 1.0f : beta,
-                    C + (size_t)m0 * ldc + n0, ldc, true, false);
+                    C + (size_t)m0 * ldc + n0, ldc, true, &whole);
     };
     uint16_t* buf = rounded.data();
     if ((size_t)M * K + (size_t)K * N <= rounded_budget) {  // both whole
@@ -285,8 +325,13 @@ void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, in
 
 namespace {
 
-// Rows of W a forward widens at a time: about 1M values (4 MiB in fp32), at least 16 rows.
-int tile_rows(const Matrix& W) { return std::min(W.rows, std::max(16, (1 << 20) / std::max(1, W.cols) / 16 * 16)); }
+// Rows of W a forward widens at a time: about 1M values (2 MiB as bf16), at least 16 rows; 2M
+// in an fp32 product (8 MiB): at 1M, a 2048 x 8192 down projection of a 256-token step took
+// tiles of 128 rows, too narrow for OpenBLAS (205 GFLOP/s; 231-237 at 256 rows; AVX2 class).
+int tile_rows(Precision p, const Matrix& W) {
+    const int values = p == Precision::fp32 ? 1 << 21 : 1 << 20;
+    return std::min(W.rows, std::max(16, values / std::max(1, W.cols) / 16 * 16));
+}
 
 // Whether the product runs on bf16 operands: a bf16 product with a stored matrix narrower than fp32.
 bool bf16_operands(Precision p, const Matrix& W) { return p == Precision::bf16 && W.dtype != DType::f32; }
@@ -297,7 +342,7 @@ bool bf16_operands(Precision p, const Matrix& W) { return p == Precision::bf16 &
 // widened ones: about 4M values.
 int k_block_rows(Precision p, const Matrix& W) {
     if (bf16_operands(p, W) && W.dtype == DType::bf16) return std::min(W.rows, 2048);
-    return std::min(W.rows, std::max(tile_rows(W), (1 << 22) / std::max(1, W.cols) / 16 * 16));
+    return std::min(W.rows, std::max(tile_rows(p, W), (1 << 22) / std::max(1, W.cols) / 16 * 16));
 }
 
 size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 values in floats, 64-byte rounded
@@ -307,7 +352,7 @@ size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 v
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
     if (t == DType::f32) return 0;
     const Matrix W(nullptr, t, rows, cols);
-    const size_t forward_tile = (size_t)tile_rows(W) * cols, pullback_tile = (size_t)k_block_rows(p, W) * cols;
+    const size_t forward_tile = (size_t)tile_rows(p, W) * cols, pullback_tile = (size_t)k_block_rows(p, W) * cols;
     if (p != Precision::bf16) return std::max(forward_tile, pullback_tile);
     const size_t left = (size_t)M * std::max(cols, k_block_rows(p, W));  // x, or a block of dy, in bf16
     return bf16_floats(left) + (t == DType::bf16 ? 0 : bf16_floats(std::max(forward_tile, pullback_tile)));
@@ -318,7 +363,7 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
     check_beta(beta);
     if (W.dtype == DType::f32) return gemm(p, false, true, M, W.rows, W.cols, x, ldx, W.f32(), W.cols, beta, y, ldy);
     if (M <= 0) return;
-    const int R = tile_rows(W);
+    const int R = tile_rows(p, W);
 #ifdef ZOO_GEMM_ONEDNN
     if (bf16_operands(p, W)) {
         uint16_t* xb = reinterpret_cast<uint16_t*>(scratch);
@@ -406,6 +451,15 @@ std::vector<KernelUse> kernels_used() {
     });
 #endif
     return used;
+}
+
+std::pair<size_t, size_t> primitive_cache_entries() {
+#ifdef ZOO_GEMM_ONEDNN
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    return {cache.size(), cache_capacity};
+#else
+    return {0, 0};
+#endif
 }
 
 void reset_kernels_used() {

@@ -6,6 +6,7 @@
 // products accumulated in fp32) run on oneDNN, on CPUs with bf16 dot products only.
 #pragma once
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/quant.hpp"
@@ -57,6 +58,9 @@ struct KernelUse {
 };
 std::vector<KernelUse> kernels_used();
 void reset_kernels_used();
+// The oneDNN primitives kept (one per product shape and form) and how many the cache keeps at
+// most, the older half dropped when it is full (for tests).
+std::pair<size_t, size_t> primitive_cache_entries();
 const char* name(Library lib);
 std::vector<Library> built_in();          // the libraries this build links
 Library fp32_library();                   // the one fp32 products run on now
