@@ -33,3 +33,12 @@ def test_every_system_runs_on_the_same_pair(tmp_path, capsys):
     assert "activations kept" in r["systems"]["zoo_no_checkpointing"]["implementation"]
     assert (zoo["tokens_forward"], apart["tokens_forward"], trl["tokens_forward"]) == (11 + 6 + 6, 2 * 17, 2 * 18)
     assert "prompt_sharing" in r["ratios"] and "zoo_over_trl" in r["ratios"]
+    # zoo's peak memory, accounted for: its arenas as the model reports them, within the peak
+    for name in ("zoo", "zoo_no_checkpointing"):
+        s = r["systems"][name]
+        assert {"frozen_base", "weights", "gradients", "moments", "activations"} <= set(s["arena_mib"])
+        assert s["rss_after_import_mib"] + sum(s["arena_mib"].values()) < s["peak_rss_mib"]
+        assert f"- {name}'s peak RSS, MiB:" in table
+    assert r["systems"]["zoo"]["checkpointing"] and not r["systems"]["zoo_no_checkpointing"]["checkpointing"]
+    assert (r["systems"]["zoo"]["arena_mib"]["activations"]
+            < r["systems"]["zoo_no_checkpointing"]["arena_mib"]["activations"])

@@ -157,6 +157,9 @@ def run_bench(args: argparse.Namespace) -> dict:
                        "peak_rss_mib_per_round": [r["peak_rss_mib"] for r in runs],
                        "tokens_forward": runs[0]["tokens_forward"], "implementation": runs[0]["implementation"],
                        "losses": runs[0]["losses"], "build_s": runs[0]["build_s"]}
+        for key in ("rss_after_import_mib", "rss_built_mib", "arena_mib", "checkpointing"):  # zoo's only
+            if key in runs[0]:
+                out[system][key] = runs[0][key]
     ratios = {}
     for a in (s for s in out if s.startswith("zoo")):
         for b in (s for s in out if s.startswith("trl")):
@@ -207,6 +210,15 @@ def markdown(r: dict) -> str:
                          f"{ratio['step_cpu_time']:.3f}x), peak RSS {ratio['peak_rss']:.3f}x")
     for name, s in r["systems"].items():
         lines.append(f"- {name}: {s['implementation']}")
+    for name, s in r["systems"].items():
+        if "arena_mib" in s:
+            a = s["arena_mib"]
+            state = sum(a.get(k, 0.0) for k in ("weights", "gradients", "moments"))
+            rest = s["peak_rss_mib"] - s["rss_after_import_mib"] - sum(a.values())
+            lines.append(f"- {name}'s peak RSS, MiB: {s['peak_rss_mib']:,.0f} = the process before the model "
+                         f"{s['rss_after_import_mib']:,.0f} + the frozen base {a.get('frozen_base', 0.0):,.0f} + the "
+                         f"adapters with their gradients and moments {state:,.0f} + the activation arena "
+                         f"{a.get('activations', 0.0):,.0f} + the rest {rest:,.0f}")
     lines.append(f"- {r['machine']['cpu']}")
     return "\n".join(lines)
 
@@ -244,9 +256,10 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     from ..train.preference import PairFile, PairSplits
     from ..train.preference_loss import PreferenceLoss
     from ..train.preference_step import PreferenceObjective
-    from .bench_torch import _peak_rss_mib, read_manifest, timed_steps
+    from .bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, timed_steps
 
     zoo.set_threads(threads)
+    rss_imported = _rss_now_mib()
     manifest = read_manifest(workdir)
     lora, o, pair = manifest["lora"], manifest["optimizer"], manifest["pair"]
     if checkpointing is None:
@@ -257,6 +270,7 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
                       lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
                                       targets=lora["targets"]))
     build_s = time.perf_counter() - t0
+    rss_built = _rss_now_mib()
     parts = [np.asarray(pair[k], np.int64) for k in ("prompt", "chosen", "rejected")]
     starts = np.cumsum([0] + [len(p) for p in parts])
     pair_file = PairFile(np.concatenate(parts), starts, Path("-"), "", [], [], False)
@@ -278,8 +292,12 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
         return loss
 
     times, losses = timed_steps(step, steps, warmup)
+    # Where the peak goes: the process before the model, the model's arenas (the frozen base, the
+    # adapters, their gradients and moments, the activations: Model.arena_bytes), the rest.
+    arenas = {k: v / 2**20 for k, v in model.arena_bytes().items() if v}
     return {"step_s": times, "step_cpu_s": cpu[warmup:], "losses": losses, "build_s": build_s,
-            "peak_rss_mib": _peak_rss_mib(),
+            "peak_rss_mib": _peak_rss_mib(), "rss_after_import_mib": rss_imported, "rss_built_mib": rss_built,
+            "arena_mib": arenas, "checkpointing": checkpointing,
             "tokens_forward": int(batch.x.size),
             "implementation": f"zoo {zoo.__version__}: bf16 base, fp32 adapters, {model.precision} products, the "
                               f"reference with the adapters off; the prompt "
