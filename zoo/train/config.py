@@ -70,10 +70,11 @@ REFERENCE_METHODS = ("dpo", "ipo")
 
 def default_checkpointing(method: str, lora: bool) -> bool:
     """Activation checkpointing where --checkpointing is not given: on for a reference-based
-    preference loss under LoRA, whose step runs the layers forward twice (the reference, with the
-    adapters off, and the policy) before the pullback, so the recompute costs a smaller share of
-    it (about 10% of the wall time, 13% of the CPU time at llama-3.2-1b, one pair of 128 + 2 x
-    128 tokens) than of an SFT step, for the activations' memory (0.29 GiB there; docs/preference.md)."""
+    preference loss under LoRA (as TRL's DPOConfig has gradient checkpointing on by default),
+    whose step runs the layers forward twice (the reference, with the adapters off, and the
+    policy) before the pullback, so the recompute is a smaller share of it than of an SFT step:
+    about 20% more CPU time for 0.29 GiB less at llama-3.2-1b, one pair of 128 + 2 x 128 tokens
+    (docs/preference.md); off otherwise."""
     return lora and method in REFERENCE_METHODS
 
 # Micro-batches per optimizer step: a million is far beyond any use, and keeps
