@@ -314,6 +314,11 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path, clock):
     assert result["clock"] == clock
     (r,) = result["rounds"]
     assert r["same_losses"] and r["base_ms"] > 0 and r["current_ms"] > 0
+    assert len(r["base_losses"]) == 3 and r["base_losses"] == r["current_losses"]  # warm-up step included
+    assert r["max_loss_rel_diff"] == 0.0 and bench_ab._losses_verdict(r) == "identical"
+    apart = dict(r, same_losses=False, first_loss_same=True,
+                 max_loss_rel_diff=bench_ab._max_rel_diff([2.0, 1.0], [2.0, 1.0 + 3e-8]))
+    assert bench_ab._losses_verdict(apart) == "NO: max relative difference 3.0e-08 (first step identical)"
     assert r["base_zoo"] == str(root / "zoo") and r["current_zoo"] != r["base_zoo"]
     with pytest.raises(SystemExit, match="no zoo package there"):
         bench_ab.main(["--base", str(tmp_path / "nowhere")])

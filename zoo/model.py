@@ -177,6 +177,19 @@ def _as_hidden(hidden, shape: tuple[int, int], positions) -> Optional[np.ndarray
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _as_batch(tokens, targets, positions, hidden, vocab_size: int):
+    """One call's arrays, checked: tokens (B, T), targets of the same shape or None, and the
+    optional packed-row positions and hidden key spans."""
+    tok = _as_tokens(tokens, "tokens", vocab_size)
+    tgt = None
+    if targets is not None:
+        tgt = _as_tokens(targets, "targets", vocab_size, allow_ignore=True)
+        if tgt.shape != tok.shape:
+            raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
+    pos = _as_positions(positions, tok.shape)
+    return tok, tgt, pos, _as_hidden(hidden, tok.shape, pos)
+
+
 class Model:
     """A decoder-only transformer described by a ModelConfig.
 
@@ -397,19 +410,14 @@ class Model:
     # before it this way (zoo/train/preference.py).
 
     def logits(self, tokens, positions=None, hidden=None) -> np.ndarray:
-        tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
-        pos = _as_positions(positions, tok.shape)
-        hid = _as_hidden(hidden, tok.shape, pos)
+        tok, _, pos, hid = _as_batch(tokens, None, positions, hidden, self.config.vocab_size)
         self._check_activation_memory(tok.shape, logits=True)
         self._exec.forward(tok, None, pos, hid)
         B, T = tok.shape
         return np.array(self._exec.logits(B, T))
 
     def loss(self, tokens, targets, positions=None, hidden=None) -> float:
-        tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
-        tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
-        pos = _as_positions(positions, tok.shape)
-        hid = _as_hidden(hidden, tok.shape, pos)
+        tok, tgt, pos, hid = _as_batch(tokens, targets, positions, hidden, self.config.vocab_size)
         self._check_activation_memory(tok.shape)
         return float(self._exec.forward(tok, tgt, pos, hid))
 
@@ -424,12 +432,7 @@ class Model:
         """Log-probabilities (float32, B x T; 0 where the target is -100) of the targets under the
         model, the LM head run on the rows with a target alone. train: keep what backward_logprobs
         needs (the next call on this model must be that one)."""
-        tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
-        tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
-        if tgt.shape != tok.shape:
-            raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
-        pos = _as_positions(positions, tok.shape)
-        hid = _as_hidden(hidden, tok.shape, pos)
+        tok, tgt, pos, hid = _as_batch(tokens, targets, positions, hidden, self.config.vocab_size)
         rows = np.flatnonzero(tgt.reshape(-1) != -100).astype(np.int32)
         if not rows.size:
             raise ValueError("targets: every one is -100; no row has a log-probability to take")
@@ -491,12 +494,7 @@ class Model:
     def forward_backward(self, tokens, targets, grad_scale: float = 1.0, positions=None, hidden=None) -> float:
         """Adds grad_scale * dloss/dparams into the gradient arena (for accumulation)."""
         self.check_trainable()
-        tok = _as_tokens(tokens, "tokens", self.config.vocab_size)
-        tgt = _as_tokens(targets, "targets", self.config.vocab_size, allow_ignore=True)
-        if tgt.shape != tok.shape:
-            raise ValueError(f"targets shape {tgt.shape} differs from tokens shape {tok.shape}")
-        pos = _as_positions(positions, tok.shape)
-        hid = _as_hidden(hidden, tok.shape, pos)
+        tok, tgt, pos, hid = _as_batch(tokens, targets, positions, hidden, self.config.vocab_size)
         grad_scale = _finite_float32("grad_scale", grad_scale)
         self._check_activation_memory(tok.shape, training=True)
         return float(self._exec.forward_backward(tok, tgt, grad_scale, pos, hid))

@@ -34,13 +34,6 @@ void same_shape(const F& a, const F& like, const char* what) {
         throw std::invalid_argument(std::string("zoo: ") + what + " must have the input's shape");
 }
 
-// A registered norm's arguments: b present (with C floats) exactly when the norm has a bias.
-void check_norm_bias(const zoo::NormBlock& norm, const std::optional<F>& b, int C) {
-    if (norm.bias != (bool)b)
-        throw std::invalid_argument(std::string("zoo: norm ") + norm.name + (norm.bias ? " needs" : " has no") + " bias");
-    if (b && b->size() != C) throw std::invalid_argument(std::string("zoo: norm ") + norm.name + " bias must have C floats");
-}
-
 // "manual" or "clad": which of a registry entry's pullbacks to run.
 template <class Pullback>
 Pullback chosen_pullback(Pullback manual, Pullback clad, const std::string& backend, const std::string& block) {
@@ -50,13 +43,40 @@ Pullback chosen_pullback(Pullback manual, Pullback clad, const std::string& back
     return p;
 }
 
-// An activation's input: rows of gate_width * F (a gated unit's rows are [gate | up]). Returns F.
-int activation_width(const zoo::ActivationBlock& act, const F& x) {
+// A call on a registered norm: its registry entry, the width C and the rows of x; b present
+// (with C floats) exactly when the norm has a bias.
+struct NormCall {
+    const zoo::NormBlock& block;
+    int C, n_rows;
+};
+
+NormCall norm_call(const std::string& name, const F& x, const F& w, const std::optional<F>& b) {
+    const zoo::NormBlock& norm = zoo::find_norm(name);
+    const int C = (int)w.size(), N = rows(x, C, "norm x");
+    if (norm.bias != (bool)b)
+        throw std::invalid_argument(std::string("zoo: norm ") + norm.name + (norm.bias ? " needs" : " has no") + " bias");
+    if (b && b->size() != C) throw std::invalid_argument(std::string("zoo: norm ") + norm.name + " bias must have C floats");
+    return {norm, C, N};
+}
+
+// A call on a registered activation: its registry entry, its output width and the rows of x
+// (rows of gate_width * width: a gated unit's rows are [gate | up]); dy, when given, must hold
+// the output's rows x width.
+struct ActivationCall {
+    const zoo::ActivationBlock& block;
+    int width, n_rows;
+};
+
+ActivationCall activation_call(const std::string& name, const F& x, const F* dy = nullptr) {
+    const zoo::ActivationBlock& act = zoo::find_activation(name);
     const py::ssize_t in = x.ndim() ? x.shape(x.ndim() - 1) : 0;
     if (in % act.gate_width)
         throw std::invalid_argument(std::string("zoo: activation ") + act.name +
                                     " x: rows of [gate | up], the last dimension must be even, got " + std::to_string(in));
-    return (int)(in / act.gate_width);
+    const int width = (int)(in / act.gate_width), N = rows(x, width * act.gate_width, "activation x");
+    if (dy && dy->size() != (py::ssize_t)N * width)
+        throw std::invalid_argument("zoo: activation dy must have the output's shape");
+    return {act, width, N};
 }
 
 }  // namespace
@@ -64,37 +84,6 @@ int activation_width(const zoo::ActivationBlock& act, const F& x) {
 void bind_blocks(py::module_& parent) {
     py::module_ m = parent.def_submodule("blocks", "each block's forward and pullback");
 
-    m.def("layernorm_forward", [](F x, F w, F b, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "layernorm x");
-        F y(shape_of(x)), mean({N}), rstd({N});
-        zoo::LayerNorm{C, eps}.forward(x.data(), w.data(), b.data(), y.mutable_data(),
-                                       mean.mutable_data(), rstd.mutable_data(), N);
-        return py::make_tuple(y, mean, rstd);
-    });
-    m.def("layernorm_pullback", [](F x, F w, F mean, F rstd, F dy, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "layernorm x");
-        F dx = zeros(shape_of(x)), dw = zeros({C}), db = zeros({C});
-        const zoo::LayerNorm ln{C, eps};
-        std::vector<float> scratch(ln.scratch_floats(omp_get_max_threads()));
-        ln.pullback(x.data(), w.data(), mean.data(), rstd.data(), dy.data(), dx.mutable_data(),
-                    dw.mutable_data(), db.mutable_data(), scratch.data(), N, zoo::GradMode::add);
-        return py::make_tuple(dx, dw, db);
-    });
-    m.def("rmsnorm_forward", [](F x, F w, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
-        F y(shape_of(x)), rstd({N});
-        zoo::RMSNorm{C, eps}.forward(x.data(), w.data(), y.mutable_data(), rstd.mutable_data(), N);
-        return py::make_tuple(y, rstd);
-    });
-    m.def("rmsnorm_pullback", [](F x, F w, F rstd, F dy, float eps) {
-        int C = (int)w.size(), N = rows(x, C, "rmsnorm x");
-        F dx = zeros(shape_of(x)), dw = zeros({C});
-        const zoo::RMSNorm rms{C, eps};
-        std::vector<float> scratch(rms.scratch_floats(omp_get_max_threads()));
-        rms.pullback(x.data(), w.data(), rstd.data(), dy.data(), dx.mutable_data(), dw.mutable_data(),
-                     scratch.data(), N, zoo::GradMode::add);
-        return py::make_tuple(dx, dw);
-    });
     m.def("linear_forward", [](F x, F W, std::optional<F> b) {
         int out = (int)W.shape(0), in = (int)W.shape(1), N = rows(x, in, "linear x");
         F y({(py::ssize_t)N, (py::ssize_t)out});
@@ -235,9 +224,7 @@ void bind_blocks(py::module_& parent) {
     // Any registered norm or activation by name, through its registry entry: what a new
     // block's tests call (its header and registry line are all it needs).
     m.def("norm_forward", [](const std::string& name, F x, F w, std::optional<F> b, float eps) {
-        const zoo::NormBlock& norm = zoo::find_norm(name);
-        int C = (int)w.size(), N = rows(x, C, "norm x");
-        check_norm_bias(norm, b, C);
+        const auto [norm, C, N] = norm_call(name, x, w, b);
         F y(shape_of(x)), stats({norm.stats_per_row, N});
         norm.forward({C, eps, N, x.data(), w.data(), b ? b->data() : nullptr, stats.mutable_data()}, y.mutable_data());
         return py::make_tuple(y, stats);
@@ -247,9 +234,7 @@ void bind_blocks(py::module_& parent) {
     // executor's path for a norm whose output the layers share).
     m.def("norm_pullback", [](const std::string& name, F x, F w, std::optional<F> b, F stats, F dy, float eps,
                               const std::string& backend, bool recompute) {
-        const zoo::NormBlock& norm = zoo::find_norm(name);
-        int C = (int)w.size(), N = rows(x, C, "norm x");
-        check_norm_bias(norm, b, C);
+        const auto [norm, C, N] = norm_call(name, x, w, b);
         same_shape(dy, x, "norm dy");
         if (stats.size() != (py::ssize_t)norm.stats_per_row * N)
             throw std::invalid_argument("zoo: norm " + name + " stats must be (" + std::to_string(norm.stats_per_row) +
@@ -270,32 +255,27 @@ void bind_blocks(py::module_& parent) {
        py::arg("backend") = "manual", py::arg("recompute") = false);
     // x: rows of gate_width * F; y: rows of F.
     m.def("activation_forward", [](const std::string& name, F x) {
-        const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
+        const auto [act, width, N] = activation_call(name, x);
         std::vector<py::ssize_t> shape = shape_of(x);
-        shape.back() = F_;
+        shape.back() = width;
         F y(shape);
-        act.forward(F_, x.data(), y.mutable_data(), N);
+        act.forward(width, x.data(), y.mutable_data(), N);
         return y;
     }, py::arg("name"), py::arg("x"));
     m.def("activation_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
-        const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
-        if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
+        const auto [act, width, N] = activation_call(name, x, &dy);
         const zoo::ActivationPullback pullback = chosen_pullback(act.pullback, act.pullback_clad, backend, name);
         F dx(shape_of(x));
-        pullback(F_, x.data(), dy.data(), dx.mutable_data(), N);
+        pullback(width, x.data(), dy.data(), dx.mutable_data(), N);
         return dx;
     }, py::arg("name"), py::arg("x"), py::arg("dy"), py::arg("backend") = "manual", "Writes dx.");
     // The executor's MLP path: y recomputed and dx, in one pass. Returns (y, dx).
     m.def("activation_recompute_and_pullback", [](const std::string& name, F x, F dy, const std::string& backend) {
-        const zoo::ActivationBlock& act = zoo::find_activation(name);
-        const int F_ = activation_width(act, x), N = rows(x, F_ * act.gate_width, "activation x");
-        if (dy.size() != (py::ssize_t)N * F_) throw std::invalid_argument("zoo: activation dy must have the output's shape");
+        const auto [act, width, N] = activation_call(name, x, &dy);
         const zoo::ActivationRecomputePullback pullback =
             chosen_pullback(act.recompute_and_pullback, act.recompute_and_pullback_clad, backend, name);
         F y(shape_of(dy)), dx(shape_of(x));
-        pullback(F_, x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
+        pullback(width, x.data(), dy.data(), y.mutable_data(), dx.mutable_data(), N);
         return py::make_tuple(y, dx);
     }, py::arg("name"), py::arg("x"), py::arg("dy"), py::arg("backend") = "manual");
     // In place on p, m, v (float32 C-contiguous arrays).

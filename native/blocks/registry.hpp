@@ -1,28 +1,14 @@
 // The block registry: every block kind zoo has, listed once. A config names its norm and its
 // MLP activation; the executor looks them up here, Python learns them from build_info(), and
 // the Clad translation unit compiles every block's generated pullback by including this file.
-// A new norm or activation: its header (forward, pullback, registry entry), its #include and
-// its entry in the list below (docs/adding_a_block.md).
+// A new norm or activation: its header in native/blocks/ (forward, pullback, registry entry) and
+// its entry in the list below (docs/adding_a_block.md); the build includes every header there.
 #pragma once
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "blocks/attention.hpp"
-#include "blocks/cross_entropy.hpp"
-#include "blocks/embedding.hpp"
-#include "blocks/geglu.hpp"
-#include "blocks/gelu.hpp"
-#include "blocks/gelu_erf.hpp"
-#include "blocks/layernorm.hpp"
-#include "blocks/layernorm_nobias.hpp"
-#include "blocks/linear.hpp"
-#include "blocks/lora.hpp"
-#include "blocks/relu2.hpp"
-#include "blocks/residual.hpp"
-#include "blocks/rmsnorm.hpp"
-#include "blocks/rope.hpp"
-#include "blocks/swiglu.hpp"
+#include "block_headers.hpp"  // every header in native/blocks/, listed by CMakeLists.txt
 
 namespace zoo {
 

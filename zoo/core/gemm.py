@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from . import blocks
 from .native import _native
 
 PRECISIONS = ("fp32", "bf16")
@@ -69,8 +70,6 @@ PRODUCTS = ("forward", "dx", "dW")
 def linear_shapes(cfg) -> list[dict]:
     """Every distinct linear layer shape (in, out) of a step, with how many times a step runs
     it; layers of the same shape are merged (their names joined by '+')."""
-    from . import blocks
-
     gate_width = blocks.activations()[cfg.mlp]["gate_width"]
     layers = [
         ("qkv", cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, cfg.n_layer),

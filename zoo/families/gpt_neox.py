@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from . import llama
-from .family import Family, Getter, TensorNames
+from .family import Family, Getter, TensorNames, unexpressed
 
 NAMES = TensorNames(
     embedding="gpt_neox.embed_in", positions="gpt_neox.embed_positions", layer="gpt_neox.layers.{i}.",
@@ -60,8 +60,6 @@ def cannot_express(cfg) -> Optional[tuple[str, str]]:
         return "layer", f"{ARCH} cannot express layer={cfg.layer!r} (it has 'parallel_two_norms' or 'sequential')"
     if cfg.mlp not in ACTIVATIONS.values():
         return "mlp", f"{ARCH} cannot express mlp={cfg.mlp!r} (it has {', '.join(sorted(set(ACTIVATIONS.values())))})"
-    from .family import unexpressed
-
     return unexpressed(cfg, ARCH, expresses=("rotary_dim",))
 
 

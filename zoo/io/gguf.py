@@ -361,6 +361,7 @@ def save_gguf(model, path: str | os.PathLike, *, dtype: str = "float32", tokeniz
                                             tokenizer_settings(tokenizer, Path(folder) if folder else None),
                                             folder or "the tokenizer", name))
     else:
+        # the gguf package: imported only where a GGUF file is written
         from gguf.constants import GGUFValueType as T
 
         keys["tokenizer.ggml.model"] = (NO_VOCABULARY, T.STRING)

@@ -38,6 +38,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from ..core.atomic import atomic_open, write_json
+from ..text.chat_template import ChatTemplateError
 from .data import (
     IGNORE,
     SHAREGPT_ROLES,
@@ -138,8 +139,6 @@ class _PairEncoder:
         return self._split(self.before + enc(prompt), whole(chosen), whole(rejected))
 
     def chat(self, prompt: list, chosen: list, rejected: list, where: str) -> tuple[list, list, list]:
-        from ..text.chat_template import ChatTemplateError
-
         if self.chat_template is None:
             raise DataError(f"{where}: messages need a chat template, and none was given")
         enc = self.tokenizer.encode
