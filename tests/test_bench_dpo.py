@@ -26,7 +26,19 @@ def test_every_system_runs_on_the_same_pair(tmp_path, capsys):
         assert f"| {name} |" in table
     zoo, apart, trl = r["systems"]["zoo"], r["systems"]["zoo_unshared"], r["systems"]["trl"]
     # the same first loss (log 2: the policy is its reference), whatever the layout
-    for s in (zoo, apart, r["systems"]["zoo_checkpointing"], trl):
+    for s in (zoo, apart, r["systems"]["zoo_checkpointing"], r["systems"]["zoo_no_checkpointing"], trl):
         assert s["losses"][0] == pytest.approx(math.log(2), rel=1e-4)
+    # the zoo system is what a run of the method has by default: DPO over LoRA checkpoints
+    assert "activation checkpointing" in zoo["implementation"]
+    assert "activations kept" in r["systems"]["zoo_no_checkpointing"]["implementation"]
     assert (zoo["tokens_forward"], apart["tokens_forward"], trl["tokens_forward"]) == (11 + 6 + 6, 2 * 17, 2 * 18)
     assert "prompt_sharing" in r["ratios"] and "zoo_over_trl" in r["ratios"]
+    # zoo's peak memory, accounted for: its arenas as the model reports them, within the peak
+    for name in ("zoo", "zoo_no_checkpointing"):
+        s = r["systems"][name]
+        assert {"frozen_base", "weights", "gradients", "moments", "activations"} <= set(s["arena_mib"])
+        assert s["rss_after_import_mib"] + sum(s["arena_mib"].values()) < s["peak_rss_mib"]
+        assert f"- {name}'s peak RSS, MiB:" in table
+    assert r["systems"]["zoo"]["checkpointing"] and not r["systems"]["zoo_no_checkpointing"]["checkpointing"]
+    assert (r["systems"]["zoo"]["arena_mib"]["activations"]
+            < r["systems"]["zoo_no_checkpointing"]["arena_mib"]["activations"])

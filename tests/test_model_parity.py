@@ -37,7 +37,7 @@ CONFIGS = {"gpt2": GPT2_TINY, "big_vocab_chunked_head": BIG_VOCAB, "llama_gqa_ll
 
 
 @needs("torch")
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("checkpointing", [False, True, 1], ids=["stored", "checkpointed", "first-layer"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_loss_and_grads_match_reference(name, checkpointing):
     cfg = CONFIGS[name]
@@ -177,6 +177,23 @@ def test_bad_token_ids_are_clear_errors():
     with pytest.raises(TypeError, match="integers"):
         model.logits(np.zeros((2, 8), dtype=np.float32))
     assert np.isfinite(model.loss(ok, ok - 100 * (ok == 0)))  # all ignored: a defined loss
+
+
+def test_rope_tables_grow_with_the_rows_a_pass_runs():
+    """The RoPE tables hold the positions the longest pass so far needed (not max_seq_len's at
+    once): a short pass, then a longer one and a generation, give what a fresh model gives."""
+    from zoo.generate import generate
+
+    cfg = zoo.preset("tiny-llama")
+    tok = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 40))
+    fresh = zoo.Model(cfg, seed=1)
+    want = fresh.logits(tok)
+    model = zoo.Model(cfg, seed=1)
+    model.logits(tok[:, :3])
+    np.testing.assert_array_equal(model.logits(tok), want)
+    generated = generate(zoo.Model(cfg, seed=1), tok[0, :5].tolist(), max_new_tokens=30)
+    model.logits(tok[:, :2])
+    assert generate(model, tok[0, :5].tolist(), max_new_tokens=30) == generated
 
 
 def test_checkpointing_shrinks_activation_memory():

@@ -46,7 +46,7 @@ def test_invalid_live_phases_are_refused():
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, True, 1], ids=["stored", "checkpointed", "first-layer"])
 @pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama"])
 def test_training_plans_never_overlap_live_buffers(name, checkpointing, precision):
     cfg = preset(name)
@@ -116,7 +116,7 @@ def _configs():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("ad", ["manual", "clad"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
+@pytest.mark.parametrize("checkpointing", [False, True, 1], ids=["stored", "checkpointed", "first-layer"])
 @pytest.mark.parametrize("name", list(_configs()))
 def test_dead_buffers_hold_nothing_a_phase_reads(name, checkpointing, ad, precision):
     """With every byte that no live buffer covers set to NaN at each phase boundary, a step
@@ -137,6 +137,69 @@ def test_dead_buffers_hold_nothing_a_phase_reads(name, checkpointing, ad, precis
     assert np.isfinite(poisoned_loss) and poisoned_loss == loss
     for k in grads:
         np.testing.assert_array_equal(poisoned_grads[k], grads[k], err_msg=k)
+
+
+def test_checkpointing_part_of_the_layers_plans_between_none_and_all():
+    """The first k layers checkpointed: their internals in one set they share (live while a layer
+    runs), the others' kept (in bf16 in a bf16 step); from k = 1 (where the shared set can cost
+    what the one layer's kept set saved) the arena shrinks as k grows, to the plan with every
+    layer checkpointed (k = n_layer, the smallest); k = 0 is the plan without."""
+    cfg = preset("tiny-gpt2").model_copy(update={"n_layer": 4}).model_dump()
+    for precision in ("fp32", "bf16"):
+        plans = [_native.activation_plan(cfg, 3, 16, k, precision=precision) for k in range(5)]
+        totals = [max(b["offset"] + b["floats"] for b in plan) for plan in plans]
+        assert all(a > b for a, b in zip(totals[1:], totals[2:])) and min(totals) == totals[4] < totals[0], totals
+        for flag, k in ((False, 0), (True, 4)):
+            assert _native.activation_plan(cfg, 3, 16, flag, precision=precision) == plans[k]
+        names = {b["name"] for b in plans[2]}
+        suffix = "_bf16" if precision == "bf16" else ""
+        assert {f"layer{i}.fc{suffix}" for i in (2, 3)} <= names and "layers.res_mid" in names
+        assert not any(n.startswith(("layer0.", "layer1.")) for n in names)
+        assert overlapping_live_pairs(plans[2]) == []
+    with pytest.raises(ValueError, match="5 checkpointed layers of 4"):
+        _native.activation_plan(cfg, 3, 16, 5)
+    model = zoo.Model(preset("tiny-gpt2"), seed=0, checkpointing=1)
+    assert model.checkpointing and model.checkpoint_layers == 1
+    with pytest.raises(ValueError, match="a number of layers from 0 to 2"):
+        model.set_checkpointing(3)
+
+
+def test_a_preference_step_over_a_frozen_base_reads_no_dead_buffer():
+    """A frozen head's training forward keeps the head's input adjoint (d_norm) for the pullback,
+    which scales it by the row weights: the gradients equal the plain step's for the weights of a
+    mean cross-entropy, and stay the same with dead memory poisoned at every phase boundary and
+    with the first layer, or every layer, checkpointed."""
+    from zoo.arch.lora import LoraConfig
+
+    cfg = preset("tiny-llama").model_copy(update={"n_layer": 3})
+    rng = np.random.default_rng(4)
+    tok = rng.integers(0, cfg.vocab_size, (2, 12))
+    tgt = np.where(rng.random((2, 12)) < 0.5, rng.integers(0, cfg.vocab_size, (2, 12)), -100)
+    weights = np.where(tgt != -100, -1.0 / (tgt != -100).sum(), 0.0)  # d(mean cross-entropy)/d(logprob)
+    adapters = None
+    results = []
+    for checkpointing, poison in ((False, False), (False, True), (1, True), (True, True)):
+        model = zoo.Model(cfg, seed=0, lora=LoraConfig(r=4, alpha=8, dropout=0.0), base_dtype="fp32",
+                          checkpointing=checkpointing)
+        if adapters is None:  # B != 0: the adapters are on every path of the gradients
+            adapters = {k: rng.normal(0, 0.05, p.shape) for k, p in model.parameters().items()}
+        for k, p in model.parameters().items():
+            p[...] = adapters[k]
+        if not results:
+            loss, plain = model.loss_and_grads(tok, tgt)
+        model._exec.set_poison_dead_buffers(poison)
+        model.zero_grads()
+        lp = model.target_logprobs(tok, tgt, train=True)
+        model.backward_logprobs(weights)
+        results.append((lp, {k: v.copy() for k, v in model.gradients().items()}))
+    (lp, grads), rest = results[0], results[1:]
+    assert -lp[tgt != -100].mean() == pytest.approx(loss, rel=1e-6)
+    for k in grads:
+        np.testing.assert_allclose(grads[k], plain[k], rtol=1e-4, atol=1e-7, err_msg=k)
+    for other_lp, other in rest:
+        np.testing.assert_array_equal(other_lp, lp)
+        for k in grads:
+            np.testing.assert_allclose(other[k], grads[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])

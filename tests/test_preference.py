@@ -233,6 +233,8 @@ def test_a_dpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, lora):
     assert ("the base with the adapters off" in log) == lora
     assert ("reference log-probabilities computed for" in log) != lora
     assert "data: 1 file(s) of preference pairs (text)" in log
+    # DPO over LoRA checkpoints by default, and says so
+    assert ("activation checkpointing: on (dpo's default with --lora" in log) == lora
 
     with pytest.raises(TrainInterrupted):
         Trainer(settings(tmp_path, "cut", **extra)).run(on_step=interrupt_at(4))
@@ -242,6 +244,21 @@ def test_a_dpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, lora):
     assert records(tmp_path / "cut") == records(tmp_path / "full")
     if not lora:  # the second run found the reference in the cache
         assert "reference log-probabilities from the cache" in (tmp_path / "cut" / "train.log").read_text()
+
+
+@pytest.mark.parametrize("method,lora,given,expected", [
+    ("dpo", True, None, True), ("ipo", True, None, True), ("dpo", True, False, False),
+    ("dpo", False, None, False), ("orpo", True, None, False), ("simpo", True, None, False),
+    ("sft", True, None, False), ("sft", False, True, True), ("orpo", True, True, True)])
+def test_reference_losses_under_lora_checkpoint_unless_told_not_to(tmp_path, method, lora, given, expected):
+    """--checkpointing unset: on for dpo and ipo with --lora (their step runs the reference's
+    forward too), off otherwise; given, as given. The model the trainer builds follows it."""
+    extra = dict(lora=True, lora_r=4, base_dtype="fp32") if lora else {}
+    cfg = settings(tmp_path, "run", method=method, checkpointing=given, **extra)
+    assert cfg.uses_checkpointing == expected
+    if method == "dpo" and lora:
+        rule_task(tmp_path)
+        assert Trainer(cfg).model.checkpointing == expected
 
 
 def test_a_full_finetuning_run_without_its_cached_reference_cannot_resume(tmp_path):

@@ -27,7 +27,13 @@ from .arch.lora import (
     run_setup,
     with_targets,
 )
-from .arch.memory import FLOAT_BYTES, activation_bytes, base_bytes, check_memory
+from .arch.memory import (
+    FLOAT_BYTES,
+    activation_bytes,
+    base_bytes,
+    check_memory,
+    checkpoint_layers,
+)
 from .core import blocks
 from .core.gemm import apply_gemm_environment, check_precision
 from .core.native import _native
@@ -190,7 +196,8 @@ class Model:
     seed: GPT-2-style random init (normal(0, 0.02), residual projections scaled by
     1/sqrt(2 n_layer), zero biases, unit norms); None leaves every parameter zero (for loading).
     checkpointing: keep only each layer's input during training and recompute the layer's
-    internals in the pullback (less activation memory, about one more forward of compute).
+    internals in the pullback (less activation memory, about one more forward of compute); an
+    int k checkpoints the first k layers only (the others keep their internals).
     ad: which pullbacks a training step runs (resolve_ad): "manual", the hand-written ones;
     "clad", the ones Clad generated from each block's forward (a Clad build, docs/clad.md); or a
     mapping {block: "manual" | "clad"} that puts any subset of blocks on Clad.
@@ -199,7 +206,7 @@ class Model:
     softmax, cross-entropy and the residual stream stay fp32 either way.
     """
 
-    def __init__(self, config: ModelConfig, seed: Optional[int] = 0, checkpointing: bool = False,
+    def __init__(self, config: ModelConfig, seed: Optional[int] = 0, checkpointing: bool | int = False,
                  ad: AdSpec = "manual", precision: str = "fp32", lora: Optional[LoraConfig] = None,
                  base_dtype: Optional[str] = None):
         apply_gemm_environment()
@@ -253,7 +260,7 @@ class Model:
         self._params = self._views(self._exec.params())
         self._grads_views: Optional[dict[str, np.ndarray]] = None  # the gradients' arena maps at first use
         self.set_decay_mask({p.name: p.decay for p in self.trainable})
-        self._exec.set_checkpointing(bool(checkpointing))
+        self._exec.set_checkpoint_layers(checkpoint_layers(config, checkpointing))
         self.ad = resolve_ad(ad, config, lora is not None)
         self._exec.set_clad_blocks([b for b, v in self.ad.items() if v == "clad"])
         self._exec.set_precision(precision)
@@ -625,11 +632,18 @@ class Model:
 
     @property
     def checkpointing(self) -> bool:
+        """Whether any layer is checkpointed."""
         return bool(self._exec.checkpointing())
 
-    def set_checkpointing(self, on: bool) -> None:
-        """Turn activation checkpointing on or off (re-plans the activation arena)."""
-        self._exec.set_checkpointing(bool(on))
+    @property
+    def checkpoint_layers(self) -> int:
+        """How many layers, from the first, are checkpointed (n_layer: all)."""
+        return int(self._exec.checkpoint_layers())
+
+    def set_checkpointing(self, on: bool | int) -> None:
+        """Turn activation checkpointing on or off, or on for the first `on` layers (an int);
+        re-plans the activation arena."""
+        self._exec.set_checkpoint_layers(checkpoint_layers(self.config, on))
         self._memory_checked = {}  # the arena's size changes: check again at the next call
 
     @property
@@ -643,7 +657,7 @@ class Model:
 
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes of the activation arena for a training step at (batch_size, seq_len)."""
-        return activation_bytes(self.config, batch_size, seq_len, self.checkpointing,
+        return activation_bytes(self.config, batch_size, seq_len, self.checkpoint_layers,
                                 tuple(b for b, v in self.ad.items() if v == "clad"), self.precision, self._setup)
 
     # --- checkpoints --------------------------------------------------------------

@@ -178,6 +178,13 @@ int selection(const Tokens& rows, const Tokens& targets) {
     return (int)rows.shape(0);
 }
 
+// checkpointing as Python gives it: a bool (every layer or none), or the number of layers
+// checkpointed from the first.
+int checkpoint_layers(const zoo::Dims& d, py::handle v) {
+    if (py::isinstance<py::bool_>(v)) return v.cast<bool>() ? d.n_layer : 0;
+    return v.cast<int>();
+}
+
 // A plan as Python sees it: one dict per buffer.
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
@@ -451,19 +458,19 @@ PYBIND11_MODULE(_native, m) {
         return zoo::storage_bytes(zoo::dtype_named(format), rows, cols);
     }, py::arg("format"), py::arg("rows"), py::arg("cols"),
        "Bytes a frozen (rows, cols) matrix takes in a weight format (fp32, bf16, int8, nf4), scales included.");
-    m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
+    m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, py::object checkpointing,
                                   std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
         const auto [B, T] = batch_shape(batch, seq, "activation_floats");
-        return zoo::activation_floats(d, checkpointing, zoo::precision_named(precision), B, T,
+        return zoo::activation_floats(d, checkpoint_layers(d, checkpointing), zoo::precision_named(precision), B, T,
                                       zoo::ad_choice(d, clad_blocks));
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{}, py::arg("precision") = "fp32");
-    m.def("activation_plan", [](py::dict cfg, int64_t batch, int64_t seq, bool checkpointing,
+    m.def("activation_plan", [](py::dict cfg, int64_t batch, int64_t seq, py::object checkpointing,
                                 std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
         const auto [B, T] = batch_shape(batch, seq, "activation_plan");
-        return plan_list(zoo::plan_activations(d, checkpointing, zoo::precision_named(precision),
+        return plan_list(zoo::plan_activations(d, checkpoint_layers(d, checkpointing), zoo::precision_named(precision),
                                                zoo::ad_choice(d, clad_blocks), B, T, nullptr, nullptr).buffers);
     }, py::arg("config"), py::arg("batch_size"), py::arg("seq_len"), py::arg("checkpointing") = false,
        py::arg("clad_blocks") = std::vector<std::string>{}, py::arg("precision") = "fp32",
@@ -676,6 +683,8 @@ PYBIND11_MODULE(_native, m) {
         .def("set_clad_blocks", &Executor::set_clad_blocks)
         .def("clad_blocks", &Executor::clad_blocks)
         .def("checkpointing", &Executor::checkpointing)
+        .def("set_checkpoint_layers", &Executor::set_checkpoint_layers)
+        .def("checkpoint_layers", &Executor::checkpoint_layers)
         .def("grad_norm", &Executor::grad_norm)
         .def("grad_sum_squares", [](Executor& e, size_t begin, size_t end) {
             py::gil_scoped_release nogil;

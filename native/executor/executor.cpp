@@ -49,21 +49,34 @@ Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBin
     bind_matrices();
     bind_adapters(adapters);
     if (d_.rope) {
-        const size_t half = d_.rotary_half(), n = (size_t)d_.max_seq_len * half;
+        const size_t half = d_.rotary_half();
         const bool local = std::count(d_.layer_rope.begin(), d_.layer_rope.end(), 2) > 0;
         if (inv_freq.size() != half || (local && inv_freq_local.size() != half) || (!local && !inv_freq_local.empty()))
             throw std::invalid_argument("zoo: inv_freq (and inv_freq_local, exactly where layers use the local table) "
                                         "must have rotary_dim/2 = " + std::to_string(half) + " entries");
-        rope_cos_.resize(n);
-        rope_sin_.resize(n);
-        rope().build_tables(inv_freq.data(), rope_cos_.data(), rope_sin_.data(), d_.max_seq_len);
-        if (local) {
-            local_cos_.resize(n);
-            local_sin_.resize(n);
-            rope().build_tables(inv_freq_local.data(), local_cos_.data(), local_sin_.data(), d_.max_seq_len);
-        }
+        // The tables grow with the longest row a pass plans (ensure_rope), not to max_seq_len
+        // at once: 32 MiB for a 128K-position Llama, which a 1K-token step never reads.
+        rope_inv_freq_ = inv_freq;
+        if (local) local_inv_freq_ = inv_freq_local;
     }
     set_clad_blocks({});
+}
+
+// RoPE tables for positions [0, len) at least (len <= max_seq_len), built the first time a pass
+// needs them and rebuilt longer (doubling, to max_seq_len) when a longer one comes.
+void Executor::ensure_rope(int len) {
+    if (!d_.rope || len <= rope_len_) return;
+    len = std::min(d_.max_seq_len, std::max(len, 2 * rope_len_));
+    const size_t n = (size_t)len * d_.rotary_half();
+    rope_cos_.resize(n);
+    rope_sin_.resize(n);
+    rope().build_tables(rope_inv_freq_.data(), rope_cos_.data(), rope_sin_.data(), len);
+    if (!local_inv_freq_.empty()) {
+        local_cos_.resize(n);
+        local_sin_.resize(n);
+        rope().build_tables(local_inv_freq_.data(), local_cos_.data(), local_sin_.data(), len);
+    }
+    rope_len_ = len;
 }
 
 // The linear layers adapters sit on: input and output widths.
@@ -493,9 +506,11 @@ static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout) {
 // Every buffer of a training step with the phases it is live in; the planner places them.
 // Declared longest-lived first, so the head's logits chunk lands on the buffers dead while the
 // head runs (the layers' adjoints and scratch; with checkpointing the shared internals).
-// bf16_saved: keep q|k|v, the attention output and the MLP input in bf16 (a bf16 step without
-// checkpointing only; plan_activations decides).
-static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision precision, bool bf16_saved,
+// ckpt_layers: layers 0 .. ckpt_layers - 1 keep only their input and are recomputed in the
+// pullback (one set of internals they share), the others keep their internals; n_layer is full
+// checkpointing. bf16_saved: the kept layers keep q|k|v, the attention output and the MLP input
+// in bf16 (a bf16 step only; plan_activations decides).
+static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision precision, bool bf16_saved,
                                    const AdChoice& ad, int B, int T, float* base, size_t* total_floats) {
     limits::check_batch(B, T, "activation plan");  // N = B * T below is an int in the kernels
     const size_t N = (size_t)B * T, D = d.d_model;
@@ -510,20 +525,29 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     };
     // Written by the forward, read by the pullback: live throughout.
     take(&p.residual, "residual", (d.n_layer + 1) * N * D, kAllPhases);
+    // (Live throughout too: placed here, below the buffers of single phases, it leaves the ones
+    // dead while the head runs in one piece for the head's chunk.)
+    if (d.frozen && d.matrix_dtype != DType::f32)
+        take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
     p.layers.resize(d.n_layer);
-    const unsigned internals = checkpointing ? kForward | kPullback : kAllPhases;
-    const int saved_sets = checkpointing ? 1 : d.n_layer;  // with checkpointing, one set recomputed per layer
+    const bool checkpointing = ckpt_layers == d.n_layer;  // every layer recomputed
     // Kept in bf16 (bf16.hpp), the layers work on them in fp32 buffers they share.
-    std::vector<float*> qkv_bf16(saved_sets), att_bf16(saved_sets), fc_bf16(saved_sets);
-    auto take_saved = [&](float** fp32, float** bf16, const std::string& name, size_t floats) {
-        if (bf16_saved)
-            take(bf16, name + "_bf16", (floats + 1) / 2, internals);
-        else
-            take(fp32, name, floats, internals);
-    };
-    for (int i = 0; i < saved_sets; i++) {
+    std::vector<float*> qkv_bf16(d.n_layer), att_bf16(d.n_layer), fc_bf16(d.n_layer);
+    // Set i: the internals of layer i, kept (i >= ckpt_layers), or the one set the recomputed
+    // layers share (i == 0 < ckpt_layers), live while a layer's forward or pullback runs; its
+    // q|k|v, attention output and MLP input are the bf16 step's fp32 buffers where there are.
+    for (int i = 0; i < d.n_layer; i++) {
+        const bool kept = i >= ckpt_layers;
+        if (!kept && i > 0) continue;
+        const unsigned internals = kept ? kAllPhases : kForward | kPullback;
+        auto take_saved = [&](float** fp32, float** bf16, const std::string& name, size_t floats) {
+            if (bf16_saved && kept)
+                take(bf16, name + "_bf16", (floats + 1) / 2, internals);
+            else if (!bf16_saved)
+                take(fp32, name, floats, internals);
+        };
         LayerActs& l = p.layers[i];
-        const std::string at = checkpointing ? "layers." : "layer" + std::to_string(i) + ".";
+        const std::string at = kept ? "layer" + std::to_string(i) + "." : "layers.";
         take(&l.ln1_stats, at + "ln1_stats", stats * N, internals);
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
@@ -567,7 +591,7 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     }
     take(&p.attention_scratch, "attention_scratch",
          Attention{d.n_head, d.n_kv_head, d.head_dim}.scratch_floats(threads, T),
-         checkpointing ? kForward | kPullback : kForward);
+         ckpt_layers ? kForward | kPullback : kForward);
     take(&p.d_res, "d_res", N * D, kPullback);
     take(&p.d_qkv, "d_qkv", N * d.qkv_dim(), kPullback);
     take(&p.d_att, "d_att", N * d.attn_dim(), kPullback);
@@ -577,8 +601,6 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     if (d.qk_norm) take(&p.d_qk, "d_qk", 2 * N * d.qk_dim(), kPullback);
     if (d.branch_buffer() || d.layer->parallel) take(&p.d_branch, "d_branch", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
-    if (d.frozen && d.matrix_dtype != DType::f32)
-        take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
     if (d.lora_width)
         take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0), kForward | kPullback);
     pl.place();
@@ -595,7 +617,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
     for (const Slot& s : slots) *s.ptr = base ? base + pl[s.index].offset : nullptr;
     for (int i = 0; i < d.n_layer; i++) {
         LayerActs& l = p.layers[i];
-        if (checkpointing) l = p.layers[0];
+        const bool kept = i >= ckpt_layers;
+        if (!kept) l = p.layers[0];
         l.x = p.residual ? p.residual + (size_t)i * N * D : nullptr;
         l.out = p.residual ? p.residual + (size_t)(i + 1) * N * D : nullptr;
         l.ln1 = l.ln2 = norm_out;
@@ -608,6 +631,8 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
         l.lora_scratch = p.lora_scratch;
         if (bf16_saved) {
             l.qkv = qkv_work, l.att = att_work, l.fc = fc_work;
+        }
+        if (bf16_saved && kept) {
             l.qkv_bf16 = reinterpret_cast<uint16_t*>(qkv_bf16[i]);
             l.att_bf16 = reinterpret_cast<uint16_t*>(att_bf16[i]);
             l.fc_bf16 = reinterpret_cast<uint16_t*>(fc_bf16[i]);
@@ -620,28 +645,34 @@ static ActivationPlan plan_buffers(const Dims& d, bool checkpointing, Precision 
 
 // A bf16 step keeps the outputs of its products in bf16 where that takes less memory: the fp32
 // buffers the layers share cost more than the halving saves in a model of one or two layers.
-// (With checkpointing they are recomputed, not kept.)
-ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
+// (Recomputed layers keep none.)
+ActivationPlan plan_activations(const Dims& d, int ckpt_layers, Precision precision, const AdChoice& ad, int B,
                                 int T, float* base, size_t* total_floats) {
+    if (ckpt_layers < 0 || ckpt_layers > d.n_layer)
+        throw std::invalid_argument("zoo: " + std::to_string(ckpt_layers) + " checkpointed layers of " +
+                                    std::to_string(d.n_layer) + ": give 0 to " + std::to_string(d.n_layer));
     bool bf16_saved = false;
-    if (precision == Precision::bf16 && !checkpointing) {
+    if (precision == Precision::bf16 && ckpt_layers < d.n_layer) {
         size_t kept_fp32 = 0, kept_bf16 = 0;
-        plan_buffers(d, checkpointing, precision, false, ad, B, T, nullptr, &kept_fp32);
-        plan_buffers(d, checkpointing, precision, true, ad, B, T, nullptr, &kept_bf16);
+        plan_buffers(d, ckpt_layers, precision, false, ad, B, T, nullptr, &kept_fp32);
+        plan_buffers(d, ckpt_layers, precision, true, ad, B, T, nullptr, &kept_bf16);
         bf16_saved = kept_bf16 < kept_fp32;
     }
-    return plan_buffers(d, checkpointing, precision, bf16_saved, ad, B, T, base, total_floats);
+    return plan_buffers(d, ckpt_layers, precision, bf16_saved, ad, B, T, base, total_floats);
 }
 
-size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad) {
+size_t activation_floats(const Dims& d, int ckpt_layers, Precision precision, int B, int T, const AdChoice& ad) {
     size_t total = 0;
-    plan_activations(d, checkpointing, precision, ad, B, T, nullptr, &total);
+    plan_activations(d, ckpt_layers, precision, ad, B, T, nullptr, &total);
     return total;
 }
 
-void Executor::set_checkpointing(bool on) {
-    if (on != checkpointing_) {
-        checkpointing_ = on;
+void Executor::set_checkpoint_layers(int layers) {
+    if (layers < 0 || layers > d_.n_layer)
+        throw std::invalid_argument("zoo: " + std::to_string(layers) + " checkpointed layers of " +
+                                    std::to_string(d_.n_layer) + ": give 0 to " + std::to_string(d_.n_layer));
+    if (layers != ckpt_layers_) {
+        ckpt_layers_ = layers;
         cap_B_ = cap_T_ = 0;  // re-plan at the next step
     }
 }
@@ -716,10 +747,11 @@ void Executor::plan(int B, int T) {
     if (T > d_.max_seq_len)
         throw std::invalid_argument("zoo: sequence length " + std::to_string(T) + " exceeds max_seq_len " +
                                     std::to_string(d_.max_seq_len));
+    ensure_rope(T);  // positions count within a row: below T
     // Attention tiles are laid out for T; per-thread scratch for the threads planned.
     if (B <= cap_B_ && T == cap_T_ && omp_get_max_threads() <= cap_threads_) return;
     acts_.reset(activation_floats(B, T), "activation arena");
-    a_ = plan_activations(d_, checkpointing_, precision_, ad_, B, T, acts_.data, nullptr);
+    a_ = plan_activations(d_, ckpt_layers_, precision_, ad_, B, T, acts_.data, nullptr);
     cap_B_ = B;
     cap_T_ = T;
     cap_threads_ = omp_get_max_threads();
@@ -1325,7 +1357,14 @@ static void scatter_rows(float* dx, const int32_t* rows, int n, int N, int d) {
     }
 }
 
-void Executor::head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight,
+// The LM head over the selected rows (lnf's first n), chunk by chunk: each row's cross-entropy
+// into row_loss, and with adjoint the head's input adjoint into d_norm's first n rows. Every
+// pass takes the loss from the same fused cross-entropy, so a pass with the adapters off and
+// one with them on give bit-equal losses where the models agree (the rewards at step 0).
+// row_weight null: the adjoint of the unweighted row losses (what a frozen head's training
+// forward keeps: the weights come later, and scale the rows, select_backward); else
+// dL/d(row_loss[k]) = grad_scale * row_weight[k], and a trainable head's gradient too.
+void Executor::head_selected(const int32_t* targets, int n, float* row_loss, bool adjoint, const float* row_weight,
                              float grad_scale, GradMode mode) {
     const int d = d_.d_model, V = d_.vocab_size;
     const CrossEntropy ce{V};
@@ -1335,14 +1374,13 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, con
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
-        TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, row_weight ? a_.head_tanh : nullptr));
-        if (!row_weight) {
-            TIMED(forward, cross_entropy, ce.forward(a_.head_logits, targets + r0, row_loss + r0, rows, &counted));
-            continue;
-        }
+        TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, adjoint ? a_.head_tanh : nullptr));
+        // (n_valid 1, grad_scale 1: each row's seed is 1 where no weights are given)
         TIMED(forward, cross_entropy,
-              pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 0, grad_scale, &counted,
-                                row_weight + r0, a_.head_scratch));
+              pb_.cross_entropy(ce, a_.head_logits, targets + r0, row_loss + r0, rows, 1,
+                                row_weight ? grad_scale : 1.0f, &counted, row_weight ? row_weight + r0 : nullptr,
+                                a_.head_scratch));
+        if (!adjoint) continue;
         TIMED(pullback, cross_entropy, logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V));
         float* dx = a_.d_norm + (size_t)r0 * d;
         if (d_.frozen)
@@ -1381,7 +1419,10 @@ void Executor::select_forward(const int32_t* tokens, const int32_t* positions, c
     trunk_forward(sel_.tokens.data(), B, T);
     poison_dead_buffers(kHead);
     gather_rows(a_.lnf, sel_.rows.data(), n, d_.d_model);
-    head_selected(sel_.targets.data(), n, row_loss, nullptr, 0.0f, GradMode::add);
+    // A frozen head's input adjoint is the row weights times that of the unweighted row losses:
+    // taken now, from the logits this pass has, the pullback needs no second pass of the head.
+    sel_.head_adjoint = train && d_.frozen;
+    head_selected(sel_.targets.data(), n, row_loss, sel_.head_adjoint, nullptr, 0.0f, GradMode::add);
     sel_.pending = train;
 }
 
@@ -1390,16 +1431,25 @@ void Executor::select_backward(const float* row_weight, float grad_scale) {
         throw std::logic_error("zoo: select_backward needs a training select_forward just before it (no other pass "
                                "between)");
     sel_.pending = false;
-    const int B = sel_.B, T = sel_.T, N = B * T, n = sel_.n;
+    const int B = sel_.B, T = sel_.T, N = B * T, n = sel_.n, d = d_.d_model;
     const PositionsScope scope(positions_, sel_.positions.empty() ? nullptr : sel_.positions.data()),
         hidden_scope(hidden_, sel_.hidden.empty() ? nullptr : sel_.hidden.data());
     const FlagScope dropout(dropout_on_);
     const GradMode mode = grads_.pass_mode();
     const bool first = grads_.pass_is_first();
     grads_.begin_pass();
-    poison_dead_buffers(kHead);
-    head_selected(sel_.targets.data(), n, a_.row_loss, row_weight, grad_scale, mode);
-    scatter_rows(a_.d_norm, sel_.rows.data(), n, N, d_.d_model);
+    if (sel_.head_adjoint) {
+#pragma omp parallel for schedule(static)
+        for (int k = 0; k < n; k++) {
+            const float w = grad_scale * row_weight[k];
+            float* dx = a_.d_norm + (size_t)k * d;
+            for (int c = 0; c < d; c++) dx[c] *= w;
+        }
+    } else {
+        poison_dead_buffers(kHead);
+        head_selected(sel_.targets.data(), n, a_.row_loss, true, row_weight, grad_scale, mode);
+    }
+    scatter_rows(a_.d_norm, sel_.rows.data(), n, N, d);
     trunk_pullback(sel_.tokens.data(), B, T, mode, first);
 }
 
@@ -1414,7 +1464,7 @@ void Executor::trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode
     // of its own over every gradient.
     double sumsq = 0.0;
     for (int i = d_.n_layer - 1; i >= 0; i--) {
-        if (checkpointing_) layer_forward(i, a_.layers[i], B, T, LayerPass::recompute);
+        if (i < ckpt_layers_) layer_forward(i, a_.layers[i], B, T, LayerPass::recompute);
         layer_pullback(i, B, T, mode);
         if (first) TIMED(forward, adamw, sumsq += grad_sum_squares(layer_grad_ranges_[i]));
     }
@@ -1555,6 +1605,7 @@ size_t Executor::cache_floats(int B, int max_len) const { return zoo::cache_floa
 void Executor::reset_cache(int B, int max_len) {
     const int threads = omp_get_max_threads();
     const CacheLayout c = cache_layout(d_, B, max_len, threads);
+    ensure_rope(max_len);  // (cache_layout refused a max_len past max_seq_len)
     cache_.reset(c.floats, "KV cache");
     float* a = cache_.data;
     k_cache_ = a + c.k;

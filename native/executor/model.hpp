@@ -310,9 +310,9 @@ struct Profile {
 
 // Lays out every activation buffer of a (B, T) training step from base (nullptr: only plan).
 // A free function so memory can be estimated without building a model.
-ActivationPlan plan_activations(const Dims& d, bool checkpointing, Precision precision, const AdChoice& ad, int B,
+ActivationPlan plan_activations(const Dims& d, int ckpt_layers, Precision precision, const AdChoice& ad, int B,
                                 int T, float* base, size_t* total_floats);
-size_t activation_floats(const Dims& d, bool checkpointing, Precision precision, int B, int T, const AdChoice& ad);
+size_t activation_floats(const Dims& d, int ckpt_layers, Precision precision, int B, int T, const AdChoice& ad);
 // The generation arena (KV cache and buffers) for up to (B, max_len): what reset_cache maps.
 // A call's rows go through the layers at most this many at a time (prompts are chunked).
 constexpr int cache_chunk_rows = 512;
@@ -359,7 +359,7 @@ public:
     // Lays out the activation arena for batches up to (B, T); no-op when it already fits.
     void plan(int B, int T);
     size_t activation_floats(int B, int T) const {
-        return zoo::activation_floats(d_, checkpointing_, precision_, B, T, ad_);
+        return zoo::activation_floats(d_, ckpt_layers_, precision_, B, T, ad_);
     }
     const ActivationPlan& activation_plan() const { return a_; }
     // A test of the plan's live phases: at each phase boundary of a step, fill the activation
@@ -367,8 +367,11 @@ public:
     // declaration leaves out then turns the results into NaN.
     void set_poison_dead_buffers(bool on) { poison_dead_ = on; }
     // Keep only each layer's input; recompute its internals during the pullback.
-    void set_checkpointing(bool on);
-    bool checkpointing() const { return checkpointing_; }
+    void set_checkpointing(bool on) { set_checkpoint_layers(on ? d_.n_layer : 0); }
+    bool checkpointing() const { return ckpt_layers_ > 0; }
+    // The first `layers` layers checkpointed (0 to n_layer): activation checkpointing of part of the model.
+    void set_checkpoint_layers(int layers);
+    int checkpoint_layers() const { return ckpt_layers_; }
     // The precision of every matrix product (gemm.hpp); the rest of the step stays fp32:
     // weights, gradients, AdamW moments, norms, softmax, cross-entropy and the residual stream.
     void set_precision(Precision p);
@@ -458,6 +461,9 @@ private:
     Arena& moments();
     ModelTensors w_, g_;
     std::vector<float> rope_cos_, rope_sin_, local_cos_, local_sin_;
+    std::vector<float> rope_inv_freq_, local_inv_freq_;
+    int rope_len_ = 0;  // positions the tables hold
+    void ensure_rope(int len);
     // Layer i's RoPE tables, and whether it rotates at all.
     const float* rope_cos(int i) const { return d_.layer_rope[i] == 2 ? local_cos_.data() : rope_cos_.data(); }
     const float* rope_sin(int i) const { return d_.layer_rope[i] == 2 ? local_sin_.data() : rope_sin_.data(); }
@@ -468,7 +474,7 @@ private:
     std::vector<Range> other_grad_ranges_, all_grads_;
 
     Arena acts_;
-    bool checkpointing_ = false;
+    int ckpt_layers_ = 0;  // layers 0 .. ckpt_layers_ - 1 recomputed in the pullback
     Precision precision_ = Precision::fp32;
     AdChoice ad_;
     Pullbacks pb_;
@@ -485,6 +491,7 @@ private:
         std::vector<int32_t> tokens, positions, hidden, rows, targets;
         int B = 0, T = 0, n = 0;
         bool pending = false;  // a training select_forward ran and no other pass since
+        bool head_adjoint = false;  // it left the head's input adjoint of the unweighted rows in d_norm
     } sel_;
     Arena logits_arena_;  // full logits, for inference calls only
 
@@ -540,9 +547,9 @@ private:
     // From the LM head's input adjoint (a_.d_norm) back through every layer and the embedding.
     void trunk_pullback(const int32_t* tokens, int B, int T, GradMode mode, bool first);
     // The LM head over lnf's first n rows (the selected rows, moved there): their cross-entropy
-    // into row_loss; with row_weight, the pullback too, into d_norm's first n rows.
-    void head_selected(const int32_t* targets, int n, float* row_loss, const float* row_weight, float grad_scale,
-                       GradMode mode);
+    // into row_loss; with adjoint, the pullback too, into d_norm's first n rows (executor.cpp).
+    void head_selected(const int32_t* targets, int n, float* row_loss, bool adjoint, const float* row_weight,
+                       float grad_scale, GradMode mode);
     // The layer, written once: training, the recompute before a checkpointed pullback (which
     // stops before the output projection), and generation against the KV cache from pos0.
     void layer_forward(int i, const LayerActs& a, int B, int T, LayerPass pass, int pos0 = 0);

@@ -50,13 +50,26 @@ def check_batch_shape(batch_size: int, seq_len: int, batch_name: str = "batch", 
                          f"micro-batch is above zoo's bound of {MAX_TOKENS}")
 
 
-def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool = False,
+def checkpoint_layers(cfg: ModelConfig, checkpointing: bool | int) -> int:
+    """The layers activation checkpointing covers, from the first: all or none for a bool, else
+    the number given (0 to n_layer; ValueError otherwise)."""
+    if isinstance(checkpointing, bool):
+        return cfg.n_layer if checkpointing else 0
+    if not isinstance(checkpointing, int) or not 0 <= checkpointing <= cfg.n_layer:
+        raise ValueError(f"checkpointing={checkpointing!r}: give True, False or a number of layers from 0 to "
+                         f"{cfg.n_layer} (the first ones are checkpointed)")
+    return checkpointing
+
+
+def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, checkpointing: bool | int = False,
                      clad_blocks: tuple[str, ...] = (), precision: str = "fp32", setup: Optional[dict] = None) -> int:
     """The activation arena a training step at (batch_size, seq_len) plans, without building a
-    model. setup: the run's (lora.run_setup), for a LoRA run or a frozen base."""
+    model. checkpointing: every layer, none, or the first k (checkpoint_layers). setup: the run's
+    (lora.run_setup), for a LoRA run or a frozen base."""
     check_batch_shape(batch_size, seq_len)
     return FLOAT_BYTES * int(_native.activation_floats(setup or cfg.model_dump(), int(batch_size), int(seq_len),
-                                                       bool(checkpointing), list(clad_blocks), precision))
+                                                       checkpoint_layers(cfg, checkpointing), list(clad_blocks),
+                                                       precision))
 
 
 def base_bytes(cfg: ModelConfig, base_dtype: str) -> int:

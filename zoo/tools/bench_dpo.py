@@ -10,11 +10,14 @@ Every system runs in a process of its own, one after the other, the systems taki
 read in the child) is its own, none competes for the cores, and a slow spell of a shared machine
 falls on all of them:
 
-  zoo           python -m zoo.tools.bench_dpo --worker ...: the bf16 frozen base, fp32 adapters,
-                bf16 products; a step: the reference's forward (the adapters off), the policy's
-                forward with the LM head on the answers alone, the pullback, AdamW. The pair
-                packed as zoo trains it: the prompt computed once for both answers.
-  zoo_checkpointing  the same with activation checkpointing (less memory, a forward more).
+  zoo           python -m zoo.tools.bench_dpo --worker ...: what `zoo finetune --lora --method dpo`
+                runs by default: the bf16 frozen base, fp32 adapters, bf16 products, activation
+                checkpointing as the method's default has it (config.default_checkpointing: on);
+                a step: the reference's forward (the adapters off), the policy's forward with the
+                LM head on the answers alone, the pullback, AdamW. The pair packed as zoo trains
+                it: the prompt computed once for both answers.
+  zoo_checkpointing, zoo_no_checkpointing  the same with activation checkpointing on, or off
+                (every layer's activations kept: a forward less, more memory).
   zoo_unshared  the same as zoo with the pair laid out as TRL runs it, prompt + chosen and
                 prompt + rejected as two sequences: what computing the prompt once saves.
   trl           python zoo/tools/bench_dpo_trl.py: TRL's DPOTrainer over a PEFT LoRA model
@@ -41,11 +44,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
 
-from .bench import BenchError, _run_worker, default_threads, machine_info, matmul_params, model_config
+from .bench import (
+    BenchError,
+    _run_worker,
+    default_threads,
+    machine_info,
+    matmul_params,
+    model_config,
+)
 
 SCHEMA = "zoo-bench-dpo/1"
 OPTIMIZER = {"lr": 5e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
-SYSTEMS = ("zoo", "zoo_checkpointing", "zoo_unshared", "trl", "trl_fp32")
+SYSTEMS = ("zoo", "zoo_checkpointing", "zoo_no_checkpointing", "zoo_unshared", "trl", "trl_fp32")
+# The worker's --checkpointing of each zoo system (default: the method's, config.default_checkpointing).
+CHECKPOINTING = {"zoo_checkpointing": "on", "zoo_no_checkpointing": "off"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,8 +143,8 @@ def run_bench(args: argparse.Namespace) -> dict:
                            "fp32" if system == "trl_fp32" else "bf16", *common]
                 else:
                     cmd = [sys.executable, "-m", "zoo.tools.bench_dpo", "--worker", "--layout",
-                           "apart" if system == "zoo_unshared" else "shared", *common]
-                    cmd += ["--checkpointing"] if system == "zoo_checkpointing" else []
+                           "apart" if system == "zoo_unshared" else "shared", "--checkpointing",
+                           CHECKPOINTING.get(system, "default"), *common]
                 raw[system].append(_run_worker(f"{system} (round {round_ + 1})", cmd,
                                                work / f"{system}-{round_}.json", threads))
     out = {}
@@ -145,6 +157,9 @@ def run_bench(args: argparse.Namespace) -> dict:
                        "peak_rss_mib_per_round": [r["peak_rss_mib"] for r in runs],
                        "tokens_forward": runs[0]["tokens_forward"], "implementation": runs[0]["implementation"],
                        "losses": runs[0]["losses"], "build_s": runs[0]["build_s"]}
+        for key in ("rss_after_import_mib", "rss_built_mib", "arena_mib", "checkpointing"):  # zoo's only
+            if key in runs[0]:
+                out[system][key] = runs[0][key]
     ratios = {}
     for a in (s for s in out if s.startswith("zoo")):
         for b in (s for s in out if s.startswith("trl")):
@@ -195,6 +210,15 @@ def markdown(r: dict) -> str:
                          f"{ratio['step_cpu_time']:.3f}x), peak RSS {ratio['peak_rss']:.3f}x")
     for name, s in r["systems"].items():
         lines.append(f"- {name}: {s['implementation']}")
+    for name, s in r["systems"].items():
+        if "arena_mib" in s:
+            a = s["arena_mib"]
+            state = sum(a.get(k, 0.0) for k in ("weights", "gradients", "moments"))
+            rest = s["peak_rss_mib"] - s["rss_after_import_mib"] - sum(a.values())
+            lines.append(f"- {name}'s peak RSS, MiB: {s['peak_rss_mib']:,.0f} = the process before the model "
+                         f"{s['rss_after_import_mib']:,.0f} + the frozen base {a.get('frozen_base', 0.0):,.0f} + the "
+                         f"adapters with their gradients and moments {state:,.0f} + the activation arena "
+                         f"{a.get('activations', 0.0):,.0f} + the rest {rest:,.0f}")
     lines.append(f"- {r['machine']['cpu']}")
     return "\n".join(lines)
 
@@ -205,39 +229,48 @@ def markdown(r: dict) -> str:
 def worker_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="bench_dpo's zoo worker (run by zoo.tools.bench_dpo)")
     ap.add_argument("--layout", choices=["shared", "apart"], required=True)
-    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--checkpointing", choices=["default", "on", "off"], required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    result = run_zoo(a.workdir, a.layout == "shared", a.checkpointing, a.steps, a.warmup, a.threads)
+    checkpointing = {"on": True, "off": False}.get(a.checkpointing)
+    result = run_zoo(a.workdir, a.layout == "shared", checkpointing, a.steps, a.warmup, a.threads)
     Path(a.out).write_text(json.dumps(result))
     return 0
 
 
-def run_zoo(workdir: str, share_prompt: bool, checkpointing: bool, steps: int, warmup: int, threads: int) -> dict:
+def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], steps: int, warmup: int,
+            threads: int) -> dict:
+    """Timed steps of zoo's DPO over LoRA; checkpointing None: the method's default, as a run
+    without --checkpointing has it."""
     import numpy as np
 
     import zoo
     from zoo.arch.config import ModelConfig
     from zoo.arch.lora import LoraConfig
 
-    from .bench_torch import _peak_rss_mib, read_manifest, timed_steps
+    from ..train.config import default_checkpointing
     from ..train.preference import PairFile, PairSplits
     from ..train.preference_loss import PreferenceLoss
     from ..train.preference_step import PreferenceObjective
+    from .bench_torch import _peak_rss_mib, _rss_now_mib, read_manifest, timed_steps
 
     zoo.set_threads(threads)
+    rss_imported = _rss_now_mib()
     manifest = read_manifest(workdir)
     lora, o, pair = manifest["lora"], manifest["optimizer"], manifest["pair"]
+    if checkpointing is None:
+        checkpointing = default_checkpointing("dpo", lora=True)
     t0 = time.perf_counter()
     model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, base_dtype="bf16", precision="bf16",
                       checkpointing=checkpointing,
                       lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
                                       targets=lora["targets"]))
     build_s = time.perf_counter() - t0
+    rss_built = _rss_now_mib()
     parts = [np.asarray(pair[k], np.int64) for k in ("prompt", "chosen", "rejected")]
     starts = np.cumsum([0] + [len(p) for p in parts])
     pair_file = PairFile(np.concatenate(parts), starts, Path("-"), "", [], [], False)
@@ -259,13 +292,17 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: bool, steps: int, w
         return loss
 
     times, losses = timed_steps(step, steps, warmup)
+    # Where the peak goes: the process before the model, the model's arenas (the frozen base, the
+    # adapters, their gradients and moments, the activations: Model.arena_bytes), the rest.
+    arenas = {k: v / 2**20 for k, v in model.arena_bytes().items() if v}
     return {"step_s": times, "step_cpu_s": cpu[warmup:], "losses": losses, "build_s": build_s,
-            "peak_rss_mib": _peak_rss_mib(),
+            "peak_rss_mib": _peak_rss_mib(), "rss_after_import_mib": rss_imported, "rss_built_mib": rss_built,
+            "arena_mib": arenas, "checkpointing": checkpointing,
             "tokens_forward": int(batch.x.size),
             "implementation": f"zoo {zoo.__version__}: bf16 base, fp32 adapters, {model.precision} products, the "
                               f"reference with the adapters off; the prompt "
                               + ("computed once for both answers" if share_prompt else "in each of two sequences")
-                              + (", activation checkpointing" if checkpointing else "")
+                              + (", activation checkpointing" if checkpointing else ", every layer's activations kept")
                               + f"; {batch.x.shape[0]} row(s) of {batch.x.shape[1]}"}
 
 

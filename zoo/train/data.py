@@ -47,6 +47,7 @@ from .records import (
     records,
     saved_dataset_files,
     split_weight,
+    uniform_records,
 )
 
 CACHE_FORMAT = 2  # bump when the token file layout or document framing changes
@@ -266,13 +267,10 @@ class _Encoder:
 def _record_examples(path: Path, encoder: _Encoder, columns: Optional[dict] = None):
     """Yields (shape, (ids, trained)) per record of a JSONL, Parquet or Arrow file; the file's
     shape is its first record's (a table's: its columns')."""
-    shape = None
-    for where, record in records(path, RECORD_SHAPES, columns):
-        this = _record_shape(record, where)
-        if shape is None:
-            shape = this
-        elif this != shape:
-            raise DataError(f"{where}: a {this} record in a file of {shape} records (line 1 decides)")
+    def noun(shape: str, plural: bool) -> str:
+        return f"{shape} records" if plural else f"a {shape} record"
+
+    for where, record, shape in uniform_records(path, records(path, RECORD_SHAPES, columns), _record_shape, noun):
         if shape == "text":
             yield shape, encoder.document(_string_field(record, "text", where))
         elif shape == "prompt/completion":
@@ -280,8 +278,6 @@ def _record_examples(path: Path, encoder: _Encoder, columns: Optional[dict] = No
                                                    _string_field(record, "completion", where))
         else:
             yield shape, encoder.chat(_messages(record, shape, where), where)
-    if shape is None:
-        raise DataError(f"data file {path}: no records (an empty {'table' if is_table(path) else 'JSONL file'})")
 
 
 def _token_file_ids(path: Path, vocab_size: int) -> np.ndarray:
@@ -529,13 +525,14 @@ class CacheMeta(BaseModel):
     formats: list[str]
 
 
-def _read_meta(path: Path) -> CacheMeta | None:
-    """The cache's description of a token file; None when it is missing or unusable (not a
-    regular file, not JSON, wrong fields): the cache is rebuilt, replacing it."""
+def _read_meta(path: Path, model: type[BaseModel] = CacheMeta) -> Optional[BaseModel]:
+    """The cache's description of a token file (model: its fields, CacheMeta or a pair file's);
+    None when it is missing or unusable (not a regular file, not JSON, wrong fields): the cache
+    is rebuilt, replacing it."""
     if not path.exists():
         return None
     try:
-        return read_json_model(path, CacheMeta, "token cache file")
+        return read_json_model(path, model, "token cache file")
     except CheckpointError:
         return None
 

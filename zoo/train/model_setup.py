@@ -83,7 +83,7 @@ def load_lora_model(cfg: TrainConfig, resume_from: Optional[Path]):
     its adapters new or, on --resume, the checkpoint's (which also holds the tokenizer).
     (model, tokenizer, tokenizer folder or None), as _load_model."""
     settings = dict(ad=cfg.ad, lora=cfg.lora_config(), base_dtype=cfg.base_dtype, precision=cfg.precision,
-                    checkpointing=cfg.checkpointing)
+                    checkpointing=cfg.uses_checkpointing)
     if cfg.from_dir is not None:
         src = finetune_source(cfg.from_dir).model
         model = load_model(load.resolve(src), Model, adapter_seed=cfg.seed, **settings)
@@ -123,11 +123,11 @@ def check_memory_up_front(cfg: TrainConfig, ranks: int, say) -> None:
         model_cfg = cfg.model or preset(cfg.preset or "tiny-llama")
         what = f"training {cfg.preset or 'the model config'}"
     rows = -(-cfg.batch_size // ranks)
-    need = check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.checkpointing, cfg.precision, cfg.lora_config(),
-                               cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1)
+    need = check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.uses_checkpointing, cfg.precision,
+                               cfg.lora_config(), cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1)
     have = available_memory_bytes()
     say(f"memory{' per rank' if ranks > 1 else ''}: {describe(need, cfg.base_dtype)} at batch "
-        f"{rows} x {cfg.seq_len}{' with activation checkpointing' if cfg.checkpointing else ''}"
+        f"{rows} x {cfg.seq_len}{' with activation checkpointing' if cfg.uses_checkpointing else ''}"
         + (f"; {human_bytes(have[0])} available" if have else ""))
 
 

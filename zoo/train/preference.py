@@ -38,8 +38,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from ..core.atomic import atomic_open, write_json
-from ..core.errors import CheckpointError
-from ..core.files import read_json_model
 from ..text.chat_template import ChatTemplateError
 from .data import (
     IGNORE,
@@ -47,11 +45,12 @@ from .data import (
     DataError,
     _cache_key,
     _map,
+    _read_meta,
     default_cache_dir,
     list_text_files,
     token_dtype,
 )
-from .records import is_table, records
+from .records import is_table, records, uniform_records
 
 PAIRS_FORMAT = 1  # bump when the pair cache's layout or the tokenization of a pair changes
 
@@ -170,17 +169,14 @@ def _pairs_in(path: Path, encoder: _PairEncoder, columns: Optional[dict] = None)
     if path.suffix != ".jsonl" and not is_table(path):
         raise DataError(f"data file {path}: preference data is JSONL of {{\"prompt\", \"chosen\", \"rejected\"}} "
                         "or {\"chosen\", \"rejected\"} records, one per line, or Parquet or Arrow with those columns")
-    first = None
-    for where, record in records(path, {name: (keys, set()) for name, keys in PAIR_SHAPES.items()}, columns):
-        if isinstance(record, dict):
-            record = {k: _sharegpt_turns(v) for k, v in record.items()}
-        kind = _record_kind(record, where)
-        if first is None:
-            first = kind
-        elif kind != first:
-            raise DataError(f"{where}: a {kind[1]} record with an {kind[0]} in a file of {first[1]} records "
-                            f"with an {first[0]} (line 1 decides)")
+
+    def noun(kind: tuple[str, str], plural: bool) -> str:
         shape, form = kind
+        return f"{form} records with an {shape}" if plural else f"a {form} record with an {shape}"
+
+    items = ((where, {k: _sharegpt_turns(v) for k, v in record.items()} if isinstance(record, dict) else record)
+             for where, record in records(path, {name: (keys, set()) for name, keys in PAIR_SHAPES.items()}, columns))
+    for where, record, (shape, form) in uniform_records(path, items, _record_kind, noun):
         if shape == "implicit prompt":
             prompt, chosen, rejected = split_implicit_prompt(record["chosen"], record["rejected"])
         else:
@@ -195,8 +191,6 @@ def _pairs_in(path: Path, encoder: _PairEncoder, columns: Optional[dict] = None)
             if not answer:
                 raise DataError(f"{where}: the {name} answer tokenizes to nothing after the prompt")
         yield form, ids
-    if first is None:
-        raise DataError(f"data file {path}: no records (an empty {'table' if is_table(path) else 'JSONL file'})")
 
 
 # --- tokenize once, cache ------------------------------------------------------------------
@@ -258,7 +252,7 @@ def tokenize_pairs(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
     tok_path = cache / f"pairs-{key[:24]}.bin"
     meta_path, starts_path = tok_path.with_suffix(".json"), tok_path.with_suffix(".starts")
     dtype = token_dtype(vocab_size)
-    meta = _read_meta(meta_path)
+    meta = _read_meta(meta_path, PairsMeta)
     if (meta is not None and meta.key == key and meta.format == PAIRS_FORMAT and tok_path.is_file()
             and tok_path.stat().st_size == meta.n_tokens * dtype.itemsize and starts_path.is_file()
             and starts_path.stat().st_size == 8 * (3 * meta.n_pairs + 1)):
@@ -297,15 +291,6 @@ def tokenize_pairs(paths: list[str | os.PathLike], tokenizer, cache_dir: str | o
         raise DataError(f"token cache file {meta_path}: cannot write it ({e.strerror or e})") from None
     return PairFile(_map(tok_path, dtype), _map(starts_path, np.dtype(np.int64)), tok_path, key, files, formats,
                     reused=False)
-
-
-def _read_meta(path: Path) -> Optional[PairsMeta]:
-    if not path.exists():
-        return None
-    try:
-        return read_json_model(path, PairsMeta, "token cache file")
-    except CheckpointError:
-        return None  # rebuilt, replacing it
 
 
 # --- packing ------------------------------------------------------------------------------

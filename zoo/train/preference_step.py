@@ -284,6 +284,11 @@ class PreferenceRun:
                  f"objective: {self.loss.describe()}"
                  + (" (the base with the adapters off)" if self.loss.needs_reference and self.objective.reference is None
                     else "") + (f"; {self.reference_note}" if self.reference_note else "")]
+        cfg = self.trainer.cfg
+        if cfg.checkpointing is None and cfg.uses_checkpointing:  # the method's default: said, with the way out
+            lines.append(f"activation checkpointing: on ({cfg.method}'s default with --lora: its step runs the "
+                         "reference's forward too; --no-checkpointing keeps every layer's activations, faster and "
+                         "larger)")
         return lines
 
     def micro_step(self, model, step: int, micro: int, lo: int, hi: int, grad_scale: float) -> float:

@@ -19,7 +19,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Callable, Hashable, Iterator, Mapping, Optional
 
 from ..core.errors import CheckpointError
 from ..core.files import read_json
@@ -120,6 +120,24 @@ def records(path: Path, shapes: Shapes, columns: Mapping[str, str] | None = None
     if is_table(path):
         return _table_records(path, shapes, columns or {})
     return _jsonl_records(path, columns or {})
+
+
+def uniform_records(path: Path, items: Iterator[tuple[str, dict]], shape_of: Callable[[dict, str], Hashable],
+                    noun: Callable[[Hashable, bool], str]) -> Iterator[tuple[str, dict, Hashable]]:
+    """(where, record, shape) for each of a file's records (items: records(path, ...), or records
+    made from them), shape_of(record, where) its shape: every record of a file has the first one's
+    (a DataError names the line that has another), and a file has at least one (a DataError names
+    it). noun(shape, plural): the shape in those messages ("a text record", "text records")."""
+    first = None
+    for where, record in items:
+        shape = shape_of(record, where)
+        if first is None:
+            first = shape
+        elif shape != first:
+            raise DataError(f"{where}: {noun(shape, False)} in a file of {noun(first, True)} (line 1 decides)")
+        yield where, record, shape
+    if first is None:
+        raise DataError(f"data file {path}: no records (an empty {'table' if is_table(path) else 'JSONL file'})")
 
 
 def _jsonl_records(path: Path, columns: Mapping[str, str]) -> Iterator[tuple[str, dict]]:

@@ -102,7 +102,7 @@ class Trainer:
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
         self.model.set_precision(cfg.precision)
         check_fit(cfg, run)
-        if cfg.checkpointing:
+        if cfg.uses_checkpointing:
             self.model.set_checkpointing(True)
         self.plan = RankPlan(cfg, group, self.model, self.say)
         self.checkpoints = Checkpoints(cfg, self.out, self.model, self.tokenizer, self.plan, self.folder, self.log,
