@@ -137,6 +137,25 @@ def test_the_decode_product_refuses_what_it_cannot_do():
             _native.decode_product(x[:1], w, "fp32", "fp32", isa)
 
 
+def test_int8_sums_longer_than_a_flush_stay_exact():
+    """Rows longer than the integer sums' flush (8192 values on AVX-512, 2048 on AVX2) at the
+    largest terms the 16-bit operand has (127 x 32767): the integer sums reach 2^31 - 2^16 in a
+    lane between flushes and must not wrap; every instruction set gives the exact total."""
+    K = 8192 * 2 + 100
+    w = np.ones((5, K), np.float32)
+    w[1] = -1.0
+    w[2, ::3] = -1.0
+    x = np.ones((4, K), np.float32)
+    x[1] = -2.0
+    x[2, 1::2] = -1.0
+    x[3, :8192] = 0.5  # max|x| is 1: these are the half-way integer 16384 (16383.5 rounds to even)
+    want, _ = _declared(x, w, "int8", "bf16")
+    for isa in ISAS:
+        for M in (1, 4):
+            y = _native.decode_product(x[:M], w, "int8", "bf16", isa)[0]
+            np.testing.assert_allclose(y, want[:M], rtol=1e-6, atol=1e-6, err_msg=f"{isa} M={M}")
+
+
 # --- the KV cache's segments --------------------------------------------------------------------
 
 LLAMA = ModelConfig(vocab_size=211, max_seq_len=48, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
