@@ -138,9 +138,10 @@ def test_the_decode_product_refuses_what_it_cannot_do():
 
 
 def test_int8_sums_longer_than_a_flush_stay_exact():
-    """Rows longer than the integer sums' flush (8192 values on AVX-512, 2048 on AVX2) at the
-    largest terms the 16-bit operand has (127 x 32767): the integer sums reach 2^31 - 2^16 in a
-    lane between flushes and must not wrap; every instruction set gives the exact total."""
+    """Rows longer than the integer sums' flush (8192 values on AVX-512 against 3 or more rows
+    of x, 2048 otherwise) at the largest terms the 16-bit operand has (127 x 32767): a lane's
+    integer sum reaches 2^31 - 2^16 between flushes of 8192 and must not wrap; every instruction
+    set gives the exact total."""
     K = 8192 * 2 + 100
     w = np.ones((5, K), np.float32)
     w[1] = -1.0
