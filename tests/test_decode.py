@@ -445,3 +445,14 @@ def test_llama_cpp_runs_the_gguf_zoo_writes(tmp_path, family, dtype):
         assert np.abs(got - want).max() < bound, (tokenizer, np.abs(got - want).max(), bound)
         if tokenizer is not None:
             assert llm.tokenize(b"Hi", add_bos=False, special=False) == Tokenizer.byte_level().encode("Hi")
+
+
+def test_the_decode_product_benchmark_runs(capsys):
+    """`python -m zoo.tools.bench_gemv` on a small matrix: a line per format and rows of x."""
+    from zoo.tools import bench_gemv
+
+    bench_gemv.main(["--rows", "64", "--cols", "96", "--format", "int8", "nf4", "--rows-of-x", "1", "3", "--repeats", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"W 64 x 96, {ISAS[-1]}, one thread, best of 3")
+    assert [ln.split(":")[0] for ln in lines[1:]] == ["int8  M=1", "int8  M=3", "nf4   M=1", "nf4   M=3"]
+    assert all("G values/s" in ln and "G multiply-adds/s" in ln for ln in lines[1:])
