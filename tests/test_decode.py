@@ -137,6 +137,26 @@ def test_the_decode_product_refuses_what_it_cannot_do():
             _native.decode_product(x[:1], w, "fp32", "fp32", isa)
 
 
+def test_int8_sums_longer_than_a_flush_stay_exact():
+    """Rows longer than the integer sums' flush (8192 values on AVX-512 against 3 or more rows
+    of x, 2048 otherwise) at the largest terms the 16-bit operand has (127 x 32767): a lane's
+    integer sum reaches 2^31 - 2^16 between flushes of 8192 and must not wrap; every instruction
+    set gives the exact total."""
+    K = 8192 * 2 + 100
+    w = np.ones((5, K), np.float32)
+    w[1] = -1.0
+    w[2, ::3] = -1.0
+    x = np.ones((4, K), np.float32)
+    x[1] = -2.0
+    x[2, 1::2] = -1.0
+    x[3, :8192] = 0.5  # max|x| is 1: these are the half-way integer 16384 (16383.5 rounds to even)
+    want, _ = _declared(x, w, "int8", "bf16")
+    for isa in ISAS:
+        for M in (1, 4):
+            y = _native.decode_product(x[:M], w, "int8", "bf16", isa)[0]
+            np.testing.assert_allclose(y, want[:M], rtol=1e-6, atol=1e-6, err_msg=f"{isa} M={M}")
+
+
 # --- the KV cache's segments --------------------------------------------------------------------
 
 LLAMA = ModelConfig(vocab_size=211, max_seq_len=48, d_model=64, n_layer=2, n_head=4, n_kv_head=2, d_ff=96,
@@ -425,3 +445,14 @@ def test_llama_cpp_runs_the_gguf_zoo_writes(tmp_path, family, dtype):
         assert np.abs(got - want).max() < bound, (tokenizer, np.abs(got - want).max(), bound)
         if tokenizer is not None:
             assert llm.tokenize(b"Hi", add_bos=False, special=False) == Tokenizer.byte_level().encode("Hi")
+
+
+def test_the_decode_product_benchmark_runs(capsys):
+    """`python -m zoo.tools.bench_gemv` on a small matrix: a line per format and rows of x."""
+    from zoo.tools import bench_gemv
+
+    bench_gemv.main(["--rows", "64", "--cols", "96", "--format", "int8", "nf4", "--rows-of-x", "1", "3", "--repeats", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"W 64 x 96, {ISAS[-1]}, one thread, best of 3")
+    assert [ln.split(":")[0] for ln in lines[1:]] == ["int8  M=1", "int8  M=3", "nf4   M=1", "nf4   M=3"]
+    assert all("G values/s" in ln and "G multiply-adds/s" in ln for ln in lines[1:])

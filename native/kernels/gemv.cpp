@@ -713,8 +713,9 @@ inline __m512i add_pair_products(__m512i sum, __m512i w, __m512i x) {
 #endif
 }
 
+// Against one or two rows of x (8 rows of W: 16 sums in registers, 8 widened rows).
 template <int M, int RB>
-inline void block_i16(const Job& j, int r) {
+inline void block_i16_few(const Job& j, int r) {
     const int8_t* w = static_cast<const int8_t*>(j.W->data);
     const int K = j.K;
     __m512 sums[RB][M];
@@ -777,14 +778,97 @@ inline void block_i16(const Job& j, int r) {
     }
 }
 
+// A 512-bit lane adds a pair of products per 32 values, so its integer sum takes 256 pairs
+// before a flush: 256 x 2 x 128 x 32767 < 2^31 (-128 in a loaded file included). The float sums
+// take the integer ones at most once per flush, so they live in memory: the RB x M integer sums,
+// W's widened rows and x's vector then have the 32 registers.
+constexpr int i16_flush_many = 8192;
+
+template <int M, int RB>
+inline void block_i16_many(const Job& j, int r) {
+    const int8_t* w = static_cast<const int8_t*>(j.W->data);
+    const int K = j.K;
+    alignas(64) float sums[RB][M][16] = {};
+    __m512i ints[RB][M];
+    ZOO_UNROLL
+    for (int i = 0; i < RB; i++)
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) ints[i][m] = _mm512_setzero_si512();
+    auto flush = [&] {
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            ZOO_UNROLL
+            for (int m = 0; m < M; m++) {
+                _mm512_store_ps(sums[i][m], _mm512_add_ps(_mm512_load_ps(sums[i][m]), _mm512_cvtepi32_ps(ints[i][m])));
+                ints[i][m] = _mm512_setzero_si512();
+            }
+    };
+    auto step = [&](const __m512i* wv, int k) {
+        ZOO_UNROLL
+        for (int m = 0; m < M; m++) {
+            const __m512i xv = _mm512_loadu_si512(j.xi(m) + k);
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) ints[i][m] = add_pair_products(ints[i][m], wv[i], xv);
+        }
+    };
+    auto load = [&](int k) {  // 32 values of each row, widened
+        __m512i wv[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            wv[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + (size_t)(r + i) * K + k)));
+        step(wv, k);
+    };
+    // A whole line of each row a turn (one prefetch each, no branch in the loop: with one, GCC
+    // moves the 16 sums between registers on every step, 1.2-1.4x slower).
+    const int k64 = K / 64 * 64, kv = K / 32 * 32;
+    int k = 0;
+    for (int k0 = 0; k0 < k64; k0 += i16_flush_many) {  // the flushes outside the loop that multiplies
+        const int k1 = std::min(k64, k0 + i16_flush_many);
+        for (k = k0; k < k1; k += 64) {
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) prefetch(w + (size_t)(r + i) * K + k);
+            load(k);
+            load(k + 32);
+        }
+        flush();
+    }
+    k = k64;
+    if (k < kv) load(k), k += 32;
+    if (k < K) {  // the operand is zero past K
+        __m512i wv[RB];
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++)
+            wv[i] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(tail32(K - k), w + (size_t)(r + i) * K + k));
+        step(wv, k);
+    }
+    flush();
+    ZOO_UNROLL
+    for (int m = 0; m < M; m++) {
+        float s[RB];
+        if constexpr (RB == 4)
+            _mm_storeu_ps(s, sum4(_mm512_load_ps(sums[0][m]), _mm512_load_ps(sums[1][m]), _mm512_load_ps(sums[2][m]),
+                                  _mm512_load_ps(sums[3][m])));
+        else
+            ZOO_UNROLL
+            for (int i = 0; i < RB; i++) s[i] = _mm512_reduce_add_ps(_mm512_load_ps(sums[i][m]));
+        ZOO_UNROLL
+        for (int i = 0; i < RB; i++) j.out.put(m, r + i, j.W->scales()[r + i] * j.x_scales[m] * s[i]);
+    }
+}
+
 // One or two rows of x against 8 rows of W at a time: twice the rows streaming from memory at
-// once, which a single thread reads about 8% faster from DRAM than 4 (its 16 sums and 8
-// widened rows fit the 32 registers).
+// once, which a single thread reads about 8% faster from DRAM than 4. More rows of x: groups of 4
+// against 4 rows of W (16 integer sums; a group of 8 against 2 rows was slower).
 template <int M>
 void rows_i16_m(const Job& j, int r0, int r1) {
-    by_groups<M, (M <= 2 ? 8 : 4)>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
-        block_i16<decltype(m)::value, decltype(rb)::value>(g, r);
-    });
+    if constexpr (M <= 2)
+        by_groups<M, 8>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+            block_i16_few<decltype(m)::value, decltype(rb)::value>(g, r);
+        });
+    else
+        by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+            block_i16_many<decltype(m)::value, decltype(rb)::value>(g, r);
+        });
 }
 
 #if defined(ZOO_GEMV_AVX512_BF16)
