@@ -324,6 +324,34 @@ def test_bench_ab_times_two_builds_from_their_own_roots(tmp_path, clock):
         bench_ab.main(["--base", str(tmp_path / "nowhere")])
 
 
+def test_bench_ab_lora_between_two_built_roots(tmp_path):
+    """--lora trains adapters over a frozen base (its losses are not the whole model's), and
+    --current puts a second built root in place of this checkout: both processes import a root."""
+    import shutil
+
+    from zoo.core.native import _native
+    from zoo.tools import bench_ab
+
+    root = tmp_path / "built"
+    shutil.copytree(Path(zoo.__file__).parent, root / "zoo", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(_native.__file__, root / "zoo" / "core")
+    common = ["--base", str(root), "--current", str(root), "--preset", "tiny-llama", "--batch-size", "2",
+              "--seq-len", "8", "--steps", "1", "--warmup", "1", "--rounds", "1", "--threads", "1"]
+    lora, whole = tmp_path / "lora.json", tmp_path / "whole.json"
+    assert bench_ab.main(common + ["--lora", "4", "--base-dtype", "fp32", "--json", str(lora)]) == 0
+    assert bench_ab.main(common + ["--json", str(whole)]) == 0
+    lora_run, whole_run = json.loads(lora.read_text()), json.loads(whole.read_text())
+    assert (lora_run["lora"], lora_run["base_dtype"]) == (4, "fp32") and whole_run["base_dtype"] is None
+    (r,) = lora_run["rounds"]
+    assert r["base_zoo"] == r["current_zoo"] == str(root / "zoo") and r["same_losses"]
+    # the same first loss (the same weights: the adapters start at zero), then apart: only the
+    # adapters moved in the LoRA run
+    assert r["base_losses"][0] == whole_run["rounds"][0]["base_losses"][0]
+    assert r["base_losses"][1] != whole_run["rounds"][0]["base_losses"][1]
+    with pytest.raises(SystemExit, match="--current .*no zoo package there"):
+        bench_ab.main(["--base", str(root), "--current", str(tmp_path / "nowhere")])
+
+
 def test_bench_generate_zoo_alone_writes_table_json_and_targets(tmp_path, capsys):
     # The generation benchmark without llama.cpp: zoo's side runs, the JSON records each run's load
     # average, and the targets are those that need no llama.cpp (the batch's, at the 1.1B shape).

@@ -20,6 +20,12 @@
 namespace zoo {
 
 using ElementFn = float (*)(float x);
+// f'(x), given the value y = f(x), which the pass computes anyway (the recompute stores it).
+// GELU's derivative is written from it: so written, both of its pullbacks round bit for bit as
+// its two hand-fused loops did before this header (g++ reassociates under -fassociative-math,
+// and the value's product x s is the grouping those loops got), and GPT-2 trains to the same
+// losses (docs/benchmarks.md, issue 27).
+using ElementDerivativeFn = float (*)(float x, float y);
 using GatedElementFn = float (*)(float gate, float up);
 struct GatedPartials {
     float gate, up;  // df/dgate, df/dup
@@ -46,23 +52,24 @@ void elementwise_forward(int C, const float* x, float* y, int N) {
     }
 }
 
-// One thread's chunk of the pullback: dx = dy * df(x), and y = f(x) where y is not null. Restrict
+// One thread's chunk of the pullback: dx = dy * f'(x), and y = f(x) where y is not null. Restrict
 // pointers in a function of its own (the buffers never overlap): otherwise clang (19) versions
 // the loop on alias checks that fail at run time and runs the scalar version, and a store to y
 // would make x[i] be read again for df, which then no longer shares f's exponential.
-template <ElementFn f, ElementFn df>
+template <ElementFn f, ElementDerivativeFn df>
 void elementwise_pullback_chunk(const float* __restrict__ x, const float* __restrict__ dy, float* __restrict__ y,
                                 float* __restrict__ dx, long n) {
     if (y)
         for (long i = 0; i < n; i++) {
-            y[i] = f(x[i]);
-            dx[i] = dy[i] * df(x[i]);
+            const float value = f(x[i]);
+            y[i] = value;
+            dx[i] = dy[i] * df(x[i], value);
         }
-    else
-        for (long i = 0; i < n; i++) dx[i] = dy[i] * df(x[i]);
+    else  // (a derivative that does not read the value leaves f's computation dead: it is dropped)
+        for (long i = 0; i < n; i++) dx[i] = dy[i] * df(x[i], f(x[i]));
 }
 
-template <ElementFn f, ElementFn df>
+template <ElementFn f, ElementDerivativeFn df>
 void elementwise_pass(const float* x, const float* dy, float* y, float* dx, long total) {
 #pragma omp parallel
     {
@@ -73,11 +80,11 @@ void elementwise_pass(const float* x, const float* dy, float* y, float* dx, long
 }
 
 // The registry's two pullback signatures (block.hpp): dx; y and dx.
-template <ElementFn f, ElementFn df>
+template <ElementFn f, ElementDerivativeFn df>
 void elementwise_pullback(int C, const float* x, const float* dy, float* dx, int N) {
     elementwise_pass<f, df>(x, dy, nullptr, dx, (long)N * C);
 }
-template <ElementFn f, ElementFn df>
+template <ElementFn f, ElementDerivativeFn df>
 void elementwise_recompute_and_pullback(int C, const float* x, const float* dy, float* y, float* dx, int N) {
     elementwise_pass<f, df>(x, dy, y, dx, (long)N * C);
 }
@@ -92,7 +99,7 @@ struct ElementwiseClad {
 };
 
 // The registry entry; df null: no hand-written pullback.
-template <ElementFn f, ElementFn df = nullptr>
+template <ElementFn f, ElementDerivativeFn df = nullptr>
 constexpr ActivationBlock elementwise_activation(const char* name) {
     ActivationBlock entry{name, /*gate_width=*/1, elementwise_forward<f>, nullptr, nullptr,
                           ZOO_CLAD_FN(&ElementwiseClad<f>::pullback),
@@ -190,7 +197,7 @@ namespace zoo {
 // into the pass, the value Clad computes along is dropped and f(x)'s, computed beside it,
 // shares the exponential, as with a hand-written derivative (docs/clad.md).
 template <ElementFn f>
-float clad_derivative(float x) {
+float clad_derivative(float x, float /*value*/) {
     return clad::differentiate(f, "x").execute(x);
 }
 template <GatedElementFn f>

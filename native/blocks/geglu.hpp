@@ -11,7 +11,10 @@ namespace zoo {
 inline float geglu(float gate, float up) { return gelu(gate) * up; }
 
 // Its partial derivatives; gelu and its derivative share their sigmoid.
-inline GatedPartials geglu_partials(float gate, float up) { return {gelu_derivative(gate) * up, gelu(gate)}; }
+inline GatedPartials geglu_partials(float gate, float up) {
+    const float g = gelu(gate);
+    return {gelu_derivative(gate, g) * up, g};
+}
 
 // The registry entry (native/blocks/registry.hpp).
 inline const ActivationBlock geglu_block = gated_activation<geglu, geglu_partials>("geglu");

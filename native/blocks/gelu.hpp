@@ -14,12 +14,12 @@ inline float gelu(float x) {
     return x * sigmoid(2.0f * (k * (x + 0.044715f * x * x * x)));
 }
 
-// Its derivative: with s = sigmoid(2u), d/dx [x s] = s + 2 x s (1 - s) du/dx. The same
-// sigmoid as gelu's, so a pass that computes both exponentiates once.
-inline float gelu_derivative(float x) {
+// Its derivative, given its value y = x s: with s = sigmoid(2u), d/dx [x s] = s + 2 y (1 - s)
+// du/dx. The same sigmoid as gelu's, so a pass that computes both exponentiates once.
+inline float gelu_derivative(float x, float y) {
     const float k = 0.7978845608028654f;
     const float s = sigmoid(2.0f * (k * (x + 0.044715f * x * x * x)));
-    return s + 2.0f * x * s * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * x * x);
+    return s + 2.0f * y * (1.0f - s) * k * (1.0f + 3.0f * 0.044715f * x * x);
 }
 
 // The registry entry (native/blocks/registry.hpp).

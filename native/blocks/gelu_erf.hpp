@@ -11,7 +11,7 @@ namespace zoo {
 inline float gelu_erf(float x) { return 0.5f * x * (1.0f + std::erf(x * 0.7071067811865476f)); }
 
 // Its derivative: Phi(x) + x phi(x), Phi and phi the normal distribution and density.
-inline float gelu_erf_derivative(float x) {
+inline float gelu_erf_derivative(float x, float /*y*/) {
     return 0.5f * (1.0f + std::erf(x * 0.7071067811865476f)) + x * 0.3989422804014327f * std::exp(-0.5f * x * x);
 }
 

@@ -7,6 +7,10 @@ seed=0) and a fixed token batch.
     python -m zoo.tools.bench_ab --base /tmp/zoo-base --preset gpt2 --batch-size 4 --seq-len 64 \\
         --steps 10 --rounds 3 --json ab.json
 
+--lora R trains LoRA adapters of rank R over a frozen base (--base-dtype, bf16 by default)
+instead of the whole model; --current ROOT puts a second built root in place of this checkout,
+so any two commits can be compared.
+
 On a machine other jobs share, wall-clock steps move with the load; --clock cpu compares the
 CPU time each step's process used instead (time.process_time(), all its threads together),
 which moves far less (with --threads 1 it is the step's own work).
@@ -31,16 +35,21 @@ from pathlib import Path
 from typing import Optional
 
 
-def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int) -> dict:
-    """In the worker process: zoo's step times (seconds) and losses. The timing loop is this
-    module's own, not bench_torch.timed_steps: the worker imports the base build's zoo, whose
-    tools may predate it."""
+def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int, lora_rank: int = 0,
+               base_dtype: str = "bf16") -> dict:
+    """In the worker process: zoo's step times (seconds) and losses, of the whole model trained,
+    or of LoRA adapters of rank lora_rank over a frozen base stored as base_dtype. The timing
+    loop is this module's own, not bench_torch.timed_steps: the worker imports the base build's
+    zoo, whose tools may predate it."""
     import numpy as np
 
     import zoo
 
     cfg = zoo.preset(preset)
-    model = zoo.Model(cfg, seed=0)
+    if lora_rank:
+        model = zoo.Model(cfg, seed=0, lora=zoo.LoraConfig(r=lora_rank), base_dtype=base_dtype)
+    else:
+        model = zoo.Model(cfg, seed=0)
     data = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
 
@@ -81,28 +90,32 @@ def _worker(argv: list[str]) -> int:
     a.add_argument("--seq-len", type=int)
     a.add_argument("--steps", type=int)
     a.add_argument("--warmup", type=int)
+    a.add_argument("--lora", type=int)
+    a.add_argument("--base-dtype")
     a.add_argument("--site-packages", default="")
     args = a.parse_args(argv)
     if args.root:  # started with -S: the root first, then this environment's packages (numpy ...)
         sys.path.insert(0, args.root)
         sys.path.append(args.site_packages)
-    print(json.dumps(step_times(args.preset, args.batch_size, args.seq_len, args.steps, args.warmup)))
+    print(json.dumps(step_times(args.preset, args.batch_size, args.seq_len, args.steps, args.warmup, args.lora,
+                                  args.base_dtype)))
     return 0
 
 
-def _run(root: Optional[str], args, threads: int) -> dict:
+def _run(root: Optional[str], args, threads: int, label: str) -> dict:
     cmd = [sys.executable] + (["-S"] if root else []) + [os.path.abspath(__file__), "--worker",
                                                           "--root", root or "", "--preset", args.preset,
                                                           "--batch-size", str(args.batch_size),
                                                           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                                                          "--warmup", str(args.warmup),
+                                                          "--warmup", str(args.warmup), "--lora", str(args.lora),
+                                                          "--base-dtype", args.base_dtype,
                                                           "--site-packages", sysconfig.get_paths()["purelib"]]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
                           text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-10:])
-        raise SystemExit(f"bench_ab: the {'base' if root else 'current'} build failed (exit {proc.returncode}):\n{tail}")
+        raise SystemExit(f"bench_ab: the {label} build failed (exit {proc.returncode}):\n{tail}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -113,24 +126,33 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m zoo.tools.bench_ab", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--base", required=True, help="package root of the other build (holds zoo/ with its compiled core)")
+    p.add_argument("--current", default=None, metavar="ROOT",
+                   help="a package root built the same way to stand for 'current' instead of this checkout "
+                        "(two commits side by side, for example to find which commit changed the losses)")
     p.add_argument("--preset", default="gpt2", help="a named architecture")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--steps", type=int, default=10, help="timed steps per process")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--rounds", type=int, default=3, help="processes per build, in turn")
+    p.add_argument("--lora", type=int, default=0, metavar="R",
+                   help="train LoRA adapters of rank R over a frozen base instead of the whole model (0: whole)")
+    p.add_argument("--base-dtype", choices=("fp32", "bf16", "int8", "nf4"), default="bf16",
+                   help="with --lora: how the frozen base is stored")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for both")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="compare wall-clock step times, or the CPU time of the step's process")
     p.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     args = p.parse_args(argv)
     base = os.path.abspath(args.base)
-    if not (Path(base) / "zoo" / "__init__.py").is_file():
-        raise SystemExit(f"bench_ab: --base {base}: no zoo package there (docs/benchmarks.md: making a base build)")
+    current = os.path.abspath(args.current) if args.current else None
+    for flag, root in (("--base", base), ("--current", current)):
+        if root and not (Path(root) / "zoo" / "__init__.py").is_file():
+            raise SystemExit(f"bench_ab: {flag} {root}: no zoo package there (docs/benchmarks.md: making a base build)")
     rounds = []
     for r in range(args.rounds):
         print(f"bench_ab: round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
-        before, after = _run(base, args, args.threads), _run(None, args, args.threads)
+        before, after = _run(base, args, args.threads, "base"), _run(current, args, args.threads, "current")
         key = "step_s" if args.clock == "wall" else "cpu_s"
         rounds.append({"base_ms": 1000 * statistics.median(before[key]),
                        "current_ms": 1000 * statistics.median(after[key]),
@@ -139,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                        "max_loss_rel_diff": _max_rel_diff(before["losses"], after["losses"]),
                        "base_losses": before["losses"], "current_losses": after["losses"],
                        "base_zoo": before["zoo"], "current_zoo": after["zoo"]})
-    print(f"\n{args.preset}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
+    what = f", LoRA r={args.lora} over a {args.base_dtype} base" if args.lora else ""
+    print(f"\n{args.preset}{what}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
           f"median of {args.steps} steps per process, {'wall-clock' if args.clock == 'wall' else 'CPU'} time\n")
     print("| round | base ms | current ms | current / base | losses, every step |\n|---:|---:|---:|---:|---|")
     for i, r in enumerate(rounds, 1):
@@ -150,7 +173,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"base: {rounds[0]['base_zoo']}\ncurrent: {rounds[0]['current_zoo']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "batch": args.batch_size,
-                                               "seq_len": args.seq_len, "threads": args.threads, "clock": args.clock,
+                                               "seq_len": args.seq_len, "lora": args.lora,
+                                               "base_dtype": args.base_dtype if args.lora else None, "threads": args.threads, "clock": args.clock,
                                                "steps": args.steps, "rounds": rounds, "ratio": ratio}, indent=2))
     return 0
 
