@@ -82,3 +82,38 @@ def test_zoo_next_to_torch(tmp_path, capsys):
         if zoo.gemm_info()["bf16_native"]:
             assert used and all(u["bf16_kernel"] for u in used if u["precision"] == "bf16"), used
             assert f"zoo_{base}'s products ran on onednn:" in table
+
+
+def test_random_checkpoint_holds_the_model_built_in_memory(tmp_path):
+    """write_random_checkpoint: zoo's init of a preset in bf16, which a bf16 base loads as the very
+    values zoo.Model(cfg, seed=0) builds in memory (an untied embedding mapped from the file)."""
+    cfg = preset("tiny-llama").model_copy(update={"tied_embeddings": False})
+    bench_lora.write_random_checkpoint(cfg, tmp_path / "ck", seed=0)
+    lora = LoraConfig(r=4)
+    built = zoo.Model(cfg, seed=0, lora=lora, base_dtype="bf16")
+    loaded = zoo.Model.from_pretrained(tmp_path / "ck", lora=lora, base_dtype="bf16")
+    assert loaded.config == cfg and loaded.arena_bytes()["frozen_base_mapped"] > 0
+    for name in built.base_tensor_names():
+        assert (built.base_tensor(name) == loaded.base_tensor(name)).all(), name
+
+
+def test_zoo_from_checkpoint(tmp_path):
+    """--from-checkpoint: each zoo system loads the written checkpoint, and trains as the model
+    built in memory does (the same losses)."""
+    cfg = tmp_path / "untied.json"
+    cfg.write_text(json.dumps(preset("tiny-llama").model_copy(update={"tied_embeddings": False}).model_dump()))
+    losses = {}
+    for extra in ([], ["--from-checkpoint"]):
+        out = tmp_path / f"lora{len(extra)}.json"
+        assert bench_lora.main(["--config", str(cfg), "--base", "bf16", "nf4", "--torch", "none", "--json", str(out),
+                                *extra, *FAST]) == 0
+        r = json.loads(out.read_text())
+        for name, s in r["systems"].items():
+            check_system(s, 32)
+            mapped = s["arena_bytes"]["frozen_base_mapped"]
+            assert mapped > 0 if (extra and name == "zoo_bf16") else mapped == 0, (extra, name)
+            assert s["loaded_from"] == ("safetensors checkpoint (bf16)" if extra else "built in memory")
+        losses[bool(extra)] = {name: s["loss_first"] for name, s in r["systems"].items()}
+        assert ("--from-checkpoint" in r["command"]) == bool(extra)
+    # the bf16 base is the same model either way; the nf4 one quantizes the bf16-rounded values
+    assert losses[True]["zoo_bf16"] == losses[False]["zoo_bf16"]

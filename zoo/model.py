@@ -234,6 +234,7 @@ class Model:
         self.trainable: list[ParamSpec] = self.adapter_layout if self.frozen else self.layout
         self._offsets, self.n_params = parameter_offsets(self.trainable)
         frozen_rows, self._base_where = frozen_table(self.layout, base_dtype) if self.frozen else ([], {})
+        self._frozen_rows = frozen_rows
         self._setup = run_setup(config, lora, base_dtype, self.frozen, adapter_table, seed)
         # Before the arenas are mapped: a model too big for the machine is refused with both
         # numbers. Pages become resident when first touched: the weights now, the gradients and
@@ -317,6 +318,29 @@ class Model:
             return
         index, first, _, stored_cols = self._base_spot(name)
         self._exec.store_base(index, first + first_row, np.ascontiguousarray(arr).reshape(-1, stored_cols))
+
+    def base_format(self, name: str) -> str:
+        """The format a frozen base stores the tensor in (fp32, bf16, int8 or nf4); fp32 for a
+        base that trains."""
+        if name not in self._base_shapes:
+            raise KeyError(f"no tensor named {name!r} in this model")
+        if not self.frozen:
+            return "fp32"
+        return self._frozen_rows[self._base_spot(name)[0]][4]
+
+    def map_base_tensor(self, name: str, path, offset: int) -> None:
+        """Reads the frozen base's matrix `name` from the file at path, its values stored from
+        byte offset in the base's own format (bf16 or fp32, row-major), through a memory map
+        instead of a copy in memory: its pages are resident only once a pass reads them. For a
+        token embedding the LM head does not share, of which a step reads a row per token. The
+        file must keep its bytes while the model lives; set_base_tensor on it changes the
+        model, never the file. Errors name the file and the tensor."""
+        if not self.frozen:
+            raise ValueError(f"{name}: only a frozen base's tensors map from a file (this model trains its weights)")
+        index, first, rows, _ = self._base_spot(name)
+        if first != 0 or rows != self._frozen_rows[index][2]:
+            raise ValueError(f"{name}: part of a fused tensor; only a tensor of its own maps from a file")
+        self._exec.map_base(index, str(path), int(offset), f"tensor {name!r}")
 
     def _base_spot(self, name: str) -> tuple[int, int, int, int]:
         try:

@@ -539,6 +539,9 @@ PYBIND11_MODULE(_native, m) {
                  return out;
              }, py::arg("index"), py::arg("first_row"), py::arg("rows"),
              "Rows of the frozen base's tensor index as fp32 (rows, cols).")
+        .def("map_base", &Executor::map_base, py::arg("index"), py::arg("path"), py::arg("offset"), py::arg("what"),
+             "The frozen matrix index read from bytes [offset, ...) of the file at path, mapped (fp32 or bf16, "
+             "as stored there): resident only where a pass reads it. what names it in errors.")
         .def("arena_bytes", [](Executor& e) {
             py::dict out;
             for (const auto& [name, bytes] : e.arena_bytes()) out[py::str(name)] = bytes;

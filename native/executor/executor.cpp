@@ -260,6 +260,8 @@ void Executor::bind_frozen(const std::vector<FrozenBinding>& frozen) {
     }
     base_.reset((at + 3) / 4, "frozen base");
     base_rows_ = frozen;
+    base_files_.clear();
+    base_files_.resize(frozen.size());
     w_ = ModelTensors{};
     w_.layers.resize(d_.n_layer);
     wm_ = ModelMatrices{};
@@ -401,19 +403,50 @@ const FrozenBinding& Executor::base_binding(size_t index) const {
 void Executor::store_base(size_t index, size_t first_row, size_t rows, const float* values) {
     const FrozenBinding& f = base_binding(index);
     if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
-    store_rows(f.dtype, (int)f.rows, (int)f.cols, (int)first_row, (int)rows, values,
-               reinterpret_cast<uint8_t*>(base_.data) + base_offsets_[index]);
+    store_rows(f.dtype, (int)f.rows, (int)f.cols, (int)first_row, (int)rows, values, base_data(index));
+}
+
+void Executor::map_base(size_t index, const std::string& path, size_t offset, const std::string& what) {
+    const FrozenBinding& f = base_binding(index);
+    Matrix* m = matrix_slot(wm_, f.role, f.layer);
+    if (!m) throw std::invalid_argument("zoo: " + what + " (" + where(f.role, f.layer) + ") is not a matrix; only "
+                                        "matrices map from a file");
+    if (f.dtype != DType::f32 && f.dtype != DType::bf16)
+        throw std::invalid_argument("zoo: " + what + " is stored as " + dtype_name(f.dtype) + " in this base; only "
+                                    "fp32 and bf16 tensors map from a file as they are");
+    const size_t bytes = value_bytes(f.dtype, f.rows, f.cols);
+    if (offset % (f.dtype == DType::f32 ? 4 : 2))
+        throw std::invalid_argument("zoo: " + path + ": " + what + " starts at byte " + std::to_string(offset) +
+                                    ", not aligned to its values");
+    auto mapping = std::make_unique<FileMapping>();
+    mapping->map(path, offset, bytes, what);
+    m->data = mapping->data;
+    base_files_[index] = std::move(mapping);
+    // The arena's pages for the tensor, if anything was stored there, go back to the system.
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(base_.data) + base_offsets_[index];
+    const uintptr_t first = (begin + page - 1) / page * page, last = (begin + bytes) / page * page;
+    if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
+size_t Executor::mapped_base_bytes() const {
+    size_t n = 0;
+    for (size_t k = 0; k < base_files_.size(); k++)
+        if (base_files_[k]) n += value_bytes(base_rows_[k].dtype, base_rows_[k].rows, base_rows_[k].cols);
+    return n;
 }
 
 void Executor::load_base(size_t index, size_t first_row, size_t rows, float* values) const {
     const FrozenBinding& f = base_binding(index);
     if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
-    const Matrix m(reinterpret_cast<const uint8_t*>(base_.data) + base_offsets_[index], f.dtype, (int)f.rows, (int)f.cols);
+    const Matrix m(base_data(index), f.dtype, (int)f.rows, (int)f.cols);
     widen_rows(m, (int)first_row, (int)(first_row + rows), values);
 }
 
 std::vector<std::pair<std::string, size_t>> Executor::arena_bytes() const {
-    return {{"weights", 4 * params_.size},     {"frozen_base", 4 * base_.size},  {"gradients", 4 * grads_arena_.size},
+    const size_t mapped = mapped_base_bytes();
+    return {{"weights", 4 * params_.size},     {"frozen_base", 4 * base_.size - mapped},
+            {"frozen_base_mapped", mapped},    {"gradients", 4 * grads_arena_.size},
             {"moments", 4 * moments_.size},    {"activations", 4 * acts_.size},  {"kv_cache", 4 * cache_.size},
             {"logits", 4 * logits_arena_.size}};
 }

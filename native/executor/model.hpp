@@ -343,6 +343,13 @@ public:
     void store_base(size_t index, size_t first_row, size_t rows, const float* values);
     void load_base(size_t index, size_t first_row, size_t rows, float* values) const;
     const FrozenBinding& base_binding(size_t index) const;
+    // The frozen matrix index (fp32 or bf16: a file's own formats) read from bytes [offset, ...)
+    // of a file, mapped (FileMapping), instead of its place in the base arena: its rows cost
+    // memory only where a pass reads them (a token embedding the head does not share). what
+    // names the tensor in errors. Replaces what was stored there; later stores stay private.
+    void map_base(size_t index, const std::string& path, size_t offset, const std::string& what);
+    // Bytes of the frozen base mapped from files.
+    size_t mapped_base_bytes() const;
     // Bytes each arena holds now (weights, frozen base, gradients, moments, activations, KV cache).
     std::vector<std::pair<std::string, size_t>> arena_bytes() const;
     // AdamW's moments, for the parameters [moment_begin, moment_end) only: all of them, or one
@@ -450,6 +457,11 @@ private:
     Arena base_;         // a frozen base, in its formats (bytes, counted in floats)
     std::vector<FrozenBinding> base_rows_;
     std::vector<size_t> base_offsets_;  // bytes
+    std::vector<std::unique_ptr<FileMapping>> base_files_;  // per base tensor: its file's bytes, or null
+    uint8_t* base_data(size_t index) const {
+        return base_files_[index] ? base_files_[index]->data
+                                  : reinterpret_cast<uint8_t*>(base_.data) + base_offsets_[index];
+    }
     std::vector<std::array<SlotAdapters, kLoraSlots>> adapters_;
     int passes_since_step_ = 0;  // the forward_backward calls since the last optimizer step
     mutable std::vector<float> frozen_grad_sink_;  // where the norms' pullbacks put a frozen base's dw, db

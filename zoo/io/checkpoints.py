@@ -171,6 +171,8 @@ def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Option
                 else:
                     params[m.spec.name][...] = value
                 n = count_nonfinite(value)
+            elif _maps_from_file(cfg, reader, m, model):
+                n = _map_frozen(reader, m, model)
             elif model.frozen:
                 n = _load_frozen(reader, m, model)
             else:
@@ -195,6 +197,35 @@ def load_pretrained(path: str | os.PathLike, model_class, *, max_seq_len: Option
 _FROZEN_CHUNK_VALUES = 1 << 24
 
 
+# A safetensors dtype -> the frozen base's format that holds its bytes unchanged.
+_SAME_FORMAT = {"BF16": "bf16", "F32": "fp32"}
+
+
+def _maps_from_file(cfg: ModelConfig, reader: CheckpointReader, m: TensorMatch, model) -> bool:
+    """Whether a frozen base reads this tensor from the checkpoint's file (a memory map) rather
+    than holding a copy: the token embedding of a model whose LM head has its own matrix (a step
+    reads one row of it per token; a tied head would read every row), stored in the base's own
+    format (a bf16 base from a BF16 checkpoint), in the layout zoo reads."""
+    if not model.frozen or cfg.tied_embeddings or m.spec.role != "wte" or m.spec.hf_transposed:
+        return False
+    info = reader.info(m.stored)
+    itemsize = 2 if info.dtype == "BF16" else 4
+    return (_SAME_FORMAT.get(info.dtype) == model.base_format(m.spec.name)
+            and reader.file_of(m.stored).data_offset(m.stored) % itemsize == 0)
+
+
+def _map_frozen(reader: CheckpointReader, m: TensorMatch, model) -> int:
+    """Maps the tensor from its file into the frozen base (Model.map_base_tensor); returns its
+    non-finite values (the scan releases the pages it read: none stays resident)."""
+    source = reader.file_of(m.stored)
+    bad = source.count_nonfinite(m.stored)
+    try:
+        model.map_base_tensor(m.spec.name, source.path, source.data_offset(m.stored))
+    except ValueError as e:  # the file changed since it was opened (cut short, replaced by a folder...)
+        raise CheckpointError(source.path, str(e).removeprefix(f"zoo: {source.path}: "), key=m.stored) from None
+    return bad
+
+
 def _load_frozen(reader: CheckpointReader, m: TensorMatch, model) -> int:
     """Stores one checkpoint tensor in a frozen base, a block of rows at a time (a transposed
     GPT-2 Conv1D weight whole); returns its non-finite values."""
@@ -212,6 +243,8 @@ def _load_frozen(reader: CheckpointReader, m: TensorMatch, model) -> int:
         block = source.read_flat(m.stored, r0 * cols, r1 * cols)
         bad += count_nonfinite(block)
         model.set_base_tensor(m.spec.name, block, first_row=r0)
+        del block  # (an F32 block is a view of the map)
+        source.release(m.stored, r0 * cols, r1 * cols)  # the file's pages read: not resident past the block
     return bad
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,20 +134,46 @@ class SafetensorsFile(MappedFile):
 
     def count_nonfinite(self, name: str) -> int:
         """NaN and Inf values of the tensor as loading would see them (converted to float32, so an
-        F64 value beyond float32's range counts as Inf), read chunk by chunk from the map."""
+        F64 value beyond float32's range counts as Inf), read chunk by chunk from the map (its
+        pages released as it goes: scanning a tensor leaves none of it resident)."""
         info = self.info(name)
         raw = self._raw(info).reshape(-1)
         count = 0
+        released = 0
         for start in range(0, raw.size, SCAN_CHUNK):
             chunk = raw[start:start + SCAN_CHUNK]
             if info.dtype == "BF16":
                 chunk = (chunk.astype(np.uint32) << 16).view(np.float32)
             with np.errstate(over="ignore"):
                 count += count_nonfinite(chunk.astype(np.float32, copy=False))
+            if start + SCAN_CHUNK - released >= _RELEASE_VALUES:
+                self.release(name, released, start + SCAN_CHUNK)
+                released = start + SCAN_CHUNK
+        self.release(name, released)
         return count
+
+    def data_offset(self, name: str) -> int:
+        """Where the tensor's first byte is in the file."""
+        return self._data_start + self.info(name).begin
+
+    def release(self, name: str, begin: int = 0, end: Optional[int] = None) -> None:
+        """Values [begin, end) of the tensor (flattened; end None: to its end) read: their pages
+        leave this process's memory (the system's file cache keeps them; reading them again maps
+        them again). A pass over a large checkpoint releases what it has read, so that its
+        pages never all count in the process's resident memory at once."""
+        info = self.info(name)
+        itemsize = np.dtype(_NUMPY_DTYPE[info.dtype]).itemsize
+        count = math.prod(info.shape)
+        end = count if end is None else min(end, count)
+        first = self._data_start + info.begin + itemsize * begin
+        last = self._data_start + info.begin + itemsize * end
+        first -= first % mmap.PAGESIZE  # madvise takes whole pages; a neighbour's part is read again if needed
+        if last > first and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 SCAN_CHUNK = 1 << 16  # values tested at a time: a small temporary (64 KB), whatever the tensor's size
+_RELEASE_VALUES = 1 << 22  # values scanned between releases of their pages
 
 
 def count_nonfinite(arr: np.ndarray) -> int:

@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"zoo's frozen base, one system each: {', '.join(BASES)}; 'none': no zoo system "
                         "(default bf16)")
     p.add_argument("--checkpointing", action="store_true", help="zoo with activation checkpointing")
+    p.add_argument("--from-checkpoint", action="store_true",
+                   help="write zoo's random model once as a bf16 safetensors checkpoint folder (in the run's "
+                        "temporary folder, removed at its end) and have every zoo system load it as a user does "
+                        "(zoo.Model.from_pretrained); default: each builds it in memory")
     p.add_argument("--torch", nargs="+", default=None, metavar="SETTING",
                    help="PyTorch + PEFT settings, one system each: bf16 (bf16 weights, autocast), fp32; 'none': "
                         "no PyTorch system (default bf16 when torch, transformers and peft are installed)")
@@ -127,6 +131,47 @@ def lora_flops(cfg, tokens: int, rank: int, adapted: list) -> dict:
             "formula": "4 * N_matmul * tokens + 6 * r * (in + out) * tokens per adapter"}
 
 
+def write_random_checkpoint(cfg, folder: Path, seed: int = 0) -> None:
+    """zoo's random init of cfg as a Hugging Face checkpoint folder in bf16 (config.json,
+    safetensors shards): the draws zoo.Model(cfg, seed=seed) makes for a frozen base, in the same
+    order, so that a bf16 base loaded from it holds the values one built in memory holds. Written
+    a block of rows at a time: no tensor is ever whole in memory in float32 (one GPT-2 Conv1D
+    weight or reordered tensor is, being transposed or permuted whole)."""
+    import math
+
+    import numpy as np
+
+    from .. import families
+    from ..arch.layout import initial_value, parameter_layout
+    from ..core.atomic import write_json
+    from ..io.hf_config import CONFIG_FILE, config_to_hf
+    from ..io.safetensors import Pieces, write_checkpoint
+    from ..model import _INIT_CHUNK_VALUES
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    family = families.get(cfg.family)
+
+    def pieces(spec):
+        def blocks():
+            step = max(1, _INIT_CHUNK_VALUES // max(1, math.prod(spec.shape[1:])))
+            for r0 in range(0, spec.shape[0], step):
+                yield initial_value(spec, rng, cfg.n_layer, min(step, spec.shape[0] - r0))
+
+        if not spec.hf_transposed and family.row_order(cfg, spec.name) is None:
+            return blocks
+
+        def whole():
+            value = np.concatenate(list(blocks()))
+            yield family.rows_to_checkpoint(cfg, spec.name, value.T if spec.hf_transposed else value)
+        return whole
+
+    tensors = [(spec.name, Pieces(tuple(reversed(spec.shape)) if spec.hf_transposed else spec.shape, pieces(spec)))
+               for spec in parameter_layout(cfg)]
+    write_checkpoint(folder, tensors, "BF16")
+    write_json(folder / CONFIG_FILE, config_to_hf(cfg, dtype="bfloat16"))
+
+
 def run_bench(args: argparse.Namespace) -> dict:
     from ..arch.layout import num_parameters
     from ..arch.lora import LoraConfig, adapters, module_names
@@ -172,10 +217,15 @@ def run_bench(args: argparse.Namespace) -> dict:
         (work / "manifest.json").write_text(json.dumps(manifest))
         common = ["--workdir", str(work), "--steps", str(args.steps), "--warmup", str(args.warmup),
                   "--threads", str(threads)]
+        zoo_common = ["--checkpointing"] if args.checkpointing else []
+        if args.from_checkpoint and bases:
+            print(f"bench_lora: writing the random model to {work / 'checkpoint'}", file=sys.stderr)
+            write_random_checkpoint(cfg, work / "checkpoint", seed=0)
+            zoo_common += ["--checkpoint", str(work / "checkpoint")]
         attns = list(dict.fromkeys(args.hf_class or ["sdpa"])) if args.hf_class is not None else [None]
         # (system, command): zoo's bases, then PyTorch's settings, each with every attention named
-        runs = [(f"zoo_{base}", [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", base, *common]
-                 + (["--checkpointing"] if args.checkpointing else [])) for base in bases]
+        runs = [(f"zoo_{base}", [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", base, *common,
+                                 *zoo_common]) for base in bases]
         torch_worker = str(Path(__file__).with_name("bench_lora_torch.py"))
         for setting in settings:
             for attn in attns:
@@ -198,10 +248,12 @@ def run_bench(args: argparse.Namespace) -> dict:
     for name, results in raw.items():
         result = results[0]
         s = _summary(results, tokens, flops["total"])
-        s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "trainable_params", "imported_zoo",
-                                         "kernels_used", "hf_class", "attention")
+        s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "arena_bytes", "trainable_params",
+                                         "imported_zoo", "kernels_used", "hf_class", "attention")
                   if k in result})
         s["checkpointing"] = args.checkpointing if name.startswith("zoo_") else args.torch_checkpointing
+        if name.startswith("zoo_"):
+            s["loaded_from"] = "safetensors checkpoint (bf16)" if args.from_checkpoint else "built in memory"
         if name in profiles:
             prof = profiles[name]
             s["blocks"] = {k: {"forward_ms": 1000.0 * f / args.steps, "pullback_ms": 1000.0 * b / args.steps,
@@ -228,7 +280,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     command += (["--checkpointing"] if args.checkpointing else []) + (
         ["--torch-checkpointing"] if args.torch_checkpointing else []) + (
         ["--hf-class", *args.hf_class] if args.hf_class is not None else []) + (
-        ["--rounds", str(args.rounds)] if args.rounds > 1 else []) + (["--profile"] if args.profile else [])
+        ["--rounds", str(args.rounds)] if args.rounds > 1 else []) + (["--profile"] if args.profile else []) + (
+        ["--from-checkpoint"] if args.from_checkpoint else [])
     return {
         "schema": SCHEMA,
         "command": shlex.join(command),

@@ -21,7 +21,7 @@ from .bench_worker import cpu_info
 
 
 def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: int, threads: int,
-        profile: bool = False) -> dict:
+        profile: bool = False, checkpoint: str | None = None) -> dict:
     rss_start = _rss_now_mib()
     import numpy as np
 
@@ -35,10 +35,16 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     manifest = read_manifest(workdir)
     B, T, o, lora = manifest["batch"], manifest["seq_len"], manifest["optimizer"], manifest["lora"]
     t0 = time.perf_counter()
-    model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, checkpointing=checkpointing, base_dtype=base_dtype,
-                      precision=default_precision(base_dtype),
-                      lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
-                                      targets=lora["targets"]))
+    cfg = ModelConfig(**manifest["config"])
+    settings = dict(checkpointing=checkpointing, base_dtype=base_dtype, precision=default_precision(base_dtype),
+                    lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
+                                    targets=lora["targets"]))
+    if checkpoint is None:
+        model = zoo.Model(cfg, seed=0, **settings)
+    else:  # as a user loads one (a bf16 base maps an untied token embedding from the file)
+        model = zoo.Model.from_pretrained(checkpoint, **settings)
+        if model.config != cfg:
+            raise ValueError(f"{checkpoint}: its config.json reads back as a model other than the manifest's")
     build_s = time.perf_counter() - t0
     rss_built = _rss_now_mib()
     data = read_tokens(workdir, B, T)
@@ -57,7 +63,8 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
         "blocks_s": blocks, "profiled": profile,
         "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,
-        "rss_after_build_mib": rss_built, "threads": zoo.get_threads(),
+        "rss_after_build_mib": rss_built, "threads": zoo.get_threads(), "checkpoint": checkpoint,
+        "arena_bytes": model.arena_bytes(),
         "trainable_params": sum(p.size for p in model.parameters().values()),
         "implementation": f"zoo {zoo.__version__}: {base_dtype} base, fp32 adapters, {model.precision} matmuls"
                           + (", checkpointing" if checkpointing else ""),
@@ -76,10 +83,11 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--profile", action="store_true", help="time every block (the executor's profile)")
+    ap.add_argument("--checkpoint", default=None, help="load the base from this checkpoint folder")
     ap.add_argument("--out", required=True, help="where to write the result (JSON)")
     a = ap.parse_args(argv)
     try:
-        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads, a.profile)
+        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads, a.profile, a.checkpoint)
     except ValueError as e:  # a setting this zoo cannot honour: one line for the parent to show
         print(f"zoo bench_lora worker: {e}", file=sys.stderr)
         return 3
