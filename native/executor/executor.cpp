@@ -497,10 +497,17 @@ static size_t matrix_scratch_floats(const Dims& d, Precision p, size_t M) {
     for (const auto& [rows, cols] : shapes) n = std::max(n, gemm::matrix_scratch_floats(p, d.matrix_dtype, (int)M, rows, cols));
     return n;
 }
-// The adapters' scratch over N rows: h and dh, and with dropout the dropped input and its adjoint.
-static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout) {
+// The adapters' scratch over N rows: h and dh, and with dropout the dropped input and its adjoint;
+// then, over a frozen base in a bf16 step, room for a segment's B and h rounded to bf16
+// (lora_rounded_floats, Lora::round_small).
+static size_t lora_rounded_floats(const Dims& d, size_t N, Precision precision) {
+    if (!d.lora_width || !d.frozen || d.matrix_dtype == DType::f32 || precision != Precision::bf16) return 0;
+    return ((N + d.widest_output()) * d.lora_width + 1) / 2;
+}
+static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout, Precision precision) {
     if (!d.lora_width) return 0;
-    return N * (2 * (size_t)d.lora_width + (dropout ? 2 * (size_t)d.widest_input() : 0));
+    return N * (2 * (size_t)d.lora_width + (dropout ? 2 * (size_t)d.widest_input() : 0)) +
+           lora_rounded_floats(d, N, precision);
 }
 
 // Every buffer of a training step with the phases it is live in; the planner places them.
@@ -527,8 +534,10 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     take(&p.residual, "residual", (d.n_layer + 1) * N * D, kAllPhases);
     // (Live throughout too: placed here, below the buffers of single phases, it leaves the ones
     // dead while the head runs in one piece for the head's chunk.)
-    if (d.frozen && d.matrix_dtype != DType::f32)
-        take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
+    if (d.frozen && d.matrix_dtype != DType::f32) {
+        p.matrix_scratch_floats = matrix_scratch_floats(d, precision, N);
+        take(&p.matrix_scratch, "matrix_scratch", p.matrix_scratch_floats, kAllPhases);
+    }
     p.layers.resize(d.n_layer);
     const bool checkpointing = ckpt_layers == d.n_layer;  // every layer recomputed
     // Kept in bf16 (bf16.hpp), the layers work on them in fp32 buffers they share.
@@ -602,7 +611,8 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     if (d.branch_buffer() || d.layer->parallel) take(&p.d_branch, "d_branch", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     if (d.lora_width)
-        take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0), kForward | kPullback);
+        take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0, precision),
+             kForward | kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
     p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, d.frozen, pl.total() - pl.end_of(kHead),
@@ -615,6 +625,12 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     pl.place();
     pl.check();
     for (const Slot& s : slots) *s.ptr = base ? base + pl[s.index].offset : nullptr;
+    // the rounded operands at the end of the adapters' scratch, after what a pass of N rows uses
+    p.lora_rounded_values = 2 * lora_rounded_floats(d, N, precision);
+    if (p.lora_scratch && p.lora_rounded_values)
+        p.lora_rounded = reinterpret_cast<uint16_t*>(p.lora_scratch + lora_scratch_floats(d, N, d.lora_dropout > 0,
+                                                                                         precision)) -
+                         p.lora_rounded_values;
     for (int i = 0; i < d.n_layer; i++) {
         LayerActs& l = p.layers[i];
         const bool kept = i >= ckpt_layers;
@@ -934,8 +950,14 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     // Each branch reads its input's norm, or the stream itself where the norms follow the branches.
     const float* h1 = d_.pre_norm ? a.ln1 : a.x;
     if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(forward, linear, linear_forward(qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
+    if (adapter_writes_first(i, lora_qkv, w.qkv_b, cached)) {
+        adapter_forward(i, lora_qkv, h1, a.qkv, N, a, true);
+        TIMED(forward, linear, linear_forward(qkv, cached, h1, wm.qkv_w, nullptr, a.qkv, N, a.qkv, a.matrix_scratch));
+    } else {
+        TIMED(forward, linear,
+              linear_forward(qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
+        adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
+    }
     if (d_.qk_norm) qk_norm_forward(i, a, N);
     if (layer_rotates(i))  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, rope().forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i), rope_sin(i), B,
@@ -975,8 +997,13 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         h2 = d_.pre_norm ? a.ln2 : a.res_mid;
         if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     }
-    TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_fc, h2, a.fc, N, a);
+    if (adapter_writes_first(i, lora_fc, w.fc_b, cached)) {
+        adapter_forward(i, lora_fc, h2, a.fc, N, a, true);
+        TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, nullptr, a.fc, N, a.fc, a.matrix_scratch));
+    } else {
+        TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
+        adapter_forward(i, lora_fc, h2, a.fc, N, a);
+    }
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     // The MLP output only feeds the next layer's input, which the recompute before a pullback
@@ -1011,8 +1038,21 @@ static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Preci
     return Lora{slot_in(d, slot), slot_out(d, slot), s.rank, s.n_seg, s.seg.data(), d.lora_scale, p};
 }
 
-// y += the slot's adapters of x (x dropped first in a training pass).
-void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a) {
+// Whether a layer without a bias or residual add takes its adapters' output first, its product
+// adding onto it: the adapters then write y once, where adding to the product's output read it
+// too (their pass is bound by memory; the product's added read of y is not: it reads y while
+// it computes). Only for a bf16 product with a stored narrow matrix, whose oneDNN kernel sums
+// all of K before it adds y: the two fp32 terms are added once either way, the same bits
+// (OpenBLAS's fp32 kernels add into C block by block of K: there the order would change them).
+bool Executor::adapter_writes_first(int i, LoraSlot slot, const float* bias, bool cached) const {
+    const SlotAdapters& s = adapters_[i][slot];
+    return !cached && !bias && s.n_seg && adapters_on_ && precision_ == Precision::bf16 && d_.frozen &&
+           d_.matrix_dtype != DType::f32 && slot_lora(d_, slot, s, precision_).covers_output();
+}
+
+// y += the slot's adapters of x (x dropped first in a training pass); write: y = them
+// (adapter_writes_first).
+void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a, bool write) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg || !adapters_on_) return;
     const Lora l = slot_lora(d_, slot, s, precision_);
@@ -1021,7 +1061,10 @@ void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, i
         lora_dropout(dropout_seed(i, slot), d_.lora_dropout, x, xd, (size_t)N * l.in);
         x = xd;
     }
-    TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, a.lora_scratch));
+    if (write)
+        TIMED(forward, lora, l.forward_write(x, s.A, s.B, y, N, a.lora_scratch));
+    else
+        TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, a.lora_scratch));
 }
 
 // dx += the slot's adapters' part of the input's adjoint; dA, dB per mode.
@@ -1029,7 +1072,7 @@ void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const floa
                                 const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg) return;
-    const Lora l = slot_lora(d_, slot, s, precision_);
+    const Lora l = pullback_lora(slot, s, a);
     if (dropout_on_ && d_.lora_dropout > 0) {
         float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
         float* dxd = xd + (size_t)N * d_.widest_input();
@@ -1040,6 +1083,19 @@ void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const floa
     } else {
         TIMED(pullback, lora, pb_.lora(l, x, s.A, s.B, dy, dx, s.dA, s.dB, N, true, mode, a.lora_scratch));
     }
+}
+
+// The adapters' pullback runs after its linear layer's (linear_pullback), whose products are
+// done with the frozen base's matrix scratch then: the adapters round dy into it.
+Lora Executor::pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const {
+    Lora l = slot_lora(d_, slot, s, precision_);
+    if (a.matrix_scratch && a_.lora_rounded) {
+        l.round_buf = reinterpret_cast<uint16_t*>(a.matrix_scratch);
+        l.round_values = 2 * a_.matrix_scratch_floats;
+        l.round_small = a_.lora_rounded;
+        l.round_small_values = a_.lora_rounded_values;
+    }
+    return l;
 }
 
 void Executor::linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
@@ -1587,7 +1643,7 @@ static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) 
     // the decode products' operand, for the widest input.
     c.matrix = pl.take(std::max(matrix_scratch_floats(d, Precision::fp32, N), matrix_scratch_floats(d, Precision::bf16, N)));
     c.decode = pl.take((size_t)threads * decode_thread_floats(d));
-    c.lora = pl.take(lora_scratch_floats(d, N, false));
+    c.lora = pl.take(lora_scratch_floats(d, N, false, Precision::fp32));  // (no pullback: no rounded operands)
     const size_t qk = d.qk_norm ? N * d.qk_dim() : 0, stats = d.norm->stats_per_row * N;
     c.qk_raw = pl.take(qk), c.qk_work = pl.take(qk);
     c.qk_stats = pl.take(d.qk_norm ? stats * (d.qk_norm == 1 ? d.n_head + d.n_kv_head : 2) : 0);

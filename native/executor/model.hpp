@@ -73,6 +73,7 @@ struct Dims {
     int attn_dim() const { return n_head * head_dim; }
     int fc_dim() const { return mlp->gate_width * d_ff; }
     int widest_input() const { return std::max({d_model, attn_dim(), d_ff}); }
+    int widest_output() const { return std::max({qkv_dim(), d_model, fc_dim()}); }
     int qk_dim() const { return (n_head + n_kv_head) * head_dim; }  // the q|k prefix of a qkv row
     int rotary_half() const { return (rotary_dim ? rotary_dim : head_dim) / 2; }
     // The branch output goes through a buffer of its own (not fused into the residual add).
@@ -225,7 +226,10 @@ struct ActivationPlan {
     float* pullback_scratch = nullptr;   // the largest need of the model's pullbacks (one runs at a time)
     float* head_scratch = nullptr;       // the cross-entropy pullback's
     float* matrix_scratch = nullptr;     // a frozen base's products (every phase)
+    size_t matrix_scratch_floats = 0;    // its size
     float* lora_scratch = nullptr;       // the adapters' (forward and pullback)
+    uint16_t* lora_rounded = nullptr;    // its end: a segment's B and h in bf16 (Lora::round_small)
+    size_t lora_rounded_values = 0;
     std::vector<PlannedBuffer> buffers;  // the plan itself, for tests and memory reports
 };
 
@@ -534,7 +538,10 @@ private:
     void linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
                          const float* b, const float* dy, float* dx, float* dW, float* db, int N, GradMode mode,
                          const LayerActs& a);
-    void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a);
+    bool adapter_writes_first(int i, LoraSlot slot, const float* bias, bool cached) const;
+    void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a,
+                         bool write = false);
+    Lora pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const;
     void adapter_pullback(int i, LoraSlot slot, const float* x, const float* dy, float* dx, int N, GradMode mode,
                           const LayerActs& a);
     uint64_t dropout_seed(int i, LoraSlot slot) const;

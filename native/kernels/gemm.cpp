@@ -321,6 +321,27 @@ void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, in
     }
 }
 
+void round_to_bf16(const float* a, int lda, int rows, int cols, uint16_t* out) {
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 32768)
+    for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
+}
+
+void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, int lda, const uint16_t* B, int ldb,
+               float beta, float* C, int ldc) {
+    check_beta(beta);
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (beta == 0.0f)
+            for (int m = 0; m < M; m++) std::memset(C + (size_t)m * ldc, 0, sizeof(float) * N);
+        return;
+    }
+#ifdef ZOO_GEMM_ONEDNN
+    onednn_gemm(Precision::bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, true);
+#else
+    require_precision(Precision::bf16);  // throws
+#endif
+}
+
 // --- products with a stored matrix (quant.hpp) ---------------------------------------
 
 namespace {

@@ -5,6 +5,7 @@
 // the CPU, docs/benchmarks.md). bf16 products (mixed precision: operands rounded to bf16,
 // products accumulated in fp32) run on oneDNN, on CPUs with bf16 dot products only.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,14 @@ enum class Library : int { openblas, mkl, onednn };
 // and B stored (N,K).
 void gemm(Precision p, bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
           int ldb, float beta, float* C, int ldc);
+
+// The same with A and B in bf16 already (rounded by the caller, round_to_bf16: a caller that
+// reads one operand in several products rounds it once): a bf16 product on oneDNN.
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, const uint16_t* A, int lda, const uint16_t* B,
+               int ldb, float beta, float* C, int ldc);
+// rows x cols of a (rows lda apart) rounded to bf16 (nearest even, as a bf16 product of fp32
+// operands rounds them), packed rows x cols.
+void round_to_bf16(const float* a, int lda, int rows, int cols, uint16_t* out);
 
 // Products with a matrix W stored in a weight format (quant.hpp), W.rows x W.cols:
 //   matrix_xwt: y (M, W.rows) = x (M, W.cols) W^T + beta y   (a linear layer's forward)
