@@ -72,6 +72,22 @@ struct Lora {
     void forward(const float* x, const float* A, const float* B, float* y, int N, float* scratch) const {
         lora_adapter(x, A, B, scratch, y, N, in, out, rank, n_seg, seg, scale, (int)precision);
     }
+    // forward (write: forward_write) from x already rounded to bf16 (xb, N x in, packed; the
+    // layer's product reads it too), A rounded into ab (nr() x in bf16 values).
+    void forward_rounded(const uint16_t* xb, const float* A, const float* B, float* y, int N, float* scratch,
+                         uint16_t* ab, bool write) const {
+        gemm::round_to_bf16(A, in, nr(), in, ab);
+        gemm::gemm_bf16(false, true, N, nr(), in, xb, in, ab, in, 0.0f, scratch, nr());
+        const size_t n = (size_t)N * nr();
+#pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < n; i++) scratch[i] *= scale;
+        for (int j = 0; j < n_seg; j++) {
+            if (write)
+                lora_up_write(scratch, B, y, N, out, rank, n_seg, seg, j, (int)precision);
+            else
+                lora_up(scratch, B, y, N, out, rank, n_seg, seg, j, (int)precision);
+        }
+    }
     // Whether the segments cover y's columns: forward_write then writes all of y.
     bool covers_output() const {
         int at = 0;

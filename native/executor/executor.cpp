@@ -950,14 +950,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     // Each branch reads its input's norm, or the stream itself where the norms follow the branches.
     const float* h1 = d_.pre_norm ? a.ln1 : a.x;
     if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    if (adapter_writes_first(i, lora_qkv, w.qkv_b, cached)) {
-        adapter_forward(i, lora_qkv, h1, a.qkv, N, a, true);
-        TIMED(forward, linear, linear_forward(qkv, cached, h1, wm.qkv_w, nullptr, a.qkv, N, a.qkv, a.matrix_scratch));
-    } else {
-        TIMED(forward, linear,
-              linear_forward(qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
-        adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
-    }
+    adapted_forward(i, lora_qkv, qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a);
     if (d_.qk_norm) qk_norm_forward(i, a, N);
     if (layer_rotates(i))  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, rope().forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i), rope_sin(i), B,
@@ -979,40 +972,28 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     if (d_.layer->parallel && d_.layer->second_norm)
         TIMED(forward, norm, norm_forward(a.x, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     if (d_.branch_buffer()) {
-        TIMED(forward, linear,
-              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N, nullptr,
-                             a.matrix_scratch));
-        adapter_forward(i, lora_attn_out, a.att, a.attn_branch, N, a);
+        adapted_forward(i, lora_attn_out, attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N,
+                        nullptr, a);
         branch_add(a.attn_branch, w.post_attn_w, w.post_attn_b, a.attn_branch_stats, a.post_out, a.x, a.res_mid, N);
     } else if (!d_.layer->parallel || pass != LayerPass::recompute) {
         // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
         // profile counts them as linear. A parallel layer adds both branches into its output
         // (no res_mid), which the recompute before a pullback leaves alone.
         float* res_mid = d_.layer->parallel ? a.out : a.res_mid;
-        TIMED(forward, linear,
-              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, res_mid, N, a.x, a.matrix_scratch));
-        adapter_forward(i, lora_attn_out, a.att, res_mid, N, a);
+        adapted_forward(i, lora_attn_out, attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, res_mid, N, a.x, a);
     }
     if (!d_.layer->parallel) {
         h2 = d_.pre_norm ? a.ln2 : a.res_mid;
         if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     }
-    if (adapter_writes_first(i, lora_fc, w.fc_b, cached)) {
-        adapter_forward(i, lora_fc, h2, a.fc, N, a, true);
-        TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, nullptr, a.fc, N, a.fc, a.matrix_scratch));
-    } else {
-        TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
-        adapter_forward(i, lora_fc, h2, a.fc, N, a);
-    }
+    adapted_forward(i, lora_fc, fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     // The MLP output only feeds the next layer's input, which the recompute before a pullback
     // keeps; a post-norm's pullback reads the MLP output and its statistics, though.
     if (pass == LayerPass::recompute && !d_.post_norm) return;
     if (d_.branch_buffer()) {
-        TIMED(forward, linear,
-              linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.mlp_branch, N, nullptr, a.matrix_scratch));
-        adapter_forward(i, lora_proj, a.act, a.mlp_branch, N, a);
+        adapted_forward(i, lora_proj, proj, cached, a.act, wm.proj_w, w.proj_b, a.mlp_branch, N, nullptr, a);
         if (pass == LayerPass::recompute) {
             TIMED(forward, norm, norm_forward(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.post_out, a.mlp_branch_stats, N));
             return;
@@ -1020,9 +1001,8 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         branch_add(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.mlp_branch_stats, a.post_out, a.res_mid, a.out, N);
         return;
     }
-    TIMED(forward, linear, linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N,
-                                          d_.layer->parallel ? a.out : a.res_mid, a.matrix_scratch));
-    adapter_forward(i, lora_proj, a.act, a.out, N, a);
+    adapted_forward(i, lora_proj, proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N,
+                    d_.layer->parallel ? a.out : a.res_mid, a);
 }
 
 // The dropout masks of one pass: a training step's passes each draw their own, the recompute
@@ -1038,20 +1018,52 @@ static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Preci
     return Lora{slot_in(d, slot), slot_out(d, slot), s.rank, s.n_seg, s.seg.data(), d.lora_scale, p};
 }
 
-// Whether a layer without a bias or residual add takes its adapters' output first, its product
-// adding onto it: the adapters then write y once, where adding to the product's output read it
-// too (their pass is bound by memory; the product's added read of y is not: it reads y while
-// it computes). Only for a bf16 product with a stored narrow matrix, whose oneDNN kernel sums
-// all of K before it adds y: the two fp32 terms are added once either way, the same bits
-// (OpenBLAS's fp32 kernels add into C block by block of K: there the order would change them).
-bool Executor::adapter_writes_first(int i, LoraSlot slot, const float* bias, bool cached) const {
+// A linear layer's forward with its adapters (y = residual + x W^T + b + the adapters of x).
+// Over a narrow frozen base in a bf16 step two things save passes over memory, with the same
+// bits:
+// - x is rounded to bf16 once for the base's product and the adapters' first (without dropout,
+//   where both read x itself);
+// - a layer without a bias or residual add takes its adapters' output first, its product adding
+//   onto it: the adapters then write y once, where adding to the product's output read it too
+//   (their pass is bound by memory; the product reads y while it computes). oneDNN's kernel sums
+//   all of K before it adds y, so the two fp32 terms are added once either way (OpenBLAS's fp32
+//   kernels add into C block by block of K: there the order would change the bits).
+void Executor::adapted_forward(int i, LoraSlot slot, const Linear& l, bool cached, const float* x, const Matrix& W,
+                               const float* b, float* y, int N, const float* residual, const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
-    return !cached && !bias && s.n_seg && adapters_on_ && precision_ == Precision::bf16 && d_.frozen &&
-           d_.matrix_dtype != DType::f32 && slot_lora(d_, slot, s, precision_).covers_output();
+    const bool adapted = s.n_seg && adapters_on_;
+    const bool narrow = !cached && precision_ == Precision::bf16 && d_.frozen && W.dtype != DType::f32 &&
+                        a.matrix_scratch;
+    if (!adapted || !narrow) {
+        TIMED(forward, linear, linear_forward(l, cached, x, W, b, y, N, residual, a.matrix_scratch));
+        return adapter_forward(i, slot, x, y, N, a);
+    }
+    const Lora lo = slot_lora(d_, slot, s, precision_);
+    const bool first = !b && !residual && lo.covers_output();
+    const bool shared = !(dropout_on_ && d_.lora_dropout > 0) && a_.lora_rounded &&
+                        (size_t)lo.nr() * lo.in <= a_.lora_rounded_values;
+    if (!shared) {
+        if (first) {
+            adapter_forward(i, slot, x, y, N, a, true);
+            TIMED(forward, linear, linear_forward(l, cached, x, W, nullptr, y, N, y, a.matrix_scratch));
+        } else {
+            TIMED(forward, linear, linear_forward(l, cached, x, W, b, y, N, residual, a.matrix_scratch));
+            adapter_forward(i, slot, x, y, N, a);
+        }
+        return;
+    }
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(a.matrix_scratch);
+    TIMED(forward, linear, gemm::round_to_bf16(x, l.in, N, l.in, reinterpret_cast<uint16_t*>(a.matrix_scratch)));
+    if (first) {
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, a.lora_scratch, a_.lora_rounded, true));
+        TIMED(forward, linear, l.forward_rounded(W, nullptr, y, N, y, a.matrix_scratch));
+    } else {
+        TIMED(forward, linear, l.forward_rounded(W, b, y, N, residual, a.matrix_scratch));
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, a.lora_scratch, a_.lora_rounded, false));
+    }
 }
 
-// y += the slot's adapters of x (x dropped first in a training pass); write: y = them
-// (adapter_writes_first).
+// y += the slot's adapters of x (x dropped first in a training pass); write: y = them.
 void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a, bool write) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg || !adapters_on_) return;

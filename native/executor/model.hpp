@@ -538,7 +538,8 @@ private:
     void linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
                          const float* b, const float* dy, float* dx, float* dW, float* db, int N, GradMode mode,
                          const LayerActs& a);
-    bool adapter_writes_first(int i, LoraSlot slot, const float* bias, bool cached) const;
+    void adapted_forward(int i, LoraSlot slot, const Linear& l, bool cached, const float* x, const Matrix& W,
+                         const float* b, float* y, int N, const float* residual, const LayerActs& a);
     void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a,
                          bool write = false);
     Lora pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const;

@@ -44,6 +44,9 @@ void round_to_bf16(const float* a, int lda, int rows, int cols, uint16_t* out);
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols);
 void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
                 float* scratch);
+// The same in a bf16 product with a narrow W where the caller has rounded x into the start of
+// scratch already (M x W.cols bf16 values, packed): for x read by another product too.
+void matrix_xwt_rounded(int M, const Matrix& W, float beta, float* y, int ldy, float* scratch);
 void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx,
                float* scratch);
 
