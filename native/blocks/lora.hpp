@@ -62,6 +62,9 @@ struct Lora {
     // scratch, idle while the adapters' pullback runs, and the end of the adapters' scratch.
     uint16_t *round_buf = nullptr, *round_small = nullptr;
     size_t round_values = 0, round_small_values = 0;
+    // h = scale x A^T as the forward computed it (N x nr(), rows nr() apart), or null: the
+    // pullback computes it again.
+    const float* h_saved = nullptr;
 
     int nr() const { return n_seg * rank; }
     // Scratch of the forward (h) and of the pullbacks (h, dh).
@@ -109,8 +112,9 @@ struct Lora {
                   int N, bool accumulate_dx, GradMode mode, float* scratch) const {
         const Precision p = precision;
         const float beta = mode == GradMode::add ? 1.0f : 0.0f;
-        float *h = scratch, *dh = scratch + (size_t)N * nr();
-        lora_down(x, A, h, N, in, nr(), scale, (int)p);
+        const float* h = h_saved ? h_saved : scratch;
+        float* dh = scratch + (size_t)N * nr();
+        if (!h_saved) lora_down(x, A, scratch, N, in, nr(), scale, (int)p);
         for (int j = 0; j < n_seg; j++) {
             const int o0 = seg[2 * j], width = seg[2 * j + 1] - o0;
             const size_t b = lora_b_offset(seg, j, rank);

@@ -558,6 +558,9 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
         LayerActs& l = p.layers[i];
         const std::string at = kept ? "layer" + std::to_string(i) + "." : "layers.";
         take(&l.ln1_stats, at + "ln1_stats", stats * N, internals);
+        // (live while the head runs too: the last recomputed layer's recompute skips a slot, whose
+        // h from the forward it reads)
+        if (d.lora_width) take(&l.lora_h, at + "lora_h", (size_t)kLoraSlots * N * d.lora_width, kAllPhases);
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
         take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
@@ -1055,12 +1058,13 @@ void Executor::adapted_forward(int i, LoraSlot slot, const Linear& l, bool cache
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(a.matrix_scratch);
     TIMED(forward, linear, gemm::round_to_bf16(x, l.in, N, l.in, reinterpret_cast<uint16_t*>(a.matrix_scratch)));
     if (first) {
-        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, a.lora_scratch, a_.lora_rounded, true));
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, slot_h(a, slot, N), a_.lora_rounded, true));
         TIMED(forward, linear, l.forward_rounded(W, nullptr, y, N, y, a.matrix_scratch));
     } else {
         TIMED(forward, linear, l.forward_rounded(W, b, y, N, residual, a.matrix_scratch));
-        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, a.lora_scratch, a_.lora_rounded, false));
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, slot_h(a, slot, N), a_.lora_rounded, false));
     }
+    note_h(i, slot, a);
 }
 
 // y += the slot's adapters of x (x dropped first in a training pass); write: y = them.
@@ -1074,9 +1078,18 @@ void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, i
         x = xd;
     }
     if (write)
-        TIMED(forward, lora, l.forward_write(x, s.A, s.B, y, N, a.lora_scratch));
+        TIMED(forward, lora, l.forward_write(x, s.A, s.B, y, N, slot_h(a, slot, N)));
     else
-        TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, a.lora_scratch));
+        TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, slot_h(a, slot, N)));
+    note_h(i, slot, a);
+}
+
+// Where a slot's forward puts h: kept for the pullback (LayerActs::lora_h), or the scratch.
+float* Executor::slot_h(const LayerActs& a, LoraSlot slot, int N) const {
+    return a.lora_h ? a.lora_h + (size_t)slot * N * d_.lora_width : a.lora_scratch;
+}
+void Executor::note_h(int i, LoraSlot slot, const LayerActs& a) {
+    if (a.lora_h && (size_t)i < h_from_.size()) h_from_[internals_set(i)][slot] = h_key(i);
 }
 
 // dx += the slot's adapters' part of the input's adjoint; dA, dB per mode.
@@ -1084,7 +1097,10 @@ void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const floa
                                 const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg) return;
-    const Lora l = pullback_lora(slot, s, a);
+    Lora l = pullback_lora(slot, s, a);
+    // h from this layer's forward (or recompute) in this pass, which ran with the adapters on
+    if (a.lora_h && adapters_on_ && (size_t)i < h_from_.size() && h_from_[internals_set(i)][slot] == h_key(i))
+        l.h_saved = slot_h(a, slot, N);
     if (dropout_on_ && d_.lora_dropout > 0) {
         float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
         float* dxd = xd + (size_t)N * d_.widest_input();
@@ -1301,6 +1317,8 @@ void Executor::logits_pullback(float* dz, const float* t, size_t n) const {
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
+    trunk_passes_++;
+    h_from_.assign(d_.n_layer, {});
     TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, wm_.wte, w_.wpe, a_.residual, B, T));
     scale_floats(a_.residual, (size_t)N * d, d_.embedding_scale);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);

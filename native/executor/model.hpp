@@ -206,6 +206,9 @@ struct LayerActs {
           *post_out = nullptr;
     // Where a frozen base's products widen its matrices, and the adapters' scratch.
     float *matrix_scratch = nullptr, *lora_scratch = nullptr;
+    // The adapters' h = scale x A^T of each slot (N x lora_width floats a slot), kept from the
+    // forward (or a checkpointed layer's recompute) for the pullback, which would recompute it.
+    float* lora_h = nullptr;
 };
 
 // Where every activation buffer of a (B, T) step sits in the activation arena.
@@ -479,6 +482,13 @@ private:
 
     Arena acts_;
     int ckpt_layers_ = 0;  // layers 0 .. ckpt_layers_ - 1 recomputed in the pullback
+    // Which layer's forward, in which trunk pass, last wrote each slot's kept h of each set of
+    // internals (the recomputed layers share set 0, and their recompute skips some slots): the
+    // pullback reads h only where it is its own layer's of this pass.
+    uint64_t trunk_passes_ = 0;
+    std::vector<std::array<uint64_t, kLoraSlots>> h_from_;
+    size_t internals_set(int i) const { return i < ckpt_layers_ ? 0 : (size_t)i; }
+    uint64_t h_key(int i) const { return trunk_passes_ * 65536 + (uint64_t)i + 1; }
     Precision precision_ = Precision::fp32;
     AdChoice ad_;
     Pullbacks pb_;
@@ -543,6 +553,8 @@ private:
     void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a,
                          bool write = false);
     Lora pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const;
+    float* slot_h(const LayerActs& a, LoraSlot slot, int N) const;
+    void note_h(int i, LoraSlot slot, const LayerActs& a);
     void adapter_pullback(int i, LoraSlot slot, const float* x, const float* dy, float* dx, int N, GradMode mode,
                           const LayerActs& a);
     uint64_t dropout_seed(int i, LoraSlot slot) const;

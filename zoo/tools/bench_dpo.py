@@ -12,11 +12,13 @@ falls on all of them:
 
   zoo           python -m zoo.tools.bench_dpo --worker ...: what `zoo finetune --lora --method dpo`
                 runs by default: the bf16 frozen base, fp32 adapters, bf16 products, activation
-                checkpointing as the method's default has it (config.default_checkpointing: on);
+                checkpointing as the method's default has it (TrainConfig.checkpoint_layers: the
+                first k layers, the fewest within config.DEFAULT_CHECKPOINT_GROWTH of the memory
+                of checkpointing all);
                 a step: the reference's forward (the adapters off), the policy's forward with the
                 LM head on the answers alone, the pullback, AdamW. The pair packed as zoo trains
                 it: the prompt computed once for both answers.
-  zoo_checkpointing, zoo_no_checkpointing  the same with activation checkpointing on, or off
+  zoo_checkpointing, zoo_no_checkpointing  the same with every layer checkpointed, or none
                 (every layer's activations kept: a forward less, more memory).
   zoo_unshared  the same as zoo with the pair laid out as TRL runs it, prompt + chosen and
                 prompt + rejected as two sequences: what computing the prompt once saves.
@@ -56,7 +58,7 @@ from .bench import (
 SCHEMA = "zoo-bench-dpo/1"
 OPTIMIZER = {"lr": 5e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
 SYSTEMS = ("zoo", "zoo_checkpointing", "zoo_no_checkpointing", "zoo_unshared", "trl", "trl_fp32")
-# The worker's --checkpointing of each zoo system (default: the method's, config.default_checkpointing).
+# The worker's --checkpointing of each zoo system (default: the method's, TrainConfig.checkpoint_layers).
 CHECKPOINTING = {"zoo_checkpointing": "on", "zoo_no_checkpointing": "off"}
 
 
