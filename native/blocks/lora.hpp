@@ -107,7 +107,7 @@ struct Lora {
     }
 
     // From dy (N, out): dA and dB written or added per mode, dx (N, in) added into (or written
-    // when !accumulate_dx). h is recomputed (N x n_seg rank: cheaper than keeping it per layer).
+    // when !accumulate_dx). h: h_saved where the executor kept it from the forward, else recomputed.
     void pullback(const float* x, const float* A, const float* B, const float* dy, float* dx, float* dA, float* dB,
                   int N, bool accumulate_dx, GradMode mode, float* scratch) const {
         const Precision p = precision;
