@@ -173,7 +173,7 @@ class TrainConfig(BaseModel):
         None, description="activation checkpointing (less memory, more compute); unset: on for the first layers "
                           "for dpo and ipo with --lora (their step runs the reference's forward too: the recompute "
                           "is a smaller share of it; the later layers keep their activations while that adds at "
-                          "most 4% to the memory estimate), off otherwise")
+                          "most 4 percent to the memory estimate), off otherwise")
     # --- preference tuning: pairs of a prompt, a chosen and a rejected answer (docs/preference.md)
     method: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = Field(
         "sft", description="sft: next-token loss on the data; dpo, ipo, orpo, simpo: preference tuning on JSONL "
