@@ -42,3 +42,23 @@ def test_every_system_runs_on_the_same_pair(tmp_path, capsys):
     assert r["systems"]["zoo"]["checkpointing"] and not r["systems"]["zoo_no_checkpointing"]["checkpointing"]
     assert (r["systems"]["zoo"]["arena_mib"]["activations"]
             < r["systems"]["zoo_no_checkpointing"]["arena_mib"]["activations"])
+
+
+def test_the_profile_splits_a_dpo_step_into_its_parts(tmp_path, capsys):
+    """`python -m zoo.tools.profile_dpo`: the step's parts (the reference's forward, the policy's,
+    the pullback, AdamW) each timed and profiled per block, within the step's time; the SFT step
+    beside it; the method's default checkpointing."""
+    from zoo.tools import profile_dpo
+
+    out = tmp_path / "profile.json"
+    assert profile_dpo.main(["--preset", "tiny-llama", "--prompt-len", "12", "--answer-len", "6", "--rank", "4",
+                             "--threads", "1", "--steps", "1", "--sft", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    parts = ("reference_forward", "policy_forward", "python_loss", "pullback", "adamw")
+    assert set(parts) <= set(r["dpo"]) and r["tokens"] == 11 + 6 + 6
+    assert sum(r["dpo"][p]["s"] for p in parts) <= r["dpo"]["step_s"]
+    assert "lora" not in r["dpo"]["reference_forward"]["blocks"]  # the adapters off
+    assert "lora" in r["dpo"]["policy_forward"]["blocks"] and "linear" in r["dpo"]["pullback"]["blocks"]
+    assert r["dpo"]["pullback"]["blocks"]["linear"][1] > 0 and r["sft"]["forward_backward"]["s"] > 0
+    assert r["checkpoint_layers"] == r["n_layer"] == 2  # the default at this shape: both layers
+    assert "dpo step:" in capsys.readouterr().out

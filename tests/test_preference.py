@@ -233,8 +233,8 @@ def test_a_dpo_run_logs_trl_metrics_and_resumes_exactly(tmp_path, lora):
     assert ("the base with the adapters off" in log) == lora
     assert ("reference log-probabilities computed for" in log) != lora
     assert "data: 1 file(s) of preference pairs (text)" in log
-    # DPO over LoRA checkpoints by default, and says so
-    assert ("activation checkpointing: on (dpo's default with --lora" in log) == lora
+    # DPO over LoRA checkpoints by default (both of tiny-llama's layers at this shape), and says so
+    assert ("activation checkpointing: on for the first 2 of 2 layers (dpo's default with --lora" in log) == lora
 
     with pytest.raises(TrainInterrupted):
         Trainer(settings(tmp_path, "cut", **extra)).run(on_step=interrupt_at(4))
@@ -258,7 +258,51 @@ def test_reference_losses_under_lora_checkpoint_unless_told_not_to(tmp_path, met
     assert cfg.uses_checkpointing == expected
     if method == "dpo" and lora:
         rule_task(tmp_path)
-        assert Trainer(cfg).model.checkpointing == expected
+        model = Trainer(cfg).model
+        assert model.checkpointing == expected
+        assert model.checkpoint_layers == (cfg.checkpoint_layers(model.config, cfg.batch_size) if given is None else
+                                           model.config.n_layer * expected)
+
+
+def test_the_default_checkpoints_the_fewest_layers_its_memory_allowance_asks_for():
+    """The method's default checkpoints the first k layers: the fewest whose memory estimate is
+    within DEFAULT_CHECKPOINT_GROWTH of checkpointing every layer (llama-3.2-1b at the DPO
+    benchmark's shape: some layers, not all)."""
+    from zoo.arch.lora import LoraConfig, module_names
+    from zoo.arch.memory import finetune_memory_bytes, partial_checkpoint_layers
+    from zoo.arch.presets import preset
+    from zoo.train.config import DEFAULT_CHECKPOINT_GROWTH
+
+    cfg = preset("llama-3.2-1b")
+    lora = LoraConfig(r=16, alpha=32.0, targets=module_names(cfg))
+
+    def total(k):
+        return finetune_memory_bytes(cfg, 1, 383, k, "bf16", lora=lora, base_dtype="bf16").total
+
+    k = partial_checkpoint_layers(cfg, 1, 383, DEFAULT_CHECKPOINT_GROWTH, "bf16", lora, "bf16")
+    assert 0 < k < cfg.n_layer
+    assert total(k) <= (1 + DEFAULT_CHECKPOINT_GROWTH) * total(cfg.n_layer) < total(k - 1)
+    assert partial_checkpoint_layers(cfg, 1, 383, 0.0, "bf16", lora, "bf16") == cfg.n_layer
+    assert partial_checkpoint_layers(cfg, 1, 383, 10.0, "bf16", lora, "bf16") == 0
+    with pytest.raises(ValueError, match="growth"):
+        partial_checkpoint_layers(cfg, 1, 383, -0.1, "bf16", lora, "bf16")
+
+
+def test_a_dpo_run_over_lora_keeps_the_later_layers_activations_where_they_are_a_small_share(tmp_path):
+    """Eight layers at one pair of 32 tokens a micro-batch: the default checkpoints 7 of them, the
+    trainer's model follows, the log says so, and the run trains."""
+    from zoo.arch.presets import preset
+
+    rule_task(tmp_path)
+    model_cfg = preset("tiny-llama").model_copy(update={"n_layer": 8})
+    cfg = settings(tmp_path, "run", model=model_cfg, preset=None, batch_size=1, lora=True, lora_r=4,
+                   base_dtype="fp32", steps=2, eval_every=2, save_every=2)
+    assert cfg.checkpoint_layers(model_cfg, 1) == 7
+    trainer = Trainer(cfg)
+    assert trainer.model.checkpoint_layers == 7
+    trainer.run()
+    assert "activation checkpointing: on for the first 7 of 8 layers" in (tmp_path / "run" / "train.log").read_text()
+    assert all(np.isfinite(r["loss"]) for r in records(tmp_path / "run")[0])
 
 
 def test_a_full_finetuning_run_without_its_cached_reference_cannot_resume(tmp_path):

@@ -76,6 +76,12 @@ struct Linear {
         add_bias_and_residual(b, y, N, residual);
         gemm::matrix_xwt(precision, N, x, in, W, b || residual ? 1.0f : 0.0f, y, out, scratch);
     }
+    // The same with x already rounded to bf16 at the start of scratch (gemm::matrix_xwt_rounded;
+    // a bf16 product with a narrow W).
+    void forward_rounded(const Matrix& W, const float* b, float* y, int N, const float* residual, float* scratch) const {
+        add_bias_and_residual(b, y, N, residual);
+        gemm::matrix_xwt_rounded(N, W, b || residual ? 1.0f : 0.0f, y, out, scratch);
+    }
     // dx = dy W (or += when accumulate_dx): a frozen weight's pullback has no dW.
     void pullback_input(const Matrix& W, const float* dy, float* dx, int N, bool accumulate_dx, float* scratch) const {
         gemm::matrix_xw(precision, N, dy, out, W, accumulate_dx ? 1.0f : 0.0f, dx, in, scratch);

@@ -35,6 +35,14 @@ inline void lora_up(const float* h, const float* B, float* y, int N, int out, in
                B + lora_b_offset(seg, j, rank), rank, 1.0f, y + o0, out);
 }
 
+// The same writing y[:, o0:o1] = h_j B_j^T instead of adding to it.
+inline void lora_up_write(const float* h, const float* B, float* y, int N, int out, int rank, int n_seg,
+                          const int* seg, int j, int precision) {
+    const int o0 = seg[2 * j], width = seg[2 * j + 1] - o0;
+    gemm::gemm((Precision)precision, false, true, N, width, rank, h + (size_t)j * rank, n_seg * rank,
+               B + lora_b_offset(seg, j, rank), rank, 0.0f, y + o0, out);
+}
+
 // The adapter as Clad differentiates it (a Clad build: its pullback is Clad's gradient of this,
 // chaining the two products' derivatives below).
 inline void lora_adapter(const float* x, const float* A, const float* B, float* h, float* y, int N, int in, int out,
@@ -48,6 +56,15 @@ struct Lora {
     const int* seg;  // n_seg pairs (o0, o1)
     float scale;
     Precision precision = Precision::fp32;
+    // Room for a segment's dy rounded to bf16 once (a bf16 pullback reads it in two products,
+    // dh and dB, which would each round it): round_values bf16 values, or none (null), and
+    // round_small_values for its B and h beside it. The executor lends the frozen base's matrix
+    // scratch, idle while the adapters' pullback runs, and the end of the adapters' scratch.
+    uint16_t *round_buf = nullptr, *round_small = nullptr;
+    size_t round_values = 0, round_small_values = 0;
+    // h = scale x A^T as the forward computed it (N x nr(), rows nr() apart), or null: the
+    // pullback computes it again.
+    const float* h_saved = nullptr;
 
     int nr() const { return n_seg * rank; }
     // Scratch of the forward (h) and of the pullbacks (h, dh).
@@ -58,18 +75,60 @@ struct Lora {
     void forward(const float* x, const float* A, const float* B, float* y, int N, float* scratch) const {
         lora_adapter(x, A, B, scratch, y, N, in, out, rank, n_seg, seg, scale, (int)precision);
     }
+    // forward (write: forward_write) from x already rounded to bf16 (xb, N x in, packed; the
+    // layer's product reads it too), A rounded into ab (nr() x in bf16 values).
+    void forward_rounded(const uint16_t* xb, const float* A, const float* B, float* y, int N, float* scratch,
+                         uint16_t* ab, bool write) const {
+        gemm::round_to_bf16(A, in, nr(), in, ab);
+        gemm::gemm_bf16(false, true, N, nr(), in, xb, in, ab, in, 0.0f, scratch, nr());
+        const size_t n = (size_t)N * nr();
+#pragma omp parallel for schedule(static)
+        for (size_t i = 0; i < n; i++) scratch[i] *= scale;
+        for (int j = 0; j < n_seg; j++) {
+            if (write)
+                lora_up_write(scratch, B, y, N, out, rank, n_seg, seg, j, (int)precision);
+            else
+                lora_up(scratch, B, y, N, out, rank, n_seg, seg, j, (int)precision);
+        }
+    }
+    // Whether the segments cover y's columns: forward_write then writes all of y.
+    bool covers_output() const {
+        int at = 0;
+        for (int j = 0; j < n_seg; j++) {
+            if (seg[2 * j] != at) return false;
+            at = seg[2 * j + 1];
+        }
+        return at == out;
+    }
+    // y = scale (x A^T) B^T (covers_output()): for a layer whose product then adds onto y.
+    void forward_write(const float* x, const float* A, const float* B, float* y, int N, float* scratch) const {
+        lora_down(x, A, scratch, N, in, nr(), scale, (int)precision);
+        for (int j = 0; j < n_seg; j++) lora_up_write(scratch, B, y, N, out, rank, n_seg, seg, j, (int)precision);
+    }
 
     // From dy (N, out): dA and dB written or added per mode, dx (N, in) added into (or written
-    // when !accumulate_dx). h is recomputed (N x n_seg rank: cheaper than keeping it per layer).
+    // when !accumulate_dx). h: h_saved where the executor kept it from the forward, else recomputed.
     void pullback(const float* x, const float* A, const float* B, const float* dy, float* dx, float* dA, float* dB,
                   int N, bool accumulate_dx, GradMode mode, float* scratch) const {
         const Precision p = precision;
         const float beta = mode == GradMode::add ? 1.0f : 0.0f;
-        float *h = scratch, *dh = scratch + (size_t)N * nr();
-        lora_down(x, A, h, N, in, nr(), scale, (int)p);
+        const float* h = h_saved ? h_saved : scratch;
+        float* dh = scratch + (size_t)N * nr();
+        if (!h_saved) lora_down(x, A, scratch, N, in, nr(), scale, (int)p);
         for (int j = 0; j < n_seg; j++) {
             const int o0 = seg[2 * j], width = seg[2 * j + 1] - o0;
             const size_t b = lora_b_offset(seg, j, rank);
+            // dy's segment (N x width) with B_j (width x rank) and h_j (N x rank), all rounded
+            if (p == Precision::bf16 && round_buf && (size_t)N * width <= round_values &&
+                (size_t)(N + width) * rank <= round_small_values) {
+                uint16_t *dyb = round_buf, *bb = round_small, *hb = bb + (size_t)width * rank;
+                gemm::round_to_bf16(dy + o0, out, N, width, dyb);
+                gemm::round_to_bf16(B + b, rank, width, rank, bb);
+                gemm::round_to_bf16(h + (size_t)j * rank, nr(), N, rank, hb);
+                gemm::gemm_bf16(false, false, N, rank, width, dyb, width, bb, rank, 0.0f, dh + (size_t)j * rank, nr());
+                gemm::gemm_bf16(true, false, width, rank, N, dyb, width, hb, rank, beta, dB + b, rank);
+                continue;
+            }
             gemm::gemm(p, false, false, N, rank, width, dy + o0, out, B + b, rank, 0.0f, dh + (size_t)j * rank, nr());
             gemm::gemm(p, true, false, width, rank, N, dy + o0, out, h + (size_t)j * rank, nr(), beta, dB + b, rank);
         }

@@ -530,10 +530,17 @@ static size_t matrix_scratch_floats(const Dims& d, Precision p, size_t M) {
     for (const auto& [rows, cols] : shapes) n = std::max(n, gemm::matrix_scratch_floats(p, d.matrix_dtype, (int)M, rows, cols));
     return n;
 }
-// The adapters' scratch over N rows: h and dh, and with dropout the dropped input and its adjoint.
-static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout) {
+// The adapters' scratch over N rows: h and dh, and with dropout the dropped input and its adjoint;
+// then, over a frozen base in a bf16 step, room for a segment's B and h rounded to bf16
+// (lora_rounded_floats, Lora::round_small).
+static size_t lora_rounded_floats(const Dims& d, size_t N, Precision precision) {
+    if (!d.lora_width || !d.frozen || d.matrix_dtype == DType::f32 || precision != Precision::bf16) return 0;
+    return ((N + d.widest_output()) * d.lora_width + 1) / 2;
+}
+static size_t lora_scratch_floats(const Dims& d, size_t N, bool dropout, Precision precision) {
     if (!d.lora_width) return 0;
-    return N * (2 * (size_t)d.lora_width + (dropout ? 2 * (size_t)d.widest_input() : 0));
+    return N * (2 * (size_t)d.lora_width + (dropout ? 2 * (size_t)d.widest_input() : 0)) +
+           lora_rounded_floats(d, N, precision);
 }
 
 // Every buffer of a training step with the phases it is live in; the planner places them.
@@ -560,8 +567,10 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     take(&p.residual, "residual", (d.n_layer + 1) * N * D, kAllPhases);
     // (Live throughout too: placed here, below the buffers of single phases, it leaves the ones
     // dead while the head runs in one piece for the head's chunk.)
-    if (d.frozen && d.matrix_dtype != DType::f32)
-        take(&p.matrix_scratch, "matrix_scratch", matrix_scratch_floats(d, precision, N), kAllPhases);
+    if (d.frozen && d.matrix_dtype != DType::f32) {
+        p.matrix_scratch_floats = matrix_scratch_floats(d, precision, N);
+        take(&p.matrix_scratch, "matrix_scratch", p.matrix_scratch_floats, kAllPhases);
+    }
     p.layers.resize(d.n_layer);
     const bool checkpointing = ckpt_layers == d.n_layer;  // every layer recomputed
     // Kept in bf16 (bf16.hpp), the layers work on them in fp32 buffers they share.
@@ -582,6 +591,9 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
         LayerActs& l = p.layers[i];
         const std::string at = kept ? "layer" + std::to_string(i) + "." : "layers.";
         take(&l.ln1_stats, at + "ln1_stats", stats * N, internals);
+        // (live while the head runs too: the last recomputed layer's recompute skips a slot, whose
+        // h from the forward it reads)
+        if (d.lora_width) take(&l.lora_h, at + "lora_h", (size_t)kLoraSlots * N * d.lora_width, kAllPhases);
         take_saved(&l.qkv, &qkv_bf16[i], at + "qkv", N * d.qkv_dim());
         take(&l.lse, at + "lse", (size_t)B * d.n_head * T, internals);
         take_saved(&l.att, &att_bf16[i], at + "att", N * d.attn_dim());
@@ -635,7 +647,8 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     if (d.branch_buffer() || d.layer->parallel) take(&p.d_branch, "d_branch", N * D, kPullback);
     take(&p.pullback_scratch, "pullback_scratch", pullback_scratch_floats(d, ad, B, T, threads), kPullback);
     if (d.lora_width)
-        take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0), kForward | kPullback);
+        take(&p.lora_scratch, "lora_scratch", lora_scratch_floats(d, N, d.lora_dropout > 0, precision),
+             kForward | kPullback);
     pl.place();
     // The head's chunk fills what is free above the buffers live while it runs.
     p.head_rows = head_chunk_rows(N, d.vocab_size, checkpointing, precision, d.frozen, pl.total() - pl.end_of(kHead),
@@ -648,6 +661,12 @@ static ActivationPlan plan_buffers(const Dims& d, int ckpt_layers, Precision pre
     pl.place();
     pl.check();
     for (const Slot& s : slots) *s.ptr = base ? base + pl[s.index].offset : nullptr;
+    // the rounded operands at the end of the adapters' scratch, after what a pass of N rows uses
+    p.lora_rounded_values = 2 * lora_rounded_floats(d, N, precision);
+    if (p.lora_scratch && p.lora_rounded_values)
+        p.lora_rounded = reinterpret_cast<uint16_t*>(p.lora_scratch + lora_scratch_floats(d, N, d.lora_dropout > 0,
+                                                                                         precision)) -
+                         p.lora_rounded_values;
     for (int i = 0; i < d.n_layer; i++) {
         LayerActs& l = p.layers[i];
         const bool kept = i >= ckpt_layers;
@@ -967,8 +986,7 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     // Each branch reads its input's norm, or the stream itself where the norms follow the branches.
     const float* h1 = d_.pre_norm ? a.ln1 : a.x;
     if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.x, w.ln1_w, w.ln1_b, a.ln1, a.ln1_stats, N));
-    TIMED(forward, linear, linear_forward(qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_qkv, h1, a.qkv, N, a);
+    adapted_forward(i, lora_qkv, qkv, cached, h1, wm.qkv_w, w.qkv_b, a.qkv, N, nullptr, a);
     if (d_.qk_norm) qk_norm_forward(i, a, N);
     if (layer_rotates(i))  // q and k heads are adjacent: rotate n_head + n_kv_head heads per row
         TIMED(forward, rope, rope().forward(a.qkv, d_.qkv_dim(), d_.n_head + d_.n_kv_head, rope_cos(i), rope_sin(i), B,
@@ -990,35 +1008,28 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
     if (d_.layer->parallel && d_.layer->second_norm)
         TIMED(forward, norm, norm_forward(a.x, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     if (d_.branch_buffer()) {
-        TIMED(forward, linear,
-              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N, nullptr,
-                             a.matrix_scratch));
-        adapter_forward(i, lora_attn_out, a.att, a.attn_branch, N, a);
+        adapted_forward(i, lora_attn_out, attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, a.attn_branch, N,
+                        nullptr, a);
         branch_add(a.attn_branch, w.post_attn_w, w.post_attn_b, a.attn_branch_stats, a.post_out, a.x, a.res_mid, N);
     } else if (!d_.layer->parallel || pass != LayerPass::recompute) {
         // The residual adds are fused into the projections (res_mid = x + att W^T + b): the
         // profile counts them as linear. A parallel layer adds both branches into its output
         // (no res_mid), which the recompute before a pullback leaves alone.
         float* res_mid = d_.layer->parallel ? a.out : a.res_mid;
-        TIMED(forward, linear,
-              linear_forward(attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, res_mid, N, a.x, a.matrix_scratch));
-        adapter_forward(i, lora_attn_out, a.att, res_mid, N, a);
+        adapted_forward(i, lora_attn_out, attn_out, cached, a.att, wm.attn_out_w, w.attn_out_b, res_mid, N, a.x, a);
     }
     if (!d_.layer->parallel) {
         h2 = d_.pre_norm ? a.ln2 : a.res_mid;
         if (d_.pre_norm) TIMED(forward, norm, norm_forward(a.res_mid, w.ln2_w, w.ln2_b, a.ln2, a.ln2_stats, N));
     }
-    TIMED(forward, linear, linear_forward(fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a.matrix_scratch));
-    adapter_forward(i, lora_fc, h2, a.fc, N, a);
+    adapted_forward(i, lora_fc, fc, cached, h2, wm.fc_w, w.fc_b, a.fc, N, nullptr, a);
     if (a.fc_bf16) round_and_save_bf16(a.fc, a.fc_bf16, (size_t)N * d_.fc_dim());
     TIMED(forward, activation, d_.mlp->forward(d_.d_ff, a.fc, a.act, N));
     // The MLP output only feeds the next layer's input, which the recompute before a pullback
     // keeps; a post-norm's pullback reads the MLP output and its statistics, though.
     if (pass == LayerPass::recompute && !d_.post_norm) return;
     if (d_.branch_buffer()) {
-        TIMED(forward, linear,
-              linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.mlp_branch, N, nullptr, a.matrix_scratch));
-        adapter_forward(i, lora_proj, a.act, a.mlp_branch, N, a);
+        adapted_forward(i, lora_proj, proj, cached, a.act, wm.proj_w, w.proj_b, a.mlp_branch, N, nullptr, a);
         if (pass == LayerPass::recompute) {
             TIMED(forward, norm, norm_forward(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.post_out, a.mlp_branch_stats, N));
             return;
@@ -1026,9 +1037,8 @@ void Executor::layer_forward(int i, const LayerActs& a, int B, int T, LayerPass 
         branch_add(a.mlp_branch, w.post_mlp_w, w.post_mlp_b, a.mlp_branch_stats, a.post_out, a.res_mid, a.out, N);
         return;
     }
-    TIMED(forward, linear, linear_forward(proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N,
-                                          d_.layer->parallel ? a.out : a.res_mid, a.matrix_scratch));
-    adapter_forward(i, lora_proj, a.act, a.out, N, a);
+    adapted_forward(i, lora_proj, proj, cached, a.act, wm.proj_w, w.proj_b, a.out, N,
+                    d_.layer->parallel ? a.out : a.res_mid, a);
 }
 
 // The dropout masks of one pass: a training step's passes each draw their own, the recompute
@@ -1044,8 +1054,54 @@ static Lora slot_lora(const Dims& d, LoraSlot slot, const SlotAdapters& s, Preci
     return Lora{slot_in(d, slot), slot_out(d, slot), s.rank, s.n_seg, s.seg.data(), d.lora_scale, p};
 }
 
-// y += the slot's adapters of x (x dropped first in a training pass).
-void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a) {
+// A linear layer's forward with its adapters (y = residual + x W^T + b + the adapters of x).
+// Over a narrow frozen base in a bf16 step two things save passes over memory, with the same
+// bits:
+// - x is rounded to bf16 once for the base's product and the adapters' first (without dropout,
+//   where both read x itself);
+// - a layer without a bias or residual add takes its adapters' output first, its product adding
+//   onto it: the adapters then write y once, where adding to the product's output read it too
+//   (their pass is bound by memory; the product reads y while it computes). oneDNN's kernel sums
+//   all of K before it adds y, so the two fp32 terms are added once either way (OpenBLAS's fp32
+//   kernels add into C block by block of K: there the order would change the bits).
+void Executor::adapted_forward(int i, LoraSlot slot, const Linear& l, bool cached, const float* x, const Matrix& W,
+                               const float* b, float* y, int N, const float* residual, const LayerActs& a) {
+    const SlotAdapters& s = adapters_[i][slot];
+    const bool adapted = s.n_seg && adapters_on_;
+    const bool narrow = !cached && precision_ == Precision::bf16 && d_.frozen && W.dtype != DType::f32 &&
+                        a.matrix_scratch;
+    if (!adapted || !narrow) {
+        TIMED(forward, linear, linear_forward(l, cached, x, W, b, y, N, residual, a.matrix_scratch));
+        return adapter_forward(i, slot, x, y, N, a);
+    }
+    const Lora lo = slot_lora(d_, slot, s, precision_);
+    const bool first = !b && !residual && lo.covers_output();
+    const bool shared = !(dropout_on_ && d_.lora_dropout > 0) && a_.lora_rounded &&
+                        (size_t)lo.nr() * lo.in <= a_.lora_rounded_values;
+    if (!shared) {
+        if (first) {
+            adapter_forward(i, slot, x, y, N, a, true);
+            TIMED(forward, linear, linear_forward(l, cached, x, W, nullptr, y, N, y, a.matrix_scratch));
+        } else {
+            TIMED(forward, linear, linear_forward(l, cached, x, W, b, y, N, residual, a.matrix_scratch));
+            adapter_forward(i, slot, x, y, N, a);
+        }
+        return;
+    }
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(a.matrix_scratch);
+    TIMED(forward, linear, gemm::round_to_bf16(x, l.in, N, l.in, reinterpret_cast<uint16_t*>(a.matrix_scratch)));
+    if (first) {
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, slot_h(a, slot, N), a_.lora_rounded, true));
+        TIMED(forward, linear, l.forward_rounded(W, nullptr, y, N, y, a.matrix_scratch));
+    } else {
+        TIMED(forward, linear, l.forward_rounded(W, b, y, N, residual, a.matrix_scratch));
+        TIMED(forward, lora, lo.forward_rounded(xb, s.A, s.B, y, N, slot_h(a, slot, N), a_.lora_rounded, false));
+    }
+    note_h(i, slot, a);
+}
+
+// y += the slot's adapters of x (x dropped first in a training pass); write: y = them.
+void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a, bool write) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg || !adapters_on_) return;
     const Lora l = slot_lora(d_, slot, s, precision_);
@@ -1054,7 +1110,19 @@ void Executor::adapter_forward(int i, LoraSlot slot, const float* x, float* y, i
         lora_dropout(dropout_seed(i, slot), d_.lora_dropout, x, xd, (size_t)N * l.in);
         x = xd;
     }
-    TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, a.lora_scratch));
+    if (write)
+        TIMED(forward, lora, l.forward_write(x, s.A, s.B, y, N, slot_h(a, slot, N)));
+    else
+        TIMED(forward, lora, l.forward(x, s.A, s.B, y, N, slot_h(a, slot, N)));
+    note_h(i, slot, a);
+}
+
+// Where a slot's forward puts h: kept for the pullback (LayerActs::lora_h), or the scratch.
+float* Executor::slot_h(const LayerActs& a, LoraSlot slot, int N) const {
+    return a.lora_h ? a.lora_h + (size_t)slot * N * d_.lora_width : a.lora_scratch;
+}
+void Executor::note_h(int i, LoraSlot slot, const LayerActs& a) {
+    if (a.lora_h && (size_t)i < h_from_.size()) h_from_[internals_set(i)][slot] = h_key(i);
 }
 
 // dx += the slot's adapters' part of the input's adjoint; dA, dB per mode.
@@ -1062,7 +1130,10 @@ void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const floa
                                 const LayerActs& a) {
     const SlotAdapters& s = adapters_[i][slot];
     if (!s.n_seg) return;
-    const Lora l = slot_lora(d_, slot, s, precision_);
+    Lora l = pullback_lora(slot, s, a);
+    // h from this layer's forward (or recompute) in this pass, which ran with the adapters on
+    if (a.lora_h && adapters_on_ && (size_t)i < h_from_.size() && h_from_[internals_set(i)][slot] == h_key(i))
+        l.h_saved = slot_h(a, slot, N);
     if (dropout_on_ && d_.lora_dropout > 0) {
         float* xd = a.lora_scratch + 2 * (size_t)N * d_.lora_width;
         float* dxd = xd + (size_t)N * d_.widest_input();
@@ -1073,6 +1144,19 @@ void Executor::adapter_pullback(int i, LoraSlot slot, const float* x, const floa
     } else {
         TIMED(pullback, lora, pb_.lora(l, x, s.A, s.B, dy, dx, s.dA, s.dB, N, true, mode, a.lora_scratch));
     }
+}
+
+// The adapters' pullback runs after its linear layer's (linear_pullback), whose products are
+// done with the frozen base's matrix scratch then: the adapters round dy into it.
+Lora Executor::pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const {
+    Lora l = slot_lora(d_, slot, s, precision_);
+    if (a.matrix_scratch && a_.lora_rounded) {
+        l.round_buf = reinterpret_cast<uint16_t*>(a.matrix_scratch);
+        l.round_values = 2 * a_.matrix_scratch_floats;
+        l.round_small = a_.lora_rounded;
+        l.round_small_values = a_.lora_rounded_values;
+    }
+    return l;
 }
 
 void Executor::linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
@@ -1266,6 +1350,8 @@ void Executor::logits_pullback(float* dz, const float* t, size_t n) const {
 // Embedding, every layer, final norm: leaves a_.lnf ready for the head.
 void Executor::trunk_forward(const int32_t* tokens, int B, int T) {
     const int N = B * T, d = d_.d_model;
+    trunk_passes_++;
+    h_from_.assign(d_.n_layer, {});
     TIMED(forward, embedding, Embedding{d}.forward(tokens, positions_, wm_.wte, w_.wpe, a_.residual, B, T));
     scale_floats(a_.residual, (size_t)N * d, d_.embedding_scale);
     for (int i = 0; i < d_.n_layer; i++) layer_forward(i, a_.layers[i], B, T, LayerPass::train);
@@ -1620,7 +1706,7 @@ static CacheLayout cache_layout(const Dims& d, int B, int max_len, int threads) 
     // the decode products' operand, for the widest input.
     c.matrix = pl.take(std::max(matrix_scratch_floats(d, Precision::fp32, N), matrix_scratch_floats(d, Precision::bf16, N)));
     c.decode = pl.take((size_t)threads * decode_thread_floats(d));
-    c.lora = pl.take(lora_scratch_floats(d, N, false));
+    c.lora = pl.take(lora_scratch_floats(d, N, false, Precision::fp32));  // (no pullback: no rounded operands)
     const size_t qk = d.qk_norm ? N * d.qk_dim() : 0, stats = d.norm->stats_per_row * N;
     c.qk_raw = pl.take(qk), c.qk_work = pl.take(qk);
     c.qk_stats = pl.take(d.qk_norm ? stats * (d.qk_norm == 1 ? d.n_head + d.n_kv_head : 2) : 0);

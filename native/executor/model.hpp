@@ -73,6 +73,7 @@ struct Dims {
     int attn_dim() const { return n_head * head_dim; }
     int fc_dim() const { return mlp->gate_width * d_ff; }
     int widest_input() const { return std::max({d_model, attn_dim(), d_ff}); }
+    int widest_output() const { return std::max({qkv_dim(), d_model, fc_dim()}); }
     int qk_dim() const { return (n_head + n_kv_head) * head_dim; }  // the q|k prefix of a qkv row
     int rotary_half() const { return (rotary_dim ? rotary_dim : head_dim) / 2; }
     // The branch output goes through a buffer of its own (not fused into the residual add).
@@ -205,6 +206,9 @@ struct LayerActs {
           *post_out = nullptr;
     // Where a frozen base's products widen its matrices, and the adapters' scratch.
     float *matrix_scratch = nullptr, *lora_scratch = nullptr;
+    // The adapters' h = scale x A^T of each slot (N x lora_width floats a slot), kept from the
+    // forward (or a checkpointed layer's recompute) for the pullback, which would recompute it.
+    float* lora_h = nullptr;
 };
 
 // Where every activation buffer of a (B, T) step sits in the activation arena.
@@ -225,7 +229,10 @@ struct ActivationPlan {
     float* pullback_scratch = nullptr;   // the largest need of the model's pullbacks (one runs at a time)
     float* head_scratch = nullptr;       // the cross-entropy pullback's
     float* matrix_scratch = nullptr;     // a frozen base's products (every phase)
+    size_t matrix_scratch_floats = 0;    // its size
     float* lora_scratch = nullptr;       // the adapters' (forward and pullback)
+    uint16_t* lora_rounded = nullptr;    // its end: a segment's B and h in bf16 (Lora::round_small)
+    size_t lora_rounded_values = 0;
     std::vector<PlannedBuffer> buffers;  // the plan itself, for tests and memory reports
 };
 
@@ -487,6 +494,13 @@ private:
 
     Arena acts_;
     int ckpt_layers_ = 0;  // layers 0 .. ckpt_layers_ - 1 recomputed in the pullback
+    // Which layer's forward, in which trunk pass, last wrote each slot's kept h of each set of
+    // internals (the recomputed layers share set 0, and their recompute skips some slots): the
+    // pullback reads h only where it is its own layer's of this pass.
+    uint64_t trunk_passes_ = 0;
+    std::vector<std::array<uint64_t, kLoraSlots>> h_from_;
+    size_t internals_set(int i) const { return i < ckpt_layers_ ? 0 : (size_t)i; }
+    uint64_t h_key(int i) const { return trunk_passes_ * 65536 + (uint64_t)i + 1; }
     Precision precision_ = Precision::fp32;
     AdChoice ad_;
     Pullbacks pb_;
@@ -546,7 +560,13 @@ private:
     void linear_pullback(int i, LoraSlot slot, const Linear& l, const float* x, const float* W, const Matrix& Wm,
                          const float* b, const float* dy, float* dx, float* dW, float* db, int N, GradMode mode,
                          const LayerActs& a);
-    void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a);
+    void adapted_forward(int i, LoraSlot slot, const Linear& l, bool cached, const float* x, const Matrix& W,
+                         const float* b, float* y, int N, const float* residual, const LayerActs& a);
+    void adapter_forward(int i, LoraSlot slot, const float* x, float* y, int N, const LayerActs& a,
+                         bool write = false);
+    Lora pullback_lora(LoraSlot slot, const SlotAdapters& s, const LayerActs& a) const;
+    float* slot_h(const LayerActs& a, LoraSlot slot, int N) const;
+    void note_h(int i, LoraSlot slot, const LayerActs& a);
     void adapter_pullback(int i, LoraSlot slot, const float* x, const float* dy, float* dx, int N, GradMode mode,
                           const LayerActs& a);
     uint64_t dropout_seed(int i, LoraSlot slot) const;

@@ -321,6 +321,27 @@ void gemm(Precision p, bool ta, bool tb, int M, int N, int K, const float* A, in
     }
 }
 
+void round_to_bf16(const float* a, int lda, int rows, int cols, uint16_t* out) {
+#pragma omp parallel for schedule(static) if ((size_t)rows * cols > 32768)
+    for (int m = 0; m < rows; m++) to_bf16_row(a + (size_t)m * lda, out + (size_t)m * cols, cols);
+}
+
+void gemm_bf16(bool ta, bool tb, int M, int N, int K, const uint16_t* A, int lda, const uint16_t* B, int ldb,
+               float beta, float* C, int ldc) {
+    check_beta(beta);
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (beta == 0.0f)
+            for (int m = 0; m < M; m++) std::memset(C + (size_t)m * ldc, 0, sizeof(float) * N);
+        return;
+    }
+#ifdef ZOO_GEMM_ONEDNN
+    onednn_gemm(Precision::bf16, ta, tb, M, N, K, A, lda, B, ldb, beta, C, ldc, true);
+#else
+    require_precision(Precision::bf16);  // throws
+#endif
+}
+
 // --- products with a stored matrix (quant.hpp) ---------------------------------------
 
 namespace {
@@ -358,6 +379,34 @@ size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
     return bf16_floats(left) + (t == DType::bf16 ? 0 : bf16_floats(std::max(forward_tile, pullback_tile)));
 }
 
+namespace {
+// x rounded into the start of scratch (xb) times W^T: matrix_xwt's bf16 product.
+void rounded_xwt(int M, const Matrix& W, float beta, float* y, int ldy, float* scratch) {
+#ifdef ZOO_GEMM_ONEDNN
+    const Precision p = Precision::bf16;
+    const int R = tile_rows(p, W);
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(scratch);
+    if (W.dtype == DType::bf16)
+        return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
+    uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.cols, k_block_rows(p, W))));
+    for (int r0 = 0; r0 < W.rows; r0 += R) {
+        const int n = std::min(R, W.rows - r0);
+        widen_rows_bf16(W, r0, r0 + n, tile);
+        onednn_gemm(p, false, true, M, n, W.cols, xb, W.cols, tile, W.cols, beta, y + r0, ldy, true);
+    }
+#else
+    require_precision(Precision::bf16);  // throws
+#endif
+}
+}  // namespace
+
+void matrix_xwt_rounded(int M, const Matrix& W, float beta, float* y, int ldy, float* scratch) {
+    check_beta(beta);
+    if (!bf16_operands(Precision::bf16, W))
+        throw std::logic_error("zoo: matrix_xwt_rounded takes a narrow stored matrix (bf16, int8, nf4)");
+    if (M > 0) rounded_xwt(M, W, beta, y, ldy, scratch);
+}
+
 void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
                 float* scratch) {
     check_beta(beta);
@@ -368,15 +417,7 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
     if (bf16_operands(p, W)) {
         uint16_t* xb = reinterpret_cast<uint16_t*>(scratch);
         to_bf16_rows(x, ldx, M, W.cols, xb);
-        if (W.dtype == DType::bf16)
-            return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
-        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.cols, k_block_rows(p, W))));
-        for (int r0 = 0; r0 < W.rows; r0 += R) {
-            const int n = std::min(R, W.rows - r0);
-            widen_rows_bf16(W, r0, r0 + n, tile);
-            onednn_gemm(p, false, true, M, n, W.cols, xb, W.cols, tile, W.cols, beta, y + r0, ldy, true);
-        }
-        return;
+        return rounded_xwt(M, W, beta, y, ldy, scratch);
     }
 #endif
     for (int r0 = 0; r0 < W.rows; r0 += R) {

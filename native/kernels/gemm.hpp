@@ -5,6 +5,7 @@
 // the CPU, docs/benchmarks.md). bf16 products (mixed precision: operands rounded to bf16,
 // products accumulated in fp32) run on oneDNN, on CPUs with bf16 dot products only.
 #pragma once
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,6 +27,14 @@ enum class Library : int { openblas, mkl, onednn };
 void gemm(Precision p, bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
           int ldb, float beta, float* C, int ldc);
 
+// The same with A and B in bf16 already (rounded by the caller, round_to_bf16: a caller that
+// reads one operand in several products rounds it once): a bf16 product on oneDNN.
+void gemm_bf16(bool trans_a, bool trans_b, int M, int N, int K, const uint16_t* A, int lda, const uint16_t* B,
+               int ldb, float beta, float* C, int ldc);
+// rows x cols of a (rows lda apart) rounded to bf16 (nearest even, as a bf16 product of fp32
+// operands rounds them), packed rows x cols.
+void round_to_bf16(const float* a, int lda, int rows, int cols, uint16_t* out);
+
 // Products with a matrix W stored in a weight format (quant.hpp), W.rows x W.cols:
 //   matrix_xwt: y (M, W.rows) = x (M, W.cols) W^T + beta y   (a linear layer's forward)
 //   matrix_xw:  dx (M, W.cols) = dy (M, W.rows) W + beta dx  (its input's adjoint)
@@ -35,6 +44,9 @@ void gemm(Precision p, bool trans_a, bool trans_b, int M, int N, int K, const fl
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols);
 void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy,
                 float* scratch);
+// The same in a bf16 product with a narrow W where the caller has rounded x into the start of
+// scratch already (M x W.cols bf16 values, packed): for x read by another product too.
+void matrix_xwt_rounded(int M, const Matrix& W, float beta, float* y, int ldy, float* scratch);
 void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx,
                float* scratch);
 

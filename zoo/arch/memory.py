@@ -92,13 +92,13 @@ class FinetuneMemory:
         return self.base + self.parameters + self.gradients + self.optimizer + self.activations
 
 
-def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool = False,
+def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool | int = False,
                           precision: str = "fp32", moment_floats: Optional[int] = None,
                           lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None,
                           zero_ranks: int = 1) -> FinetuneMemory:
     """Memory for finetuning with AdamW at micro-batch (batch, seq_len): full finetuning, or with
     lora adapters over a frozen base in base_dtype (default bf16); checkpointing: with activation
-    checkpointing (each layer recomputed in the pullback); precision: of the products (a bf16
+    checkpointing (each layer recomputed in the pullback; an int: the first k layers); precision: of the products (a bf16
     step keeps some activations in bf16); moment_floats: the parameters whose AdamW moments this
     process keeps (default all; a ZeRO-1 shard), or zero_ranks: the ranks the moments are
     sharded across (ZeRO-1), each keeping its share."""
@@ -118,6 +118,25 @@ def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoint
                           activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision,
                                                        setup=setup),
                           base=base_bytes(cfg, base_dtype))
+
+
+def partial_checkpoint_layers(cfg: ModelConfig, batch: int, seq_len: int, growth: float, precision: str = "fp32",
+                              lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None,
+                              zero_ranks: int = 1) -> int:
+    """The fewest layers, from the first, to checkpoint so that the run's memory estimate
+    (finetune_memory_bytes) is at most (1 + growth) times the estimate with every layer
+    checkpointed: the other layers keep their activations, and their recompute is saved.
+    growth 0: every layer (n_layer)."""
+    if growth < 0:
+        raise ValueError(f"growth must be at least 0, got {growth}")
+
+    def total(k: int) -> int:
+        return finetune_memory_bytes(cfg, batch, seq_len, k, precision, lora=lora, base_dtype=base_dtype,
+                                     zero_ranks=zero_ranks).total
+
+    budget = (1.0 + growth) * total(cfg.n_layer)
+    # fewer checkpointed layers never take less memory: the first k that fits is the fewest
+    return next(k for k in range(cfg.n_layer + 1) if total(k) <= budget)
 
 
 def generation_bytes(cfg: ModelConfig, batch: int, seq_len: int, base_dtype: str = "fp32") -> int:
@@ -288,7 +307,7 @@ def describe(m: FinetuneMemory, base_dtype: Optional[str] = None) -> str:
 _NARROWER = {"fp32": ("bf16", "int8", "nf4"), "bf16": ("int8", "nf4"), "int8": ("nf4",), "nf4": ()}
 
 
-def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool, precision: str,
+def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool | int, precision: str,
                         lora: Optional[LoraConfig], base_dtype: Optional[str], what: str,
                         zero_ranks: int = 1) -> FinetuneMemory:
     """The memory a finetune of cfg needs (finetune_memory_bytes), checked before anything is
@@ -316,10 +335,11 @@ def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
         (("" if lora else "--lora ") + f"--base-dtype {d}", d) for d in _NARROWER[base if lora else "bf16"]]
     for flags, d in bases:
         options.append((flags, estimate(lora=adapters, base_dtype=d)))
-    if not checkpointing:
+    every_layer = checkpoint_layers(cfg, checkpointing) == cfg.n_layer
+    if not every_layer:
         options.append(("--checkpointing", estimate(checkpointing=True)))
     # A smaller batch or sequence (not below an eighth of the sequence), alone or checkpointed.
-    for ckpt in ((False, True) if not checkpointing else (False,)):
+    for ckpt in ((False, True) if not every_layer else (False,)):
         for name, key, value, least in (("--batch-size", "batch", batch, 1),
                                         ("--seq-len", "seq_len", seq_len, max(1, seq_len // 8))):
             smaller = value // 2

@@ -12,11 +12,13 @@ falls on all of them:
 
   zoo           python -m zoo.tools.bench_dpo --worker ...: what `zoo finetune --lora --method dpo`
                 runs by default: the bf16 frozen base, fp32 adapters, bf16 products, activation
-                checkpointing as the method's default has it (config.default_checkpointing: on);
+                checkpointing as the method's default has it (TrainConfig.checkpoint_layers: the
+                first k layers, the fewest within config.DEFAULT_CHECKPOINT_GROWTH of the memory
+                of checkpointing all);
                 a step: the reference's forward (the adapters off), the policy's forward with the
                 LM head on the answers alone, the pullback, AdamW. The pair packed as zoo trains
                 it: the prompt computed once for both answers.
-  zoo_checkpointing, zoo_no_checkpointing  the same with activation checkpointing on, or off
+  zoo_checkpointing, zoo_no_checkpointing  the same with every layer checkpointed, or none
                 (every layer's activations kept: a forward less, more memory).
   zoo_unshared  the same as zoo with the pair laid out as TRL runs it, prompt + chosen and
                 prompt + rejected as two sequences: what computing the prompt once saves.
@@ -56,7 +58,7 @@ from .bench import (
 SCHEMA = "zoo-bench-dpo/1"
 OPTIMIZER = {"lr": 5e-6, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
 SYSTEMS = ("zoo", "zoo_checkpointing", "zoo_no_checkpointing", "zoo_unshared", "trl", "trl_fp32")
-# The worker's --checkpointing of each zoo system (default: the method's, config.default_checkpointing).
+# The worker's --checkpointing of each zoo system (default: the method's, TrainConfig.checkpoint_layers).
 CHECKPOINTING = {"zoo_checkpointing": "on", "zoo_no_checkpointing": "off"}
 
 
@@ -226,6 +228,14 @@ def markdown(r: dict) -> str:
 # --- the zoo worker -------------------------------------------------------------------------
 
 
+def checkpointing_words(k: int, n_layer: int) -> str:
+    if k == n_layer:
+        return ", activation checkpointing"
+    if k:
+        return f", activation checkpointing of the first {k} of {n_layer} layers (the others' activations kept)"
+    return ", every layer's activations kept"
+
+
 def worker_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description="bench_dpo's zoo worker (run by zoo.tools.bench_dpo)")
     ap.add_argument("--layout", choices=["shared", "apart"], required=True)
@@ -252,7 +262,8 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     from zoo.arch.config import ModelConfig
     from zoo.arch.lora import LoraConfig
 
-    from ..train.config import default_checkpointing
+    from ..arch.memory import partial_checkpoint_layers
+    from ..train.config import DEFAULT_CHECKPOINT_GROWTH, default_checkpointing
     from ..train.preference import PairFile, PairSplits
     from ..train.preference_loss import PreferenceLoss
     from ..train.preference_step import PreferenceObjective
@@ -262,21 +273,24 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     rss_imported = _rss_now_mib()
     manifest = read_manifest(workdir)
     lora, o, pair = manifest["lora"], manifest["optimizer"], manifest["pair"]
-    if checkpointing is None:
-        checkpointing = default_checkpointing("dpo", lora=True)
-    t0 = time.perf_counter()
-    model = zoo.Model(ModelConfig(**manifest["config"]), seed=0, base_dtype="bf16", precision="bf16",
-                      checkpointing=checkpointing,
-                      lora=LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"],
-                                      targets=lora["targets"]))
-    build_s = time.perf_counter() - t0
-    rss_built = _rss_now_mib()
+    config = ModelConfig(**manifest["config"])
+    lora_config = LoraConfig(r=lora["r"], alpha=lora["alpha"], dropout=lora["dropout"], targets=lora["targets"])
     parts = [np.asarray(pair[k], np.int64) for k in ("prompt", "chosen", "rejected")]
     starts = np.cumsum([0] + [len(p) for p in parts])
     pair_file = PairFile(np.concatenate(parts), starts, Path("-"), "", [], [], False)
     P, C, R = map(len, parts)
     # a row of the pair as zoo packs it, or each sequence in a row of its own, as TRL pads them
     seq_len = P - 1 + C + R if share_prompt else P + max(C, R) - 1
+    rows = 1 if share_prompt else 2
+    if checkpointing is None:  # as the trainer has it (TrainConfig.checkpoint_layers)
+        checkpointing = (partial_checkpoint_layers(config, rows, seq_len, DEFAULT_CHECKPOINT_GROWTH, "bf16",
+                                                   lora_config, "bf16")
+                         if default_checkpointing("dpo", lora=True) else False)
+    t0 = time.perf_counter()
+    model = zoo.Model(config, seed=0, base_dtype="bf16", precision="bf16", checkpointing=checkpointing,
+                      lora=lora_config)
+    build_s = time.perf_counter() - t0
+    rss_built = _rss_now_mib()
     objective = PreferenceObjective(PreferenceLoss("dpo", beta=manifest["beta"]),
                                     PairSplits(pair_file, 1, seq_len, 0.0, 1, 0), share_prompt=share_prompt)
     batch = objective.pack([0])
@@ -297,12 +311,12 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     arenas = {k: v / 2**20 for k, v in model.arena_bytes().items() if v}
     return {"step_s": times, "step_cpu_s": cpu[warmup:], "losses": losses, "build_s": build_s,
             "peak_rss_mib": _peak_rss_mib(), "rss_after_import_mib": rss_imported, "rss_built_mib": rss_built,
-            "arena_mib": arenas, "checkpointing": checkpointing,
+            "arena_mib": arenas, "checkpointing": model.checkpoint_layers,
             "tokens_forward": int(batch.x.size),
             "implementation": f"zoo {zoo.__version__}: bf16 base, fp32 adapters, {model.precision} products, the "
                               f"reference with the adapters off; the prompt "
                               + ("computed once for both answers" if share_prompt else "in each of two sequences")
-                              + (", activation checkpointing" if checkpointing else ", every layer's activations kept")
+                              + checkpointing_words(model.checkpoint_layers, config.n_layer)
                               + f"; {batch.x.shape[0]} row(s) of {batch.x.shape[1]}"}
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 from ..arch.memory import (
     available_memory_bytes,
     check_finetune_fits,
+    checkpoint_layers,
     describe,
     human_bytes,
 )
@@ -123,12 +124,22 @@ def check_memory_up_front(cfg: TrainConfig, ranks: int, say) -> None:
         model_cfg = cfg.model or preset(cfg.preset or "tiny-llama")
         what = f"training {cfg.preset or 'the model config'}"
     rows = -(-cfg.batch_size // ranks)
-    need = check_finetune_fits(model_cfg, rows, cfg.seq_len, cfg.uses_checkpointing, cfg.precision,
+    checkpointing = cfg.checkpoint_layers(model_cfg, rows, ranks)
+    need = check_finetune_fits(model_cfg, rows, cfg.seq_len, checkpointing, cfg.precision,
                                cfg.lora_config(), cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1)
     have = available_memory_bytes()
     say(f"memory{' per rank' if ranks > 1 else ''}: {describe(need, cfg.base_dtype)} at batch "
-        f"{rows} x {cfg.seq_len}{' with activation checkpointing' if cfg.uses_checkpointing else ''}"
+        f"{rows} x {cfg.seq_len}{checkpointing_words(model_cfg, checkpointing)}"
         + (f"; {human_bytes(have[0])} available" if have else ""))
+
+
+def checkpointing_words(model_cfg, checkpointing: bool | int) -> str:
+    """' with activation checkpointing' (of the first k of n layers), or nothing."""
+    k = checkpoint_layers(model_cfg, checkpointing)
+    if not k:
+        return ""
+    return " with activation checkpointing" + (f" of the first {k} of {model_cfg.n_layer} layers"
+                                               if k < model_cfg.n_layer else "")
 
 
 def check_fit(cfg: TrainConfig, run: RunModel) -> None:

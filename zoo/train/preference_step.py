@@ -25,6 +25,7 @@ from typing import Optional
 import numpy as np
 
 from ..core.atomic import atomic_open
+from .config import DEFAULT_CHECKPOINT_GROWTH
 from .data import IGNORE, DataError, default_cache_dir
 from .preference import PairBatch, PairSplits, answer_cap, pack_pairs, tokenize_pairs
 from .preference_loss import PreferenceLoss, loss_from_config
@@ -285,10 +286,13 @@ class PreferenceRun:
                  + (" (the base with the adapters off)" if self.loss.needs_reference and self.objective.reference is None
                     else "") + (f"; {self.reference_note}" if self.reference_note else "")]
         cfg = self.trainer.cfg
-        if cfg.checkpointing is None and cfg.uses_checkpointing:  # the method's default: said, with the way out
-            lines.append(f"activation checkpointing: on ({cfg.method}'s default with --lora: its step runs the "
-                         "reference's forward too; --no-checkpointing keeps every layer's activations, faster and "
-                         "larger)")
+        if cfg.checkpointing is None and cfg.uses_checkpointing:  # the method's default: said, with the ways out
+            model = self.trainer.model
+            lines.append(f"activation checkpointing: on for the first {model.checkpoint_layers} of "
+                         f"{model.config.n_layer} layers ({cfg.method}'s default with --lora: its step runs the "
+                         f"reference's forward too; the later layers keep their activations while that adds at most "
+                         f"{DEFAULT_CHECKPOINT_GROWTH:.0%} to the memory estimate; --checkpointing recomputes every "
+                         "layer, --no-checkpointing none, faster and larger)")
         return lines
 
     def micro_step(self, model, step: int, micro: int, lo: int, hi: int, grad_scale: float) -> float:

@@ -102,8 +102,9 @@ class Trainer:
         self.model.check_trainable()  # a forward-only block stops the run here, before any data work
         self.model.set_precision(cfg.precision)
         check_fit(cfg, run)
-        if cfg.uses_checkpointing:
-            self.model.set_checkpointing(True)
+        # the method's default checkpoints the first layers only (TrainConfig.checkpoint_layers)
+        ranks = 1 if group is None else group.size
+        self.model.set_checkpointing(cfg.checkpoint_layers(self.model.config, -(-cfg.batch_size // ranks), ranks))
         self.plan = RankPlan(cfg, group, self.model, self.say)
         self.checkpoints = Checkpoints(cfg, self.out, self.model, self.tokenizer, self.plan, self.folder, self.log,
                                        self.threads)
