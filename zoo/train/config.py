@@ -81,8 +81,8 @@ def default_checkpointing(method: str, lora: bool) -> bool:
 # The default checkpointing's memory allowance: the layers after the first k keep their
 # activations (their recompute saved) as long as the run's memory estimate stays within 4% of
 # the estimate with every layer checkpointed (memory.partial_checkpoint_layers). At llama-3.2-1b,
-# one pair of 128 + 2 x 128 tokens, that keeps the last 5 of 16 layers: 94 MiB for about 0.25 s
-# of a 4.5 s step, and the run stays under 0.6x TRL's peak memory with room (docs/preference.md).
+# one pair of 128 + 2 x 128 tokens, that keeps the last 5 of 16 layers: 94 MiB for 0.14 s of a
+# 4.2 s step, and the run stays under 0.6x TRL's peak memory with room (docs/preference.md).
 DEFAULT_CHECKPOINT_GROWTH = 0.04
 
 
@@ -173,7 +173,7 @@ class TrainConfig(BaseModel):
         None, description="activation checkpointing (less memory, more compute); unset: on for the first layers "
                           "for dpo and ipo with --lora (their step runs the reference's forward too: the recompute "
                           "is a smaller share of it; the later layers keep their activations while that adds at "
-                          "most 4 percent to the memory estimate), off otherwise")
+                          f"most {DEFAULT_CHECKPOINT_GROWTH * 100:g} percent to the memory estimate), off otherwise")
     # --- preference tuning: pairs of a prompt, a chosen and a rejected answer (docs/preference.md)
     method: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = Field(
         "sft", description="sft: next-token loss on the data; dpo, ipo, orpo, simpo: preference tuning on JSONL "
