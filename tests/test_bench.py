@@ -348,6 +348,15 @@ def test_bench_ab_lora_between_two_built_roots(tmp_path):
     # adapters moved in the LoRA run
     assert r["base_losses"][0] == whole_run["rounds"][0]["base_losses"][0]
     assert r["base_losses"][1] != whole_run["rounds"][0]["base_losses"][1]
+    assert lora_run["precision"] == "fp32"
+    if zoo.gemm_info()["bf16_native"]:  # --precision reaches both processes' models
+        bf16 = tmp_path / "bf16.json"
+        assert bench_ab.main(common + ["--lora", "4", "--base-dtype", "fp32", "--precision", "bf16",
+                                       "--json", str(bf16)]) == 0
+        bf16_run = json.loads(bf16.read_text())
+        (b,) = bf16_run["rounds"]
+        assert bf16_run["precision"] == "bf16" and b["same_losses"]
+        assert b["base_losses"][0] != r["base_losses"][0]  # bf16 products round: not fp32's loss
     with pytest.raises(SystemExit, match="--current .*no zoo package there"):
         bench_ab.main(["--base", str(root), "--current", str(tmp_path / "nowhere")])
 

@@ -12,6 +12,7 @@ from helpers import (
     SHAKESPEARE,
     STORIES,
     cli,
+    needs_bf16,
     needs_clad,
     needs_shared,
     rel_err,
@@ -370,6 +371,31 @@ def test_stored_matrix_products_over_many_tiles_equal_numpy(fmt):
     dx, _ = stored_matrix_product(dy, W, fmt, "fp32", True)
     assert rel_err(y, x.astype(np.float64) @ widened.T) < 1e-5
     assert rel_err(dx, dy.astype(np.float64) @ widened) < 1e-5
+
+
+@needs_bf16
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
+def test_stored_matrix_bf16_products_over_two_tiles_equal_the_rounded_operands(fmt):
+    """A bf16 product widens an int8 or nf4 base to bf16 a tile (forward) or block (pullback) of
+    about 4M values at a time: two of each here. Each result is the product of x (or dy) and the
+    stored values, both rounded to bf16, summed in fp32: a tile read at a wrong offset, or an
+    operand rounded differently, is far outside the bound."""
+    from zoo.core._native import stored_matrix_product
+
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((50000, 96)).astype(np.float32)
+    x, dy = rng.standard_normal((5, 96)).astype(np.float32), rng.standard_normal((5, 50000)).astype(np.float32)
+    widened = _bf16_round(_as_stored(zoo.Model(WIDE_VOCAB, seed=None, base_dtype=fmt), W)).astype(np.float64)
+    y, _ = stored_matrix_product(x, W, fmt, "bf16", False)
+    dx, _ = stored_matrix_product(dy, W, fmt, "bf16", True)
+    assert rel_err(y, _bf16_round(x).astype(np.float64) @ widened.T) < 1e-5
+    assert rel_err(dx, _bf16_round(dy).astype(np.float64) @ widened) < 1e-5
+
+
+def _bf16_round(a):
+    """float32 to bf16 (to nearest, ties to even), back in float32."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
 
 
 def _as_stored(model, W):

@@ -36,9 +36,10 @@ from typing import Optional
 
 
 def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int, lora_rank: int = 0,
-               base_dtype: str = "bf16") -> dict:
+               base_dtype: str = "bf16", precision: str = "fp32") -> dict:
     """In the worker process: zoo's step times (seconds) and losses, of the whole model trained,
-    or of LoRA adapters of rank lora_rank over a frozen base stored as base_dtype. The timing
+    or of LoRA adapters of rank lora_rank over a frozen base stored as base_dtype, with products
+    in the given precision. The timing
     loop is this module's own, not bench_torch.timed_steps: the worker imports the base build's
     zoo, whose tools may predate it."""
     import numpy as np
@@ -47,9 +48,9 @@ def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int, l
 
     cfg = zoo.preset(preset)
     if lora_rank:
-        model = zoo.Model(cfg, seed=0, lora=zoo.LoraConfig(r=lora_rank), base_dtype=base_dtype)
+        model = zoo.Model(cfg, seed=0, precision=precision, lora=zoo.LoraConfig(r=lora_rank), base_dtype=base_dtype)
     else:
-        model = zoo.Model(cfg, seed=0)
+        model = zoo.Model(cfg, seed=0, precision=precision)
     data = np.random.default_rng(1).integers(0, cfg.vocab_size, (batch, seq_len + 1)).astype(np.int32)
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
 
@@ -92,13 +93,14 @@ def _worker(argv: list[str]) -> int:
     a.add_argument("--warmup", type=int)
     a.add_argument("--lora", type=int)
     a.add_argument("--base-dtype")
+    a.add_argument("--precision", default="fp32")
     a.add_argument("--site-packages", default="")
     args = a.parse_args(argv)
     if args.root:  # started with -S: the root first, then this environment's packages (numpy ...)
         sys.path.insert(0, args.root)
         sys.path.append(args.site_packages)
     print(json.dumps(step_times(args.preset, args.batch_size, args.seq_len, args.steps, args.warmup, args.lora,
-                                  args.base_dtype)))
+                                  args.base_dtype, args.precision)))
     return 0
 
 
@@ -109,6 +111,7 @@ def _run(root: Optional[str], args, threads: int, label: str) -> dict:
                                                           "--seq-len", str(args.seq_len), "--steps", str(args.steps),
                                                           "--warmup", str(args.warmup), "--lora", str(args.lora),
                                                           "--base-dtype", args.base_dtype,
+                                                          "--precision", args.precision,
                                                           "--site-packages", sysconfig.get_paths()["purelib"]]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run(cmd, env=env, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
@@ -139,6 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="train LoRA adapters of rank R over a frozen base instead of the whole model (0: whole)")
     p.add_argument("--base-dtype", choices=("fp32", "bf16", "int8", "nf4"), default="bf16",
                    help="with --lora: how the frozen base is stored")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="the products' precision")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for both")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="compare wall-clock step times, or the CPU time of the step's process")
@@ -161,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        "max_loss_rel_diff": _max_rel_diff(before["losses"], after["losses"]),
                        "base_losses": before["losses"], "current_losses": after["losses"],
                        "base_zoo": before["zoo"], "current_zoo": after["zoo"]})
-    what = f", LoRA r={args.lora} over a {args.base_dtype} base" if args.lora else ""
+    what = (f", LoRA r={args.lora} over a {args.base_dtype} base" if args.lora else "") + f", {args.precision}"
     print(f"\n{args.preset}{what}, batch {args.batch_size} x {args.seq_len}, {args.threads} threads, "
           f"median of {args.steps} steps per process, {'wall-clock' if args.clock == 'wall' else 'CPU'} time\n")
     print("| round | base ms | current ms | current / base | losses, every step |\n|---:|---:|---:|---:|---|")
@@ -174,7 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"preset": args.preset, "batch": args.batch_size,
                                                "seq_len": args.seq_len, "lora": args.lora,
-                                               "base_dtype": args.base_dtype if args.lora else None, "threads": args.threads, "clock": args.clock,
+                                               "base_dtype": args.base_dtype if args.lora else None,
+                                               "precision": args.precision, "threads": args.threads, "clock": args.clock,
                                                "steps": args.steps, "rounds": rounds, "ratio": ratio}, indent=2))
     return 0
 
