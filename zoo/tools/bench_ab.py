@@ -38,10 +38,9 @@ from typing import Optional
 def step_times(preset: str, batch: int, seq_len: int, steps: int, warmup: int, lora_rank: int = 0,
                base_dtype: str = "bf16", precision: str = "fp32") -> dict:
     """In the worker process: zoo's step times (seconds) and losses, of the whole model trained,
-    or of LoRA adapters of rank lora_rank over a frozen base stored as base_dtype, with products
-    in the given precision. The timing
-    loop is this module's own, not bench_torch.timed_steps: the worker imports the base build's
-    zoo, whose tools may predate it."""
+    or of LoRA adapters of rank lora_rank over a frozen base stored as base_dtype, the products in
+    the given precision. The timing loop is this module's own, not bench_torch.timed_steps: the
+    worker imports the base build's zoo, whose tools may predate it."""
     import numpy as np
 
     import zoo
