@@ -254,7 +254,8 @@ struct Job {
 
 // Up to 4 rows of x go through a block of rows of W together; more go in a second group over
 // the same block, which is then in cache: each group's x stays in L1 (8 rows of a 4096-wide x
-// would not, and every block of W would read them all again from L2).
+// would not, and every block of W would read them all again from L2). The AVX-512 int8 and nf4
+// kernels keep memory busy meanwhile (avx512::by_groups_ahead).
 constexpr int x_group = 4;
 
 // The 16-bit operand's integer sums go into float sums every this many values: a 32-bit lane
