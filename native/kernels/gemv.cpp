@@ -254,7 +254,8 @@ struct Job {
 
 // Up to 4 rows of x go through a block of rows of W together; more go in a second group over
 // the same block, which is then in cache: each group's x stays in L1 (8 rows of a 4096-wide x
-// would not, and every block of W would read them all again from L2).
+// would not, and every block of W would read them all again from L2). The AVX-512 int8 and nf4
+// kernels keep memory busy meanwhile (avx512::by_groups_ahead).
 constexpr int x_group = 4;
 
 // The 16-bit operand's integer sums go into float sums every this many values: a 32-bit lane
@@ -703,6 +704,60 @@ void by_groups(const Job& j, int r0, int r1, const Block& block) {
     }
 }
 
+// Against 5 to 8 rows of x, a block of W goes through twice (by_groups): group 1 reads it from
+// memory, group 2 from the caches, where it asks for nothing. So the block's lines are asked for
+// a block ahead, half by each pass: while the two passes over block b run, the lines of block
+// b + 1 come in (rows 0..RB/2-1 during group 1's pass, the rest during group 2's), and memory
+// is busy the whole time instead of half of it. What each pass asks for: PF rows from `at`,
+// `stride` bytes apart, at the byte `at + k` of each when the pass is at byte k of its own rows.
+constexpr int ahead_locality = 3;  // __builtin_prefetch's: 3 = into L1 (T0), 2 = L2 (T1)
+template <int PF>
+struct Ahead {
+    const char* at;
+    size_t stride;
+    // Inlined always: GCC 12 otherwise takes a function that only prefetches for one without
+    // effects (ipa-pure-const) and drops its calls.
+    __attribute__((always_inline)) void operator()(size_t k) const {
+        ZOO_UNROLL
+        for (int i = 0; i < PF; i++) row(i, k);
+    }
+    __attribute__((always_inline)) void row(int i, size_t k) const {  // the i-th alone (none past PF)
+        if (i < PF) __builtin_prefetch(at + i * stride + k, 0, ahead_locality);
+    }
+};
+
+// by_groups for M > x_group, each pass handed what it asks for ahead (row_bytes: a row of W's
+// stored values from base). The chunk's first block has nobody ahead of it: group 1 asks for its
+// own lines prefetch_bytes ahead, as the one-group kernels do, and group 2 for all of the next
+// block. The last block asks again for rows of its own or of the rows left (the chunk's rows
+// after it belong to whichever thread takes them).
+template <int M, int RB, class Block>
+void by_groups_ahead(const Job& j, int r0, int r1, const void* base, size_t row_bytes, const Block& block) {
+    static_assert(M > x_group && RB % 2 == 0, "two groups of x, a block of W in two halves");
+    constexpr int G1 = x_group, G2 = M - G1, H = RB / 2;
+    using g1 = std::integral_constant<int, G1>;
+    using g2 = std::integral_constant<int, G2>;
+    using rb = std::integral_constant<int, RB>;
+    using one = std::integral_constant<int, 1>;
+    const Job first = j.rows_of_x(0, G1), second = j.rows_of_x(G1, G2);
+    auto row = [&](int r) { return static_cast<const char*>(base) + (size_t)r * row_bytes; };
+    int r = r0;
+    if (r + RB <= r1) {
+        const int next = std::min(r + RB, r1 - RB);
+        block(first, r, g1(), rb(), Ahead<RB>{row(r) + prefetch_bytes, row_bytes});
+        block(second, r, g2(), rb(), Ahead<RB>{row(next), row_bytes});
+        for (r += RB; r + RB <= r1; r += RB) {
+            const int after = std::min(r + RB, r1 - RB);
+            block(first, r, g1(), rb(), Ahead<H>{row(after), row_bytes});
+            block(second, r, g2(), rb(), Ahead<H>{row(after + H), row_bytes});
+        }
+    }
+    for (; r < r1; r++) {
+        block(first, r, g1(), one(), Ahead<1>{row(r) + prefetch_bytes, row_bytes});
+        block(second, r, g2(), one(), Ahead<0>{nullptr, 0});
+    }
+}
+
 // The dot-product instructions, written out: GCC 12 gives each intrinsic's sum a register of its
 // own and copies it in and back around every step of a loop (in the int8 kernel against 4 rows
 // of x: 24 copies and 4 trips to the stack a step of 32 dot products), where the instruction
@@ -795,8 +850,8 @@ inline void block_i16_few(const Job& j, int r) {
 // W's widened rows and x's vector then have the 32 registers.
 constexpr int i16_flush_many = 8192;
 
-template <int M, int RB>
-inline void block_i16_many(const Job& j, int r) {
+template <int M, int RB, class A>
+inline void block_i16_many(const Job& j, int r, const A& ahead) {
     const int8_t* w = static_cast<const int8_t*>(j.W->data);
     const int K = j.K;
     alignas(64) float sums[RB][M][16] = {};
@@ -836,8 +891,7 @@ inline void block_i16_many(const Job& j, int r) {
     for (int k0 = 0; k0 < k64; k0 += i16_flush_many) {  // the flushes outside the loop that multiplies
         const int k1 = std::min(k64, k0 + i16_flush_many);
         for (k = k0; k < k1; k += 64) {
-            ZOO_UNROLL
-            for (int i = 0; i < RB; i++) prefetch(w + (size_t)(r + i) * K + k);
+            ahead((size_t)k);
             load(k);
             load(k + 32);
         }
@@ -876,9 +930,15 @@ void rows_i16_m(const Job& j, int r0, int r1) {
         by_groups<M, 8>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
             block_i16_few<decltype(m)::value, decltype(rb)::value>(g, r);
         });
-    else
+    else if constexpr (M <= x_group)
         by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
-            block_i16_many<decltype(m)::value, decltype(rb)::value>(g, r);
+            constexpr int RB = decltype(rb)::value;
+            const char* own = reinterpret_cast<const char*>(static_cast<const int8_t*>(j.W->data) + (size_t)r * j.K);
+            block_i16_many<decltype(m)::value, RB>(g, r, Ahead<RB>{own + prefetch_bytes, (size_t)j.K});
+        });
+    else
+        by_groups_ahead<M, 4>(j, r0, r1, j.W->data, (size_t)j.K, [&](const Job& g, int r, auto m, auto rb, auto ahead) {
+            block_i16_many<decltype(m)::value, decltype(rb)::value>(g, r, ahead);
         });
 }
 
@@ -961,8 +1021,8 @@ inline void block_dot(const Job& j, const F& f, int r, int kv, bool int8) {
 
 // nf4 by blocks of 64: 32 bytes, their low nibbles (the even values) and high nibbles (the odd
 // ones) looked up among the 16 levels in bf16, two dot products, then the block's scale.
-template <int M, int RB>
-inline void block_nf4_dot(const Job& j, int r, __m512i table) {
+template <int M, int RB, class A>
+inline void block_nf4_dot(const Job& j, int r, __m512i table, const A& ahead) {
     const uint8_t* v = static_cast<const uint8_t*>(j.W->data);
     const float* scales = j.W->scales();
     const size_t row_bytes = j.nf4_row_bytes(), blocks = nf4_blocks(j.K);
@@ -976,7 +1036,7 @@ inline void block_nf4_dot(const Job& j, int r, __m512i table) {
         ZOO_UNROLL
         for (int i = 0; i < RB; i++) {
             const uint8_t* p = v + (r + i) * row_bytes + k / 2;
-            if (!(b & 1)) prefetch(p);
+            if (!(b & 1)) ahead.row(i, k / 2);
             const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p));
             const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, _mm512_set1_epi16(15)), table);
             const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
@@ -1008,9 +1068,17 @@ void rows_dot_m(const Job& j, int r0, int r1) {
     const int K = j.K, kv = K / 32 * 32;
     if (W.dtype == DType::nf4) {
         const __m512i table = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)j.levels_bf16));
-        by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
-            block_nf4_dot<decltype(m)::value, decltype(rb)::value>(g, r, table);
-        });
+        const size_t row_bytes = j.nf4_row_bytes();
+        if constexpr (M <= x_group)
+            by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
+                constexpr int RB = decltype(rb)::value;
+                const char* own = static_cast<const char*>(W.data) + (size_t)r * row_bytes;
+                block_nf4_dot<decltype(m)::value, RB>(g, r, table, Ahead<RB>{own + prefetch_bytes, row_bytes});
+            });
+        else
+            by_groups_ahead<M, 4>(j, r0, r1, W.data, row_bytes, [&](const Job& g, int r, auto m, auto rb, auto ahead) {
+                block_nf4_dot<decltype(m)::value, decltype(rb)::value>(g, r, table, ahead);
+            });
     } else if (W.dtype == DType::int8) {
         const Int8Dot f{static_cast<const int8_t*>(W.data), K};
         by_groups<M, 4>(j, r0, r1, [&](const Job& g, int r, auto m, auto rb) {
