@@ -103,6 +103,13 @@ def rel_err(got, ref) -> float:
     return float(np.abs(got - ref).max() / scale) if scale > 0 else float(np.abs(got).max(initial=0.0))
 
 
+def bf16_round(a) -> np.ndarray:
+    """float32 rounded to bf16 (to nearest, ties to even; finite values), back in float32: what a
+    bf16 product's operands hold."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+
+
 def randomize_norms(model: "zoo.Model", seed: int, scale: float = 0.1) -> None:
     """Every 1-D parameter (norm weights around 1, biases around 0) made non-trivial, so each
     gradient path carries signal; matrices keep their init."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import bf16_round
 
 import zoo
 from zoo.core.native import _native
@@ -34,13 +35,6 @@ def test_linear_shapes_follow_the_config():
     cfg = ModelConfig(vocab_size=320, max_seq_len=64, d_model=64, n_layer=3, n_head=4, d_ff=64)
     merged = {s["layer"]: (s["in"], s["out"], s["count"]) for s in bench_gemm.linear_shapes(cfg)}
     assert merged == {"qkv": (64, 192, 3), "attn_out+mlp_in+mlp_out": (64, 64, 9), "lm_head": (64, 320, 1)}
-
-
-def bf16_round(a: np.ndarray) -> np.ndarray:
-    """float32 to bf16 (round to nearest even), back in float32."""
-    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.astype(np.uint32).view(np.float32)
 
 
 def expected(what: str, x, w, dy):

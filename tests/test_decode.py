@@ -6,6 +6,7 @@ every base format against transformers running the same stored weights."""
 
 import numpy as np
 import pytest
+from helpers import bf16_round
 
 import zoo
 from zoo import ModelConfig
@@ -14,13 +15,6 @@ from zoo.generate import generate, generate_batch
 
 FORMATS = ["fp32", "bf16", "int8", "nf4"]
 ISAS = _native.decode_isas()
-
-
-def _bf16(a: np.ndarray) -> np.ndarray:
-    """Rounded to bf16, nearest even (finite values)."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    return u.astype(np.uint32).view(np.float32)
 
 
 def _stored(w: np.ndarray, fmt: str) -> np.ndarray:
@@ -51,13 +45,13 @@ def _nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _declared(x, w, fmt, precision):
     """The sums gemv.hpp declares, in float64, and the sums of their terms' magnitudes."""
     rounds = precision == "bf16" and fmt != "fp32"
-    xs = (_bf16(x) if rounds else x).astype(np.float64)
+    xs = (bf16_round(x) if rounds else x).astype(np.float64)
     if rounds and fmt == "int8":  # 16-bit integers times their row's scale
         scale = np.abs(x).max(axis=1, keepdims=True).astype(np.float32) / np.float32(32767)
         xs = np.rint(x / np.where(scale > 0, scale, 1)) * scale.astype(np.float64)
     if fmt == "nf4":
         codes, scales = _nf4(w)
-        levels = (_bf16(NF4_LEVELS) if rounds else NF4_LEVELS).astype(np.float64)
+        levels = (bf16_round(NF4_LEVELS) if rounds else NF4_LEVELS).astype(np.float64)
         wide = (levels[codes] * scales[:, :, None]).reshape(w.shape[0], -1)[:, :w.shape[1]]
         # The numpy codes are the stored ones: widened, they give the stored matrix back.
         np.testing.assert_allclose((NF4_LEVELS[codes] * scales[:, :, None]).reshape(w.shape[0], -1)[:, :w.shape[1]],
@@ -121,7 +115,7 @@ def test_a_bf16_product_rounds_the_operand_and_an_fp32_one_does_not():
         rounded = _native.decode_product(x, w, "bf16", "bf16", isa)[0]
         wide = _stored(w, "bf16").astype(np.float64)
         np.testing.assert_allclose(exact, x.astype(np.float64) @ wide.T, rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(rounded, _bf16(x).astype(np.float64) @ wide.T, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(rounded, bf16_round(x).astype(np.float64) @ wide.T, rtol=1e-5, atol=1e-4)
         assert np.abs(exact - rounded).max() > 1e-3  # the rounding of x shows
 
 

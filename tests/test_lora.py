@@ -11,6 +11,7 @@ from helpers import (
     GPT2_TINY,
     SHAKESPEARE,
     STORIES,
+    bf16_round,
     cli,
     needs_bf16,
     needs_clad,
@@ -385,17 +386,11 @@ def test_stored_matrix_bf16_products_over_two_tiles_equal_the_rounded_operands(f
     rng = np.random.default_rng(1)
     W = rng.standard_normal((50000, 96)).astype(np.float32)
     x, dy = rng.standard_normal((5, 96)).astype(np.float32), rng.standard_normal((5, 50000)).astype(np.float32)
-    widened = _bf16_round(_as_stored(zoo.Model(WIDE_VOCAB, seed=None, base_dtype=fmt), W)).astype(np.float64)
+    widened = bf16_round(_as_stored(zoo.Model(WIDE_VOCAB, seed=None, base_dtype=fmt), W)).astype(np.float64)
     y, _ = stored_matrix_product(x, W, fmt, "bf16", False)
     dx, _ = stored_matrix_product(dy, W, fmt, "bf16", True)
-    assert rel_err(y, _bf16_round(x).astype(np.float64) @ widened.T) < 1e-5
-    assert rel_err(dx, _bf16_round(dy).astype(np.float64) @ widened) < 1e-5
-
-
-def _bf16_round(a):
-    """float32 to bf16 (to nearest, ties to even), back in float32."""
-    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    assert rel_err(y, bf16_round(x).astype(np.float64) @ widened.T) < 1e-5
+    assert rel_err(dx, bf16_round(dy).astype(np.float64) @ widened) < 1e-5
 
 
 def _as_stored(model, W):
