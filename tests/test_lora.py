@@ -393,6 +393,34 @@ def test_stored_matrix_bf16_products_over_two_tiles_equal_the_rounded_operands(f
     assert rel_err(dx, bf16_round(dy).astype(np.float64) @ widened) < 1e-5
 
 
+@needs_bf16
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_a_widened_bases_forward_tiles_run_on_the_kernel_of_one_whole_product(fmt):
+    """A bf16 forward over an int8 or nf4 base runs a product per tile of rows (here 16384 and
+    4096), each into a packed block copied into its columns of y: into those strided columns
+    themselves, oneDNN 3.2 takes its slower gemm:jit kernel where the whole product over a bf16 base
+    takes brgemm. Each tile lands in its own columns, written, or added to what y holds (a bias or
+    residual)."""
+    from zoo.core import _native
+
+    rng = np.random.default_rng(2)
+    W = rng.standard_normal((20480, 256)).astype(np.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    _native.gemm_kernels_used(reset=True)
+    _native.stored_matrix_product(x, W, "bf16", "bf16", False)
+    (whole,) = {u["kernel"] for u in _native.gemm_kernels_used(reset=True)}
+    y, _ = _native.stored_matrix_product(x, W, fmt, "bf16", False)
+    tiles = _native.gemm_kernels_used(reset=True)
+    assert sorted(u["N"] for u in tiles) == [4096, 16384]
+    assert {u["kernel"] for u in tiles} == {whole}
+    widened = bf16_round(_native.widen(W, fmt)).astype(np.float64)
+    exact = bf16_round(x).astype(np.float64) @ widened.T
+    assert rel_err(y, exact) < 1e-5
+    bias = rng.standard_normal((5, 20480)).astype(np.float32)
+    added, _ = _native.stored_matrix_product(x, W, fmt, "bf16", False, add_to=bias)
+    assert rel_err(added, exact + bias) < 1e-5
+
+
 def _as_stored(model, W):
     """W's rows as the model's format stores them, through its (96, 96) q_proj, 96 rows at a time
     (every format stores rows independently)."""

@@ -285,9 +285,10 @@ PYBIND11_MODULE(_native, m) {
     // One product with a stored matrix (gemm::matrix_xwt / matrix_xw), for tests and benchmarks:
     // W (rows, cols) is stored in format first (not timed: repeats reuse it); then
     // x (M, cols) W^T, or with backward, dy (M, rows) W, repeated `repeats` times; returns the
-    // result and the seconds of the fastest repeat.
+    // result and the seconds of the fastest repeat. With `add_to` (the result's shape), the
+    // product is added to a copy of it (beta 1: a bias or residual there), once.
     m.def("stored_matrix_product", [](F32 a, F32 w, const std::string& format, const std::string& precision,
-                                      bool backward, int repeats) {
+                                      bool backward, int repeats, std::optional<F32> add_to) {
         if (a.ndim() != 2 || w.ndim() != 2) throw std::invalid_argument("zoo: 2-D operands");
         const int rows = (int)w.shape(0), cols = (int)w.shape(1), M = (int)a.shape(0);
         if (a.shape(1) != (backward ? rows : cols)) throw std::invalid_argument("zoo: operands do not match");
@@ -300,21 +301,28 @@ PYBIND11_MODULE(_native, m) {
         const zoo::Matrix W(data, t, rows, cols);
         std::vector<float> scratch(zoo::gemm::matrix_scratch_floats(p, t, M, rows, cols) + 1);
         F32 out({M, backward ? cols : rows});
+        const float beta = add_to ? 1.0f : 0.0f;
+        if (add_to) {
+            if (add_to->ndim() != 2 || add_to->shape(0) != out.shape(0) || add_to->shape(1) != out.shape(1))
+                throw std::invalid_argument("zoo: add_to must have the result's shape");
+            std::memcpy(out.mutable_data(), add_to->data(), sizeof(float) * out.size());
+            repeats = 1;
+        }
         double best = 1e30;
         {
             py::gil_scoped_release nogil;
             for (int r = 0; r < std::max(1, repeats); r++) {
                 const double t0 = omp_get_wtime();
                 if (backward)
-                    zoo::gemm::matrix_xw(p, M, a.data(), rows, W, 0.0f, out.mutable_data(), cols, scratch.data());
+                    zoo::gemm::matrix_xw(p, M, a.data(), rows, W, beta, out.mutable_data(), cols, scratch.data());
                 else
-                    zoo::gemm::matrix_xwt(p, M, a.data(), cols, W, 0.0f, out.mutable_data(), rows, scratch.data());
+                    zoo::gemm::matrix_xwt(p, M, a.data(), cols, W, beta, out.mutable_data(), rows, scratch.data());
                 best = std::min(best, omp_get_wtime() - t0);
             }
         }
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
-       py::arg("repeats") = 1);
+       py::arg("repeats") = 1, py::arg("add_to") = std::nullopt);
     // One decode product (gemv.hpp) with W stored in format first: x (M <= 8, cols) W^T + bias +
     // residual on the instruction set named, repeated `repeats` times (parallel: over the
     // threads, as generation runs it); returns the result, the seconds of the fastest repeat, and
