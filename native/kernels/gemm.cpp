@@ -371,18 +371,27 @@ int k_block_rows(Precision p, const Matrix& W) {
 
 size_t bf16_floats(size_t values) { return (values + 31) / 32 * 16; }  // bf16 values in floats, 64-byte rounded
 
+// A bf16 product's scratch with a narrow W, in floats from its start: x, or a block of dy,
+// rounded to bf16 (left); then, for a widened (int8, nf4) W, the widened tile or block; then the
+// forward's product of one tile (M x tile_rows), before it goes to its columns of y.
+struct Bf16Scratch {
+    size_t tile, packed, total;
+};
+Bf16Scratch bf16_scratch(const Matrix& W, int M) {
+    const Precision p = Precision::bf16;
+    const size_t left = bf16_floats((size_t)M * std::max(W.cols, k_block_rows(p, W)));
+    if (W.dtype == DType::bf16) return {left, left, left};
+    const size_t tile = bf16_floats((size_t)std::max(tile_rows(p, W), k_block_rows(p, W)) * W.cols);
+    return {left, left + tile, left + tile + (size_t)M * tile_rows(p, W)};
+}
+
 }  // namespace
 
-// In a bf16 product with a widened W: x, or a block of dy, rounded to bf16; the widened tile; and
-// the forward's product of one tile (M x tile_rows), before it goes to its columns of y.
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
     if (t == DType::f32) return 0;
     const Matrix W(nullptr, t, rows, cols);
-    const size_t forward_tile = (size_t)tile_rows(p, W) * cols, pullback_tile = (size_t)k_block_rows(p, W) * cols;
-    if (p != Precision::bf16) return std::max(forward_tile, pullback_tile);
-    const size_t left = (size_t)M * std::max(cols, k_block_rows(p, W));  // x, or a block of dy, in bf16
-    if (t == DType::bf16) return bf16_floats(left);
-    return bf16_floats(left) + bf16_floats(std::max(forward_tile, pullback_tile)) + (size_t)M * tile_rows(p, W);
+    if (p == Precision::bf16) return bf16_scratch(W, M).total;
+    return (size_t)std::max(tile_rows(p, W), k_block_rows(p, W)) * cols;  // a tile widened to fp32
 }
 
 namespace {
@@ -394,9 +403,9 @@ void rounded_xwt(int M, const Matrix& W, float beta, float* y, int ldy, float* s
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(scratch);
     if (W.dtype == DType::bf16)
         return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
-    const size_t left = bf16_floats((size_t)M * std::max(W.cols, k_block_rows(p, W)));
-    uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + left);
-    float* packed = scratch + left + bf16_floats((size_t)std::max(R, k_block_rows(p, W)) * W.cols);  // M x R
+    const Bf16Scratch at = bf16_scratch(W, M);
+    uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + at.tile);
+    float* packed = scratch + at.packed;  // M x R
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         widen_rows_bf16(W, r0, r0 + n, tile);
@@ -461,7 +470,7 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
 #ifdef ZOO_GEMM_ONEDNN
     if (bf16_operands(p, W)) {
         uint16_t* db = reinterpret_cast<uint16_t*>(scratch);
-        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_floats((size_t)M * std::max(W.cols, R)));
+        uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_scratch(W, M).tile);
         for (int r0 = 0; r0 < W.rows; r0 += R) {
             const int n = std::min(R, W.rows - r0);
             to_bf16_rows(dy + r0, lddy, M, n, db);
