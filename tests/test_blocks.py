@@ -568,6 +568,19 @@ def test_adamw_matches_torch(steps, weight_decay, decay, grad_scale, eps, needs_
 # --- any registered block by name (registry.hpp): what a new block's tests call ----------------
 
 
+def test_exact_gelu_keeps_its_relative_accuracy_in_the_negative_tail():
+    # x Phi(x) with Phi from its own tail's erfc: 0.5 x (1 + erf(x / sqrt 2)) cancels to zero
+    # (relative error 1) for outputs below about 1e-7 in size, from x = -5.5 on.
+    x = np.linspace(-9.0, 9.0, 3601, dtype=np.float32)[None]
+    x64 = x.astype(np.float64)
+    phi = np.vectorize(lambda v: 0.5 * math.erfc(-v / math.sqrt(2.0)))(x64)
+    y = nb.activation_forward("gelu_erf", x).astype(np.float64)
+    nonzero = x64 != 0.0
+    assert np.max(np.abs(y - x64 * phi)[nonzero] / np.abs(x64 * phi)[nonzero]) <= 1e-4
+    dx = nb.activation_pullback("gelu_erf", x, np.ones_like(x)).astype(np.float64)
+    assert np.max(np.abs(dx - (phi + x64 * np.exp(-0.5 * x64 * x64) / math.sqrt(2.0 * math.pi)))) <= 1e-6
+
+
 def test_activations_by_name_check_their_arguments():
     rng = np.random.default_rng(7)
     x, dy = rng.standard_normal((5, 24)).astype(np.float32), rng.standard_normal((5, 24)).astype(np.float32)
