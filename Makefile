@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NATIVE := $(wildcard native/*/*.hpp native/*/*.cpp) CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-clad setup setup-dev clean
+.PHONY: demo test test-clad test-arm setup setup-dev clean
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/zoo train
@@ -21,6 +21,11 @@ test-clad: $(VENV)/.installed-dev
 	ZOO_CLAD_DIR=$(CLAD_DIR) CXX=$(CLAD_CXX) $(PY) -m pip install -q --no-build-isolation -e .
 	ZOO_TEST_CLAD=1 $(VENV)/bin/pytest -q tests; status=$$?; \
 	    $(PY) -m pip install -q --no-build-isolation -e . && exit $$status
+
+# The suite on aarch64 without oneDNN, emulated on an x86-64 Debian machine (tools/test_arm.sh:
+# root; most of an hour). ARGS: pytest's arguments instead of the whole suite.
+test-arm: $(VENV)/.installed
+	ARGS="$(ARGS)" PYTHON=$(PY) tools/test_arm.sh
 
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev

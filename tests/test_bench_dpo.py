@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+import zoo
 from zoo.tools import bench_dpo
 
 
@@ -61,4 +62,5 @@ def test_the_profile_splits_a_dpo_step_into_its_parts(tmp_path, capsys):
     assert "lora" in r["dpo"]["policy_forward"]["blocks"] and "linear" in r["dpo"]["pullback"]["blocks"]
     assert r["dpo"]["pullback"]["blocks"]["linear"][1] > 0 and r["sft"]["forward_backward"]["s"] > 0
     assert r["checkpoint_layers"] == r["n_layer"] == 2  # the default at this shape: both layers
+    assert r["precision"] == ("bf16" if zoo.gemm_info()["bf16_native"] else "fp32")  # what this CPU can run
     assert "dpo step:" in capsys.readouterr().out

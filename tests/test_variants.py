@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import needs, needs_clad, random_batch, randomize_norms
+from helpers import needs, needs_bf16, needs_clad, random_batch, randomize_norms
 
 import zoo
 from zoo import ModelConfig
@@ -211,6 +211,7 @@ def test_a_windowed_layers_kv_cache_is_a_ring_bounded_by_the_window():
         model.forward_cached(tokens[:, 5:10], 5)
 
 
+@needs_bf16
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_bf16_products_stay_close_to_fp32(name):
     """Each variant with bf16 matrix products (its q|k|v, attention output and MLP input kept in

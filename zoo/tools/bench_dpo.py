@@ -260,7 +260,7 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
 
     import zoo
     from zoo.arch.config import ModelConfig
-    from zoo.arch.lora import LoraConfig
+    from zoo.arch.lora import LoraConfig, default_precision
 
     from ..arch.memory import partial_checkpoint_layers
     from ..train.config import DEFAULT_CHECKPOINT_GROWTH, default_checkpointing
@@ -282,12 +282,13 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     # a row of the pair as zoo packs it, or each sequence in a row of its own, as TRL pads them
     seq_len = P - 1 + C + R if share_prompt else P + max(C, R) - 1
     rows = 1 if share_prompt else 2
+    precision = default_precision("bf16")  # fp32 products where the CPU has no bf16 dot products
     if checkpointing is None:  # as the trainer has it (TrainConfig.checkpoint_layers)
-        checkpointing = (partial_checkpoint_layers(config, rows, seq_len, DEFAULT_CHECKPOINT_GROWTH, "bf16",
+        checkpointing = (partial_checkpoint_layers(config, rows, seq_len, DEFAULT_CHECKPOINT_GROWTH, precision,
                                                    lora_config, "bf16")
                          if default_checkpointing("dpo", lora=True) else False)
     t0 = time.perf_counter()
-    model = zoo.Model(config, seed=0, base_dtype="bf16", precision="bf16", checkpointing=checkpointing,
+    model = zoo.Model(config, seed=0, base_dtype="bf16", precision=precision, checkpointing=checkpointing,
                       lora=lora_config)
     build_s = time.perf_counter() - t0
     rss_built = _rss_now_mib()

@@ -3,7 +3,8 @@ adapters off), the policy's forward (the LM head on the answer rows, the head's 
 the pullback (a checkpointed layer's recompute counts as forward there), AdamW; each with the
 per-block profile (Model.set_profiling: seconds in products, adapters, attention, ...), and
 beside it zoo's LoRA SFT step of the same rows (every position a target). Random weights of a
-preset's shape, bf16 base and products, one pair of random ids, as bench_dpo's zoo system.
+preset's shape, bf16 base and products (fp32 ones where the CPU has no bf16 dot products), one
+pair of random ids, as bench_dpo's zoo system.
 
   python -m zoo.tools.profile_dpo --preset llama-3.2-1b --prompt-len 128 --answer-len 128 --rank 16 \\
       --threads 2 --sft
@@ -38,7 +39,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import numpy as np
 
     import zoo
-    from zoo.arch.lora import LoraConfig, module_names
+    from zoo.arch.lora import LoraConfig, default_precision, module_names
     from zoo.arch.memory import partial_checkpoint_layers
 
     from ..train.config import DEFAULT_CHECKPOINT_GROWTH
@@ -53,8 +54,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = model_config(a.preset, None)
     lora = LoraConfig(r=a.rank, alpha=2.0 * a.rank, dropout=0.0, targets=module_names(cfg))
     seq_len = a.prompt_len - 1 + 2 * a.answer_len
+    precision = default_precision("bf16")  # fp32 products where the CPU has no bf16 dot products
     if a.checkpointing == "default":
-        ckpt = partial_checkpoint_layers(cfg, 1, seq_len, DEFAULT_CHECKPOINT_GROWTH, "bf16", lora, "bf16")
+        ckpt = partial_checkpoint_layers(cfg, 1, seq_len, DEFAULT_CHECKPOINT_GROWTH, precision, lora, "bf16")
     elif a.checkpointing in ("on", "off"):
         ckpt = a.checkpointing == "on"
     else:
@@ -66,7 +68,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parts = [rng.integers(3, cfg.vocab_size, a.prompt_len),
              np.r_[rng.integers(3, cfg.vocab_size, a.answer_len - 1), 1],
              np.r_[rng.integers(3, cfg.vocab_size, a.answer_len - 1), 1]]
-    model = zoo.Model(cfg, seed=0, base_dtype="bf16", precision="bf16", checkpointing=ckpt, lora=lora)
+    model = zoo.Model(cfg, seed=0, base_dtype="bf16", precision=precision, checkpointing=ckpt, lora=lora)
     starts = np.cumsum([0] + [len(x) for x in parts])
     pair_file = PairFile(np.concatenate(parts).astype(np.int64), starts, None, "", [], [], False)
     objective = PreferenceObjective(PreferenceLoss("dpo", beta=0.1), PairSplits(pair_file, 1, seq_len, 0.0, 1, 0))
@@ -113,7 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for _ in range(a.steps):
         dpo_step()
     result = {"preset": a.preset, "prompt_len": a.prompt_len, "answer_len": a.answer_len, "rank": a.rank,
-              "threads": threads, "checkpoint_layers": model.checkpoint_layers, "n_layer": cfg.n_layer,
+              "threads": threads, "precision": model.precision, "checkpoint_layers": model.checkpoint_layers, "n_layer": cfg.n_layer,
               "tokens": int(batch.x.size), "dpo": dpo_step(), "machine": machine_info()}
     if a.sft:
         x = batch.x
