@@ -96,8 +96,10 @@ def test_only_the_rows_a_pass_reads_are_resident(tmp_path):
     rows, page = np.unique(x), mmap.PAGESIZE  # 4 KiB on x86-64; 16 or 64 KiB on some ARM kernels
     pages = len({(r * CFG.d_model * 2) // page for r in rows} | {((r + 1) * CFG.d_model * 2 - 1) // page for r in rows})
     table_kib = CFG.vocab_size * CFG.d_model * 2 // 1024
+    if page // 1024 * (pages + 2) >= table_kib // 10:
+        pytest.skip(f"pages of {page // 1024} KiB: the pages of the rows read are a tenth of this test's table")
     # a page per row read (and the neighbour of a row across a page boundary), not the table
-    assert 0 < resident_kib() <= page // 1024 * (pages + 2) < table_kib // 2
+    assert 0 < resident_kib() <= page // 1024 * (pages + 2) < table_kib // 10
 
 
 def test_stores_into_the_mapped_embedding_change_the_model_not_the_file(tmp_path):
