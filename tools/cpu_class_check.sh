@@ -1,0 +1,69 @@
+#!/bin/bash
+# Issue 30's measurements for this machine's CPU class, in one go (docs/benchmarks.md, "CPU
+# classes"): the CPU and the compiler zoo was built with; the class tests; the kernel each of
+# GPT-2's products runs on, at the machine's class and forced to AVX512_CORE_BF16; the MLP
+# activations' loops alone; the GPT-2 and SmolLM bf16 steps against PyTorch autocast; LoRA over
+# llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT. Each benchmark writes its JSON
+# into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 15 minutes.
+# A step that fails or runs past its limit is reported and the next one runs.
+#
+#   tools/cpu_class_check.sh [OUT]                       OUT defaults to build/cpu-class
+#   PYTHON=python3 tools/cpu_class_check.sh OUT          with another environment's Python
+set -uo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-.venv/bin/python}
+out=${1:-build/cpu-class}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+step() {  # step LIMIT_S WHAT COMMAND...: run it under a limit, saying how it ended
+    local limit=$1 what=$2
+    shift 2
+    echo "== $what ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))"
+    timeout "$limit" "$@"
+    local status=$?
+    [ $status -eq 0 ] || echo "== $what: exit $status$([ $status -eq 124 ] && echo ", past its $limit s")"
+}
+
+lscpu | grep -E "Model name|^CPU\(s\)|L2|L3"
+grep -o -w -E "amx_bf16|avx512_bf16|avx512_vnni|avx512f|avx2" /proc/cpuinfo | sort | uniq -c
+"$py" -c 'import zoo; b = zoo.build_info(); print("zoo built by", b["compiler"]); print(b["gemm"])'
+
+step 200 "class tests" "$py" -m pytest -q -p no:cacheprovider tests/test_cpu_classes.py tests/test_gemm.py
+step 90 "GPT-2's products" "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
+    --json "$out/gemm-gpt2.json"
+DNNL_MAX_CPU_ISA=AVX512_CORE_BF16 step 90 "GPT-2's products, forced to AVX512_CORE_BF16" \
+    "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
+    --json "$out/gemm-gpt2-forced-avx512-core-bf16.json"
+# The activations alone, over GPT-2's 9.4M MLP values at 4 x 64: a compiler that leaves one of
+# these loops scalar shows here (GELU took 79 ms a step in a GCC 13 build on an AMX machine).
+step 60 "activations alone" "$py" - << 'EOF'
+import time
+
+import numpy as np
+
+from zoo.core.native import _native
+
+_native.set_threads(2)
+x = np.random.default_rng(0).standard_normal((3072, 3072), dtype=np.float32)
+for name in ("gelu", "gelu_erf", "swiglu"):
+    width = 1536 if name == "swiglu" else 3072  # swiglu reads [gate | up] rows
+    dy = np.ones((3072, width), np.float32)
+    times = {}
+    for what, call in (("forward", lambda: _native.blocks.activation_forward(name, x)),
+                       ("pullback", lambda: _native.blocks.activation_pullback(name, x, dy))):
+        call()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            call()
+        times[what] = (time.perf_counter() - t0) / 5 * 1e3
+    print(f"{name}: forward {times['forward']:.1f} ms, pullback {times['pullback']:.1f} ms ({x.size / 1e6:.1f}M values)")
+EOF
+step 240 "GPT-2 4 x 64 bf16 step" "$py" -m zoo.cli bench --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
+    --steps 5 --warmup 2 --rounds 2 --precision bf16 --json "$out/gpt2-b4-t64-bf16.json"
+step 300 "SmolLM-135M 4 x 256 bf16 step" "$py" -m zoo.cli bench --preset smollm-135m --batch-size 4 --seq-len 256 \
+    --threads 2 --steps 4 --warmup 2 --rounds 2 --precision bf16 --json "$out/smollm-135m-b4-t256-bf16.json"
+step 360 "LoRA llama-3.2-1b 1 x 256, bf16, int8 and nf4 bases" "$py" -m zoo.tools.bench_lora --preset llama-3.2-1b \
+    --batch-size 1 --seq-len 256 --base bf16 int8 nf4 --torch bf16 --steps 3 --warmup 1 --threads 2 \
+    --json "$out/lora-llama-3.2-1b-b1-t256.json"
+echo "== done ($(date -u +%H:%M:%S)): $out"
