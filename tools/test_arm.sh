@@ -96,7 +96,7 @@ pybind11_dir=$("$host_python" -c 'import pybind11; print(pybind11.get_cmake_dir(
 cmake -S "$root" -B "$work/core" -G Ninja -DCMAKE_TOOLCHAIN_FILE="$work/toolchain.cmake" \
     -DPython_EXECUTABLE="$work/python" -DPython_INCLUDE_DIR="$rootfs/usr/include/python${pyver:0:1}.${pyver:1}" \
     -DPython_SOABI="cpython-$pyver-aarch64-linux-gnu" -Dpybind11_DIR="$pybind11_dir" \
-    -DCMAKE_CXX_FLAGS="-I$work/include" -DZOO_NATIVE_ARCH=OFF > "$work/cmake.log"
+    -DCMAKE_CXX_FLAGS="-I$work/include" -DZOO_NATIVE_ARCH=OFF > "$work/cmake.log" || { cat "$work/cmake.log"; exit 1; }
 cmake --build "$work/core" -j"$(nproc)"
 
 # The package with the aarch64 extension; the repository's other files, to run from, beside a
