@@ -23,7 +23,7 @@ test-clad: $(VENV)/.installed-dev
 	    $(PY) -m pip install -q --no-build-isolation -e . && exit $$status
 
 # The suite on aarch64 without oneDNN, emulated on an x86-64 Debian machine (tools/test_arm.sh:
-# root; over an hour on one core). ARGS: pytest's arguments instead of the whole suite.
+# root; about an hour on one core). ARGS: pytest's arguments instead of the whole suite.
 test-arm: $(VENV)/.installed
 	ARGS="$(ARGS)" PYTHON=$(PY) tools/test_arm.sh
 

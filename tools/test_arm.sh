@@ -4,7 +4,7 @@
 # aarch64-linux-gnu-g++ through CMakeLists.txt as it stands (OpenBLAS from the aarch64
 # scipy-openblas32 wheel), and the tests run on an arm64 Debian's Python under qemu-user, with
 # the aarch64 wheels of zoo's runtime dependencies from PyPI. Emulated, so slow: minutes for a
-# module, over an hour for the suite on one core (its PyTorch references skip: there is no
+# module, about an hour for the suite on one core (its PyTorch references skip: there is no
 # PyTorch here).
 #
 #   make test-arm                          the whole suite
