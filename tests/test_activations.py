@@ -134,3 +134,25 @@ def test_trains_and_round_trips_a_checkpoint(name, backend, tmp_path):
     again = zoo.Model.from_pretrained(tmp_path / "m")
     assert again.config.mlp == name
     np.testing.assert_array_equal(again.logits(x), model.logits(x))
+
+
+def test_bench_activations_times_every_registered_activation(tmp_path, capsys):
+    """`python -m zoo.tools.bench_activations` on a small input: a row and a JSON entry per
+    registered activation, pullbacks where the build has a hand-written one."""
+    import json
+
+    from zoo.tools import bench_activations
+
+    out = tmp_path / "activations.json"
+    bench_activations.main(["--rows", "8", "--width", "70", "--threads", "1", "--repeats", "2", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    table = capsys.readouterr().out
+    assert set(doc["activations"]) == set(blocks.activations())
+    for name, r in doc["activations"].items():
+        assert f"| {name} |" in table
+        assert r["forward_ms"] > 0
+        manual = "manual" in pullback_backends(name)
+        assert (r["pullback_ms"] is not None) == manual and (r["recompute_and_pullback_ms"] is not None) == manual
+    with pytest.raises(SystemExit):
+        bench_activations.main(["--name", "gelu", "no_such_activation"])
+    assert "no activation no_such_activation; registered: " in capsys.readouterr().err

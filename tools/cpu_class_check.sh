@@ -37,28 +37,7 @@ DNNL_MAX_CPU_ISA=AVX512_CORE_BF16 step 90 "GPT-2's products, forced to AVX512_CO
     --json "$out/gemm-gpt2-forced-avx512-core-bf16.json"
 # The activations alone, over GPT-2's 9.4M MLP values at 4 x 64: a compiler that leaves one of
 # these loops scalar shows here (GELU took 79 ms a step in a GCC 13 build on an AMX machine).
-step 60 "activations alone" "$py" - << 'EOF'
-import time
-
-import numpy as np
-
-from zoo.core.native import _native
-
-_native.set_threads(2)
-x = np.random.default_rng(0).standard_normal((3072, 3072), dtype=np.float32)
-for name in ("gelu", "gelu_erf", "swiglu"):
-    width = 1536 if name == "swiglu" else 3072  # swiglu reads [gate | up] rows
-    dy = np.ones((3072, width), np.float32)
-    times = {}
-    for what, call in (("forward", lambda: _native.blocks.activation_forward(name, x)),
-                       ("pullback", lambda: _native.blocks.activation_pullback(name, x, dy))):
-        call()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            call()
-        times[what] = (time.perf_counter() - t0) / 5 * 1e3
-    print(f"{name}: forward {times['forward']:.1f} ms, pullback {times['pullback']:.1f} ms ({x.size / 1e6:.1f}M values)")
-EOF
+step 60 "activations alone" "$py" -m zoo.tools.bench_activations --threads 2 --json "$out/activations.json"
 step 240 "GPT-2 4 x 64 bf16 step" "$py" -m zoo.cli bench --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
     --steps 5 --warmup 2 --rounds 2 --precision bf16 --json "$out/gpt2-b4-t64-bf16.json"
 step 300 "SmolLM-135M 4 x 256 bf16 step" "$py" -m zoo.cli bench --preset smollm-135m --batch-size 4 --seq-len 256 \

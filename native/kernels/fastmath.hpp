@@ -9,7 +9,10 @@
 namespace zoo {
 
 inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);  // keeps 2^n a normal float
+    // Keeps 2^n a normal float. Two clamps, not one nested select: tuned for Sapphire Rapids,
+    // GCC 13 and 14 split the nested one into masked paths per range (the GELU forward 2x slower).
+    x = x > 88.0f ? 88.0f : x;
+    x = x < -87.0f ? -87.0f : x;
     float n = std::floor(x * 1.44269504088896341f + 0.5f);
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
