@@ -7,6 +7,10 @@
 # packages mounted at their own paths. Prints one table of all builds at the end.
 #
 #   tools/compiler_check.sh [TARGET...]
+#   tools/compiler_check.sh --run COMMAND...   COMMAND in the checkout, inside the tree, e.g. to
+#                                              compare two of the builds' steps:
+#       tools/compiler_check.sh --run python -m zoo.tools.bench_ab --base build/compilers/g++-13-native \
+#           --current build/compilers/g++-12-native --preset gpt2 --precision bf16
 #
 # TARGET: native (the default: this CPU, -march=native) or a GCC -march name, e.g.
 # "native sapphirerapids". A named target is built without AMX and AVX512-FP16 (-mno-...), which
@@ -50,6 +54,12 @@ for d in "$base_prefix" "$prefix"; do
 done
 for d in /proc /dev; do bind "$d"; done
 in_tree() { chroot "$rootfs" env PATH="$(dirname "$python"):/usr/bin:/bin" "$@"; }
+if [ "${1:-}" = --run ]; then
+    shift
+    cd "$repo"
+    in_tree bash -c 'cd "$1" && shift && "$@"' - "$repo" "$@"
+    exit
+fi
 
 # The tracked files, once per build: each build's extension lies in its own zoo/core/.
 src=$work/src
