@@ -151,6 +151,24 @@ def test_card_picks_up_benchmarks(tmp_path, capsys):
     rows = cards.card_data(preset_info("tiny-gpt2"), cards.read_benchmarks(bf16))["benchmarks"]
     assert [(b["precision"], b["step_time_over_torch_fused"]) for b in rows] == [("bf16", 0.4), ("fp32", None)]
     assert rows[0]["step_ms_median"] == 1.5
+    ran = r["machine"]["zoo_build"]["gemm"]  # the real run: forced only where the suite runs forced
+    assert ("(forced class)" in md) == (ran["vector_isa"] != ran["cpu_vector_isa"])
+
+    # A run in a forced CPU class (DNNL_MAX_CPU_ISA) says so in its row and beside its command.
+    forced = tmp_path / "bench-forced"
+    forced.mkdir()
+    build = r["machine"]["zoo_build"]
+    gemm = dict(build["gemm"], onednn_isa="avx2", vector_isa="avx2", cpu_vector_isa="avx512_bf16")
+    (forced / "f.json").write_text(json.dumps(dict(
+        r, machine=dict(r["machine"], zoo_build=dict(build, gemm=gemm)),
+        gemm=dict(r["gemm"], openblas_core="Haswell"))))
+    rows = cards.card_data(preset_info("tiny-gpt2"), cards.read_benchmarks(forced))["benchmarks"]
+    assert rows[0]["forced_class"] == "oneDNN ISA avx2, OpenBLAS Haswell"
+    capsys.readouterr()
+    assert main(["card", "tiny-gpt2", "--benchmarks", str(forced)]) == 0
+    md = capsys.readouterr().out
+    assert "(../benchmarks/f.json) (forced class) |" in md
+    assert "forced to a lower CPU class: oneDNN ISA avx2, OpenBLAS Haswell" in md
 
     # The whole set: the index counts the runs; regenerating is byte-identical; --check sees new results.
     out = tmp_path / "cards"

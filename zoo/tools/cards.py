@@ -206,6 +206,17 @@ def _rounded(x, digits: int):
     return None if x is None else round(float(x), digits)
 
 
+def forced_class(d: dict) -> str | None:
+    """The CPU class a run was forced to (DNNL_MAX_CPU_ISA below the CPU's own, docs/benchmarks.md),
+    as its zoo build reported it, or None: a run on the CPU's own class, or one that did not say."""
+    gemm = ((d.get("machine") or {}).get("zoo_build") or {}).get("gemm") or {}
+    own, ran = gemm.get("cpu_vector_isa"), gemm.get("vector_isa")
+    if not own or not ran or own == ran:
+        return None
+    openblas = (d.get("gemm") or {}).get("openblas_core") or gemm.get("openblas_core")
+    return f"oneDNN ISA {gemm.get('onednn_isa')}" + (f", OpenBLAS {openblas}" if openblas else "")
+
+
 def benchmark_rows(p: Preset, files: list[BenchFile]) -> list[dict]:
     rows = []
     for f in files:
@@ -234,7 +245,8 @@ def benchmark_rows(p: Preset, files: list[BenchFile]) -> list[dict]:
                 r = ratios.get(key)
                 row[f"step_time_over_{other}"] = _rounded(r["step_time"], 3) if r else None
             machine = d.get("machine") or {}
-            row.update({"cpu": machine.get("cpu"), "date": d.get("date"), "command": d.get("command")})
+            row.update({"cpu": machine.get("cpu"), "forced_class": forced_class(d), "date": d.get("date"),
+                        "command": d.get("command")})
             rows.append(row)
     rows.sort(key=lambda r: (r["batch"], r["seq_len"], r["threads"], r["checkpointing"], r["precision"], r["file"]))
     return rows
@@ -521,10 +533,12 @@ def card_markdown(d: dict) -> str:
             L.append(f"| {r['batch']} | {r['seq_len']} | {r['threads']} | {_yes(r['checkpointing'])} "
                      f"| {r['precision']} | {r['step_ms_median']:,.1f} | {r['tokens_per_s']:,.0f} | {rss} "
                      f"| {ratio(r['step_time_over_torch_fused'])} | {ratio(r['step_time_over_torch_default'])} "
-                     f"| [{r['file'].split('/')[-1]}](../{r['file']}) |")
+                     f"| [{r['file'].split('/')[-1]}](../{r['file']})"
+                     f"{' (forced class)' if r.get('forced_class') else ''} |")
         L += ["", "Commands and machines:", ""]
         for r in {r["file"]: r for r in d["benchmarks"]}.values():  # one command per file
-            where = ", ".join(x for x in (r["cpu"], r["date"]) if x)
+            forced = r.get("forced_class") and f"forced to a lower CPU class: {r['forced_class']}"
+            where = ", ".join(x for x in (r["cpu"], forced, r["date"]) if x)
             L.append(f"- `{r['file']}`" + (f" ({where})" if where else "") + ":")
             L += ["", "  ```sh", f"  {r['command'] or '(no command recorded)'}", "  ```", ""]
         L += ["Measure another setting with:", "", "```sh", d["measure_command"], "```", ""]
