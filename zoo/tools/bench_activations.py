@@ -1,8 +1,10 @@
 """`python -m zoo.tools.bench_activations`: the MLP activations' loops alone (native/blocks/
 activation.hpp), through the block API: the forward, the pullback, and the executor's fused
 recompute-and-pullback, over --rows x --width inputs (default 3072 x 3072: GPT-2's 9.4M MLP
-values of a 4 x 64 step), on --threads threads. Gated activations read rows of [gate | up], so
-their width is the input's and their output is half as wide.
+values of a 4 x 64 step) drawn from a normal distribution of --scale's width, on --threads
+threads. Gated activations read rows of [gate | up], so their width is the input's and their
+output is half as wide. A wide --scale (20) puts most values in the saturated tails, where a
+value that came out denormal would cost the CPU's slow path.
 
 Prints the fastest of --repeats calls of each, in ms and in ns a value per thread. A loop the
 compiler left scalar shows as several ns a value where the vectorized ones take a fraction of
@@ -48,12 +50,14 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
     ap.add_argument("--name", nargs="+", default=None, help="activations (default: every registered one)")
     ap.add_argument("--rows", type=int, default=3072, help="input rows (default 3072)")
     ap.add_argument("--width", type=int, default=3072, help="input values a row, even (default 3072)")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="the inputs' standard deviation: wider reaches the saturated tails (default 1)")
     ap.add_argument("--threads", type=int, default=2, help="(default 2)")
     ap.add_argument("--repeats", type=int, default=7, help="timed calls of each, the fastest reported (default 7)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results here (default: none)")
     a = ap.parse_args(argv)
-    if a.rows < 1 or a.width < 2 or a.width % 2 or a.threads < 1 or a.repeats < 1:
-        ap.error("--rows, --threads and --repeats must be positive, --width even and at least 2")
+    if a.rows < 1 or a.width < 2 or a.width % 2 or a.threads < 1 or a.repeats < 1 or not a.scale > 0:
+        ap.error("--rows, --threads, --repeats and --scale must be positive, --width even and at least 2")
 
     import numpy as np
 
@@ -71,9 +75,10 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
     build = zoo.build_info()
     hand_written = {b["name"] for b in build["blocks"] if b["manual"]}  # relu2 trains on Clad's pullback alone
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((a.rows, a.width), dtype=np.float32)
+    x = rng.standard_normal((a.rows, a.width), dtype=np.float32) * np.float32(a.scale)
     values = x.size
-    print(f"{a.rows} x {a.width} inputs ({values / 1e6:.1f}M values), {a.threads} threads, best of {a.repeats}; "
+    print(f"{a.rows} x {a.width} inputs ({values / 1e6:.1f}M values, standard deviation {a.scale:g}), "
+          f"{a.threads} threads, best of {a.repeats}; "
           f"zoo built by {build['compiler']}, vector path {build['gemm']['vector_isa']}; "
           f"load {os.getloadavg()[0]:.2f}{'' if in_heap else '; page faults timed too'}")
     print("| activation | forward ms | pullback ms | recompute + pullback ms | ns a value per thread (forward) |")
@@ -95,7 +100,8 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
         print(f"| {name} | {' | '.join(cells)} | {r['forward_ns_per_value_per_thread']:.2f} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"rows": a.rows, "width": a.width, "values": values, "threads": a.threads, "repeats": a.repeats,
+        doc = {"rows": a.rows, "width": a.width, "values": values, "scale": a.scale, "threads": a.threads,
+               "repeats": a.repeats,
                "outputs_in_heap": in_heap, "compiler": build["compiler"], "gemm": build["gemm"],
                "activations": results}
         tmp = a.json.with_name(a.json.name + ".tmp")
