@@ -1,7 +1,7 @@
 #!/bin/bash
-# The MLP activations' loops as each GCC of Debian trixie (12, 13, 14) builds them (issue 30: an
-# AMX machine's GCC 13 build ran GPT-2's GELU 8x slower than a GCC 12 one; users build zoo with
-# whatever GCC their distribution has). Each compiler builds the extension from this checkout's
+# The MLP activations' loops as each GCC of Debian trixie (12, 13, 14) builds them (issue 30: a
+# GCC 13 build ran GPT-2's GELU 8x slower on an AMX machine than a GCC 12 one on another; users
+# build zoo with whatever GCC their distribution has). Each compiler builds the extension from this checkout's
 # tracked files, for each TARGET, through CMakeLists.txt, and zoo.tools.bench_activations times
 # each build, all inside a trixie tree made by mmdebstrap, with this checkout's Python and
 # packages mounted at their own paths. Prints one table of all builds at the end.
@@ -15,7 +15,7 @@
 # TARGET: native (the default: this CPU, -march=native) or a GCC -march name, e.g.
 # "native sapphirerapids". A named target is built without AMX and AVX512-FP16 (-mno-...), which
 # the loops do not use and most CPUs lack; a target needing instructions this CPU lacks fails.
-# Needs root and mmdebstrap. Everything lies in build/compilers/ (the tree, about 700 MB, is made
+# Needs root and mmdebstrap. Everything lies in build/compilers/ (the tree, about 730 MB, is made
 # once).
 set -euo pipefail
 # The bind mounts below live in a mount namespace of this script's own, so they end with it,

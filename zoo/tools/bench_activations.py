@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import time
 from functools import partial
@@ -63,6 +62,7 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
 
     import zoo
     from zoo.core import blocks
+    from zoo.core.atomic import write_json
     from zoo.core.native import _native
 
     in_heap = outputs_in_heap and keep_large_arrays_in_the_heap()
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
     print("| activation | forward ms | pullback ms | recompute + pullback ms | ns a value per thread (forward) |")
     print("|---|---:|---:|---:|---:|")
     results = {}
+    api = _native.blocks
     for name in names:
         dy = np.ones((a.rows, a.width // registered[name]["gate_width"]), np.float32)
-        api = _native.blocks
         r = {"forward_ms": best_ms(partial(api.activation_forward, name, x), a.repeats),
              "pullback_ms": None, "recompute_and_pullback_ms": None}
         if name in hand_written:
@@ -100,13 +100,9 @@ def main(argv: list[str] | None = None, outputs_in_heap: bool = False) -> None:
         print(f"| {name} | {' | '.join(cells)} | {r['forward_ns_per_value_per_thread']:.2f} |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"rows": a.rows, "width": a.width, "values": values, "scale": a.scale, "threads": a.threads,
-               "repeats": a.repeats,
-               "outputs_in_heap": in_heap, "compiler": build["compiler"], "gemm": build["gemm"],
-               "activations": results}
-        tmp = a.json.with_name(a.json.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(a.json)
+        write_json(a.json, {"rows": a.rows, "width": a.width, "values": values, "scale": a.scale,
+                            "threads": a.threads, "repeats": a.repeats, "outputs_in_heap": in_heap,
+                            "compiler": build["compiler"], "gemm": build["gemm"], "activations": results})
 
 
 if __name__ == "__main__":
