@@ -4,15 +4,26 @@
 # GPT-2's products runs on, at the machine's class and forced to AVX512_CORE_BF16; the MLP
 # activations' loops alone; the GPT-2 and SmolLM bf16 steps against PyTorch autocast; LoRA over
 # llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT. Each benchmark writes its JSON
-# into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 15 minutes.
-# A step that fails or runs past its limit is reported and the next one runs.
+# into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 20 minutes
+# in all. A step that fails or runs past its limit is reported and the next one runs.
 #
-#   tools/cpu_class_check.sh [OUT]                       OUT defaults to build/cpu-class
+#   tools/cpu_class_check.sh [OUT [PART...]]             OUT defaults to build/cpu-class
 #   PYTHON=python3 tools/cpu_class_check.sh OUT          with another environment's Python
+#
+# PART (default: all, in this order), with its time on 2 cores of a Zen 5: classes (the class
+# tests and GPT-2's products, 1 minute), activations (seconds), gpt2 (2 minutes), smollm (6),
+# lora (7 with its two rounds). Parts let a machine lent for 10 minutes a command run them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 out=${1:-build/cpu-class}
+all_parts=(classes activations gpt2 smollm lora)
+parts=("${@:2}")
+((${#parts[@]})) || parts=("${all_parts[@]}")
+for p in "${parts[@]}"; do
+    [[ " ${all_parts[*]} " == *" $p "* ]] || { echo "cpu_class_check: no part '$p'; the parts: ${all_parts[*]}" >&2; exit 2; }
+done
+wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -29,20 +40,28 @@ lscpu | grep -E "Model name|^CPU\(s\)|L2|L3"
 grep -o -w -E "amx_bf16|avx512_bf16|avx512_vnni|avx512f|avx2" /proc/cpuinfo | sort | uniq -c
 "$py" -c 'import zoo; b = zoo.build_info(); print("zoo built by", b["compiler"]); print(b["gemm"])'
 
-step 200 "class tests" "$py" -m pytest -q -p no:cacheprovider tests/test_cpu_classes.py tests/test_gemm.py
-step 90 "GPT-2's products" "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
-    --json "$out/gemm-gpt2.json"
-DNNL_MAX_CPU_ISA=AVX512_CORE_BF16 step 90 "GPT-2's products, forced to AVX512_CORE_BF16" \
-    "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
-    --json "$out/gemm-gpt2-forced-avx512-core-bf16.json"
+if wants classes; then
+    step 200 "class tests" "$py" -m pytest -q -p no:cacheprovider tests/test_cpu_classes.py tests/test_gemm.py
+    step 90 "GPT-2's products" "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
+        --json "$out/gemm-gpt2.json"
+    DNNL_MAX_CPU_ISA=AVX512_CORE_BF16 step 90 "GPT-2's products, forced to AVX512_CORE_BF16" \
+        "$py" -m zoo.tools.bench_gemm --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
+        --json "$out/gemm-gpt2-forced-avx512-core-bf16.json"
+fi
 # The activations alone, over GPT-2's 9.4M MLP values at 4 x 64: a compiler that leaves one of
-# these loops scalar shows here (GELU took 79 ms a step in a GCC 13 build on an AMX machine).
-step 60 "activations alone" "$py" -m zoo.tools.bench_activations --threads 2 --json "$out/activations.json"
-step 240 "GPT-2 4 x 64 bf16 step" "$py" -m zoo.cli bench --preset gpt2 --batch-size 4 --seq-len 64 --threads 2 \
-    --steps 5 --warmup 2 --rounds 2 --precision bf16 --json "$out/gpt2-b4-t64-bf16.json"
-step 300 "SmolLM-135M 4 x 256 bf16 step" "$py" -m zoo.cli bench --preset smollm-135m --batch-size 4 --seq-len 256 \
-    --threads 2 --steps 4 --warmup 2 --rounds 2 --precision bf16 --json "$out/smollm-135m-b4-t256-bf16.json"
-step 360 "LoRA llama-3.2-1b 1 x 256, bf16, int8 and nf4 bases" "$py" -m zoo.tools.bench_lora --preset llama-3.2-1b \
-    --batch-size 1 --seq-len 256 --base bf16 int8 nf4 --torch bf16 --steps 3 --warmup 1 --threads 2 \
-    --json "$out/lora-llama-3.2-1b-b1-t256.json"
+# these loops scalar shows here (GELU took 79 ms a step in a GCC 13 build on an AMX machine);
+# with --scale 20, most inputs in the saturated tails, a denormal slow path would.
+if wants activations; then
+    step 60 "activations alone" "$py" -m zoo.tools.bench_activations --threads 2 --json "$out/activations.json"
+    step 60 "activations alone, saturated" "$py" -m zoo.tools.bench_activations --threads 2 --scale 20 \
+        --json "$out/activations-scale20.json"
+fi
+wants gpt2 && step 300 "GPT-2 4 x 64 bf16 step" "$py" -m zoo.cli bench --preset gpt2 --batch-size 4 --seq-len 64 \
+    --threads 2 --steps 5 --warmup 2 --rounds 2 --precision bf16 --json "$out/gpt2-b4-t64-bf16.json"
+wants smollm && step 540 "SmolLM-135M 4 x 256 bf16 step" "$py" -m zoo.cli bench --preset smollm-135m --batch-size 4 \
+    --seq-len 256 --threads 2 --steps 4 --warmup 2 --rounds 2 --precision bf16 \
+    --json "$out/smollm-135m-b4-t256-bf16.json"
+wants lora && step 540 "LoRA llama-3.2-1b 1 x 256, bf16, int8 and nf4 bases" "$py" -m zoo.tools.bench_lora \
+    --preset llama-3.2-1b --batch-size 1 --seq-len 256 --base bf16 int8 nf4 --torch bf16 --steps 3 --warmup 1 \
+    --rounds 2 --threads 2 --json "$out/lora-llama-3.2-1b-b1-t256.json"
 echo "== done ($(date -u +%H:%M:%S)): $out"
