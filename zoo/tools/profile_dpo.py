@@ -115,8 +115,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for _ in range(a.steps):
         dpo_step()
     result = {"preset": a.preset, "prompt_len": a.prompt_len, "answer_len": a.answer_len, "rank": a.rank,
-              "threads": threads, "precision": model.precision, "checkpoint_layers": model.checkpoint_layers, "n_layer": cfg.n_layer,
-              "tokens": int(batch.x.size), "dpo": dpo_step(), "machine": machine_info()}
+              "threads": threads, "precision": model.precision, "checkpoint_layers": model.checkpoint_layers,
+              "n_layer": cfg.n_layer, "tokens": int(batch.x.size), "dpo": dpo_step(), "machine": machine_info()}
     if a.sft:
         x = batch.x
         y = np.roll(x, -1, axis=1)
