@@ -198,6 +198,11 @@ py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
 
 PYBIND11_MODULE(_native, m) {
     m.doc() = "zoo's native core: blocks, executor, optimizer";
+    // The vector path, resolved at import: its first call asks oneDNN for its class, which starts
+    // oneDNN (448 KiB to 2.2 MiB of its pages made resident). Left to the first step that widens a
+    // stored matrix, that step's peak outgrew the memory estimate on CPUs without bf16 (where no
+    // bf16 product starts oneDNN before it).
+    zoo::vector_isa();
     // An arena the system would not map is a MemoryError (with the arena and its size named).
     py::register_exception<zoo::AllocationError>(m, "AllocationError", PyExc_MemoryError);
     // The bounds of limits.hpp, which zoo/arch/config.py and zoo/train/config.py check first.
