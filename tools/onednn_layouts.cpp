@@ -91,8 +91,9 @@ int main(int argc, char** argv) {
         t_plain += flop / r.plain;
         t_packed += flop / r.packed;
     }
-    std::printf("\nA layer's products (each once): %.2f ms plain, %.2f ms prepacked (%.2fx)\n", t_plain / 1e6,
-                t_packed / 1e6, t_packed / t_plain);
+    const dnnl_version_t* v = dnnl_version();  // the kernels' names above say the ISA
+    std::printf("\nA layer's products (each once): %.2f ms plain, %.2f ms prepacked (%.2fx); oneDNN %d.%d.%d\n",
+                t_plain / 1e6, t_packed / 1e6, t_packed / t_plain, v->major, v->minor, v->patch);
     if (argc == 6) {
         const std::string path = argv[5], tmp = path + ".tmp";
         FILE* f = std::fopen(tmp.c_str(), "w");
@@ -100,7 +101,8 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "onednn_layouts: cannot write %s\n", tmp.c_str());
             return 1;
         }
-        std::fprintf(f, "{\"rows\": %d, \"d_model\": %d, \"qkv_out\": %d, \"d_ff\": %d, \"products\": [", rows, d, qkv, ff);
+        std::fprintf(f, "{\"onednn\": \"%d.%d.%d\", \"rows\": %d, \"d_model\": %d, \"qkv_out\": %d, \"d_ff\": %d, \"products\": [",
+                     v->major, v->minor, v->patch, rows, d, qkv, ff);
         for (size_t i = 0; i < results.size(); i++) {
             const Result& r = results[i];
             std::fprintf(f,
