@@ -1,9 +1,11 @@
 #!/bin/bash
 # Builds tools/onednn_layouts.cpp against the oneDNN that zoo links (the onednn-devel-cpu-gomp
 # wheel in .venv, make setup) and runs it on 2 threads: each product of a LoRA step's linear
-# layers with the weights as zoo stores them and prepacked by oneDNN (docs/benchmarks.md).
+# layers and LM head, with the weights as zoo stores them (timed whole, and as zoo runs them) and
+# prepacked by oneDNN (docs/benchmarks.md).
 #
-#   tools/onednn_layouts.sh [ROWS D_MODEL QKV_OUT D_FF [JSON]]   default: llama-3.2-1b at 256 rows
+#   tools/onednn_layouts.sh [ROWS D_MODEL QKV_OUT D_FF [VOCAB HEAD_ROWS] [JSON]]
+#   default: llama-3.2-1b at 256 rows, its LM head in chunks of 128 rows
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv}
