@@ -105,6 +105,26 @@ def test_adapters_compute_the_merged_model_and_its_chain_rule(cfg, targets):
         assert rel_err(grads[a.module + ".lora_A.weight"], s * B.T @ G) < 1e-3, a.module
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["full", "lora"])
+def test_the_profile_times_the_lm_head_apart_from_the_layers(frozen):
+    from zoo.generate import generate
+
+    model = zoo.Model(LLAMA_TINY, seed=3, **({"lora": LoraConfig(r=4), "base_dtype": "bf16"} if frozen else {}))
+    tok, tgt = batch(LLAMA_TINY)
+    model.set_profiling(True)
+    model.forward_backward(tok, tgt)
+    profile = model.block_profile()
+    assert list(profile) == ["embedding", "norm", "linear", "lora", "rope", "attention", "activation", "lm_head",
+                             "cross_entropy", "adamw"]
+    for kind in ("linear", "lm_head"):
+        forward, pullback = profile[kind]
+        assert forward > 0 and pullback > 0, (kind, profile[kind])
+    model.set_profiling(True)  # starts again from zero
+    generate(model, [1, 2, 3], max_new_tokens=3)
+    forward, pullback = model.block_profile()["lm_head"]
+    assert forward > 0 and pullback == 0
+
+
 def test_targets_name_modules_and_unknown_ones_are_refused():
     m = zoo.Model(LLAMA_TINY, seed=0, lora=LoraConfig(r=2, targets=["q_proj", "v_proj"]), base_dtype="fp32")
     assert sorted({n.split(".")[-3] for n in m.parameters()}) == ["q_proj", "v_proj"]

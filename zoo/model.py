@@ -649,7 +649,8 @@ class Model:
         self._exec.set_profiling(bool(on))
 
     def block_profile(self) -> dict[str, tuple[float, float]]:
-        """Seconds spent per block kind since set_profiling(True): (forward, pullback)."""
+        """Seconds spent per block kind since set_profiling(True): (forward, pullback). The LM
+        head's products have their own entry, lm_head, apart from the layers' linear ones."""
         return {k: (float(f), float(b)) for k, (f, b) in self._exec.profile().items()}
 
     # --- memory -------------------------------------------------------------------

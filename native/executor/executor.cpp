@@ -1373,7 +1373,7 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
         double chunk_mean = 0.0;
-        TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        TIMED(forward, lm_head, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
         // (The scale and soft cap count as the cross-entropy's, the head's other elementwise pass.)
         TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, pullback ? a_.head_tanh : nullptr));
         if (!pullback) {
@@ -1389,11 +1389,11 @@ double Executor::head(const int32_t* targets, int N, bool pullback, float grad_s
         total += chunk_mean * counted;
         TIMED(pullback, cross_entropy, logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V));
         if (d_.frozen)
-            TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
-                                                      false, a_.matrix_scratch));
+            TIMED(pullback, lm_head, lm.pullback_input(head_matrix(), a_.head_logits, a_.d_norm + (size_t)r0 * d, rows,
+                                                       false, a_.matrix_scratch));
         else
-            TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, a_.d_norm + (size_t)r0 * d,
-                                               head_grad(), nullptr, rows, r0 == 0 ? mode : GradMode::add, nullptr));
+            TIMED(pullback, lm_head, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, a_.d_norm + (size_t)r0 * d,
+                                                head_grad(), nullptr, rows, r0 == 0 ? mode : GradMode::add, nullptr));
     }
     return n_valid ? total / n_valid : 0.0;
 }
@@ -1427,7 +1427,7 @@ double Executor::forward(const int32_t* tokens, const int32_t* targets, const in
     // Full logits only for callers that ask for them (inference): their own arena.
     const size_t need = (size_t)N * d_.vocab_size;
     if (logits_arena_.size < need) logits_arena_.reset(need, "logits");
-    TIMED(forward, linear,
+    TIMED(forward, lm_head,
           linear(d_.d_model, d_.vocab_size).forward(a_.lnf, head_matrix(), nullptr, logits_arena_.data, N, nullptr,
                                                     a_.matrix_scratch));
     finish_logits(logits_arena_.data, need, nullptr);
@@ -1492,7 +1492,7 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, boo
         const int rows = std::min(a_.head_rows, n - r0);
         const float* x = a_.lnf + (size_t)r0 * d;
         int counted = 0;
-        TIMED(forward, linear, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
+        TIMED(forward, lm_head, lm.forward(x, head_matrix(), nullptr, a_.head_logits, rows, nullptr, a_.matrix_scratch));
         TIMED(forward, cross_entropy, finish_logits(a_.head_logits, (size_t)rows * V, adjoint ? a_.head_tanh : nullptr));
         // (n_valid 1, grad_scale 1: each row's seed is 1 where no weights are given)
         TIMED(forward, cross_entropy,
@@ -1503,10 +1503,10 @@ void Executor::head_selected(const int32_t* targets, int n, float* row_loss, boo
         TIMED(pullback, cross_entropy, logits_pullback(a_.head_logits, a_.head_tanh, (size_t)rows * V));
         float* dx = a_.d_norm + (size_t)r0 * d;
         if (d_.frozen)
-            TIMED(pullback, linear, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
+            TIMED(pullback, lm_head, lm.pullback_input(head_matrix(), a_.head_logits, dx, rows, false, a_.matrix_scratch));
         else
-            TIMED(pullback, linear, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, dx, head_grad(), nullptr,
-                                               rows, r0 == 0 ? mode : GradMode::add, nullptr));
+            TIMED(pullback, lm_head, pb_.linear(lm, x, head_weight(), nullptr, a_.head_logits, dx, head_grad(), nullptr,
+                                                rows, r0 == 0 ? mode : GradMode::add, nullptr));
     }
 }
 
@@ -1849,7 +1849,7 @@ const float* Executor::forward_segments(const int32_t* tokens, const int32_t* sl
     }
     for (int k = 0; k < S; k++) slot_len_[slots[k]] = starts[k] + lengths[k];
     TIMED(forward, norm, norm_forward(c_last_, w_.lnf_w, w_.lnf_b, cached_.ln1, cached_.ln1_stats, S));
-    TIMED(forward, linear,
+    TIMED(forward, lm_head,
           linear_forward(linear(d, V), true, cached_.ln1, head_matrix(), nullptr, c_logits_, S, nullptr,
                          cached_.matrix_scratch));
     finish_logits(c_logits_, (size_t)S * V, nullptr);

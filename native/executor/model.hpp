@@ -303,9 +303,12 @@ struct GradLifecycle {
 };
 
 // Wall time per block kind, forward and pullback, accumulated while profiling is on. The
-// residual adds have no slot: they are fused into the linear layers.
-#define ZOO_PROFILE_SLOTS(X) \
-    X(embedding) X(norm) X(linear) X(lora) X(rope) X(attention) X(activation) X(cross_entropy) X(adamw)
+// residual adds have no slot: they are fused into the linear layers. The LM head's products have
+// their own (lm_head), apart from the layers' linear ones: over a large vocabulary they are a
+// quarter of a LoRA step's products (docs/benchmarks.md).
+#define ZOO_PROFILE_SLOTS(X)                                                                              \
+    X(embedding) X(norm) X(linear) X(lora) X(rope) X(attention) X(activation) X(lm_head) X(cross_entropy) \
+    X(adamw)
 enum ProfileSlot {
 #define ZOO_ENUM_SLOT(s) k_##s,
     ZOO_PROFILE_SLOTS(ZOO_ENUM_SLOT) kProfileSlots

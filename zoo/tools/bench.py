@@ -57,7 +57,7 @@ TORCH_OPTIMIZER = {"torch_fused": "fused", "torch_fused_bf16": "fused", "torch_d
 ZOO_OF_PRECISION = {"fp32": "zoo", "bf16": "zoo_bf16"}
 # The optimizer both sides run: AdamW, weight decay on 2-D matmul weights, global-norm clipping.
 OPTIMIZER = {"lr": 1e-4, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1, "max_grad_norm": 1.0}
-BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "cross_entropy", "adamw")
+BLOCK_KINDS = ("embedding", "norm", "linear", "rope", "attention", "activation", "lm_head", "cross_entropy", "adamw")
 # transformers' attention implementations a torch_hf system can run (--hf-class); sdpa is
 # transformers' default, eager its matmul-softmax-matmul.
 HF_ATTENTION = ("sdpa", "eager")

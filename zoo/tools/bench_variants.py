@@ -39,7 +39,8 @@ import numpy as np
 from zoo.tools.bench_worker import timed_step
 
 SCHEMA = "zoo-bench-variants/1"
-SLOTS = ("embedding", "norm", "linear", "lora", "rope", "attention", "activation", "cross_entropy", "adamw")
+SLOTS = ("embedding", "norm", "linear", "lora", "rope", "attention", "activation", "lm_head", "cross_entropy",
+         "adamw")
 
 # Each variant: the options over the baseline, and the family that has it.
 VARIANTS: dict[str, tuple[dict, str]] = {
