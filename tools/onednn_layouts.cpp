@@ -105,7 +105,7 @@ static Result measure(const std::string& layer, const std::string& product, int 
     return r;
 }
 
-static double ms(const Result& r, double gflops) { return 2.0 * r.M * r.N * r.K / gflops / 1e6; }
+static double ms(const Result& r, double gflops_rate) { return 2.0 * r.M * r.N * r.K / gflops_rate / 1e6; }
 
 int main(int argc, char** argv) {
     if (argc != 1 && argc != 5 && argc != 6 && argc != 7 && argc != 8) {
