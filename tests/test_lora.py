@@ -114,8 +114,6 @@ def test_the_profile_times_the_lm_head_apart_from_the_layers(frozen):
     model.set_profiling(True)
     model.forward_backward(tok, tgt)
     profile = model.block_profile()
-    assert list(profile) == ["embedding", "norm", "linear", "lora", "rope", "attention", "activation", "lm_head",
-                             "cross_entropy", "adamw"]
     for kind in ("linear", "lm_head"):
         forward, pullback = profile[kind]
         assert forward > 0 and pullback > 0, (kind, profile[kind])
