@@ -84,6 +84,29 @@ def test_zoo_next_to_torch(tmp_path, capsys):
             assert f"zoo_{base}'s products ran on onednn:" in table
 
 
+@pytest.mark.skipif(not zoo.gemm_info()["bf16_native"], reason="a packed base needs bf16 kernels")
+def test_the_packed_base_beside_the_bf16_one(tmp_path, capsys):
+    """--packed-base: a second zoo system over the same bf16 base with its packed copy, which
+    trains the same adapters bit for bit, reads that copy, and holds it in memory."""
+    out = tmp_path / "lora.json"
+    assert bench_lora.main(["--preset", "tiny-llama", "--base", "bf16", "--packed-base", "--torch", "none",
+                            "--json", str(out), *FAST]) == 0
+    r = json.loads(out.read_text())
+    plain, packed = r["systems"]["zoo_bf16"], r["systems"]["zoo_bf16_packed"]
+    check_system(packed, 32)
+    assert (packed["loss_first"], packed["loss_last"]) == (plain["loss_first"], plain["loss_last"])
+    assert "--packed-base" in r["command"]
+    assert packed["packed_base_bytes"] == packed["arena_bytes"]["packed_base"] > 0
+    assert plain["arena_bytes"]["packed_base"] == 0
+    assert any("weights prepacked" in u["kernel"] for u in packed["kernels_used"])
+    assert not any("weights prepacked" in u["kernel"] for u in plain["kernels_used"])
+    assert r["ratios"]["zoo_bf16_packed_over_zoo_bf16"]["step_time"] == pytest.approx(
+        packed["step_ms_median"] / plain["step_ms_median"], rel=1e-9)
+    assert "zoo_bf16_packed / zoo_bf16: step time" in capsys.readouterr().out
+    assert bench_lora.main(["--preset", "tiny-llama", "--base", "nf4", "--packed-base", *FAST]) == 1
+    assert "--packed-base packs a bf16 base: add bf16 to --base" in capsys.readouterr().err
+
+
 def test_random_checkpoint_holds_the_model_built_in_memory(tmp_path):
     """write_random_checkpoint: zoo's init of a preset in bf16, which a bf16 base loads as the very
     values zoo.Model(cfg, seed=0) builds in memory (an untied embedding mapped from the file)."""

@@ -352,7 +352,8 @@ class Model:
         return [p.name for p in self.layout]
 
     def arena_bytes(self) -> dict[str, int]:
-        """Bytes each of the model's arenas holds now: weights (the trainable ones), frozen_base,
+        """Bytes each of the model's arenas holds now: weights (the trainable ones), frozen_base
+        (frozen_base_mapped: its tensors mapped from files), packed_base (set_packed_base),
         gradients, moments, activations, kv_cache, logits. A model that has only run forward has
         no gradients or moments."""
         return {k: int(v) for k, v in self._exec.arena_bytes().items()}
@@ -670,6 +671,26 @@ class Model:
         re-plans the activation arena."""
         self._exec.set_checkpoint_layers(checkpoint_layers(self.config, on))
         self._memory_checked = {}  # the arena's size changes: check again at the next call
+
+    @property
+    def packed_base(self) -> bool:
+        """Whether the bf16 frozen base keeps a packed copy for its input gradients."""
+        return bool(self._exec.packed_base())
+
+    def set_packed_base(self, on: bool) -> int:
+        """Keep a second copy of a bf16 frozen base's matrices (the layers' and the LM head's),
+        packed once in the layout the CPU's bf16 kernels read, so a bf16 step's pullback does not
+        repack them in every product: a faster LoRA step for the memory of that copy
+        (docs/lora.md). Returns the bytes packed: 0 where this CPU has no bf16 matrix kernels
+        (nothing to gain). Weights stored into the base later are packed again before the next
+        pass. Off frees the copy."""
+        if on:
+            if not self.frozen or self.base_dtype != "bf16":
+                raise ValueError(f"set_packed_base: packs a bf16 frozen base; this model's "
+                                 f"{'base is ' + self.base_dtype if self.frozen else 'weights train'}")
+            check_memory(int(self._exec.packed_base_bytes()), "a packed copy of the bf16 frozen base",
+                         "leave the base unpacked (--packed-base off)")
+        return int(self._exec.set_packed_base(bool(on)))
 
     @property
     def precision(self) -> str:

@@ -291,9 +291,10 @@ PYBIND11_MODULE(_native, m) {
     // W (rows, cols) is stored in format first (not timed: repeats reuse it); then
     // x (M, cols) W^T, or with backward, dy (M, rows) W, repeated `repeats` times; returns the
     // result and the seconds of the fastest repeat. With `add_to` (the result's shape), the
-    // product is added to a copy of it (beta 1: a bias or residual there), once.
+    // product is added to a copy of it (beta 1: a bias or residual there), once. packed: a
+    // backward product reads W's packed copy (gemm::pack_xw), made first.
     m.def("stored_matrix_product", [](F32 a, F32 w, const std::string& format, const std::string& precision,
-                                      bool backward, int repeats, std::optional<F32> add_to) {
+                                      bool backward, int repeats, std::optional<F32> add_to, bool packed) {
         if (a.ndim() != 2 || w.ndim() != 2) throw std::invalid_argument("zoo: 2-D operands");
         const int rows = (int)w.shape(0), cols = (int)w.shape(1), M = (int)a.shape(0);
         if (a.shape(1) != (backward ? rows : cols)) throw std::invalid_argument("zoo: operands do not match");
@@ -303,7 +304,16 @@ PYBIND11_MODULE(_native, m) {
         std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
         void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
         zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
-        const zoo::Matrix W(data, t, rows, cols);
+        zoo::Matrix W(data, t, rows, cols);
+        std::vector<uint8_t> packed_copy;
+        if (packed) {
+            const size_t bytes = zoo::gemm::packed_xw_bytes(W);
+            if (!bytes) throw std::invalid_argument("zoo: no packed layout for a " + format + " matrix on this CPU");
+            packed_copy.resize(bytes + 64);
+            void* at = packed_copy.data() + (64 - reinterpret_cast<uintptr_t>(packed_copy.data()) % 64) % 64;
+            zoo::gemm::pack_xw(W, at);
+            W.packed_xw = at;
+        }
         std::vector<float> scratch(zoo::gemm::matrix_scratch_floats(p, t, M, rows, cols) + 1);
         F32 out({M, backward ? cols : rows});
         const float beta = add_to ? 1.0f : 0.0f;
@@ -327,7 +337,7 @@ PYBIND11_MODULE(_native, m) {
         }
         return py::make_tuple(out, best);
     }, py::arg("a"), py::arg("w"), py::arg("format"), py::arg("precision") = "fp32", py::arg("backward") = false,
-       py::arg("repeats") = 1, py::arg("add_to") = std::nullopt);
+       py::arg("repeats") = 1, py::arg("add_to") = std::nullopt, py::arg("packed") = false);
     // One decode product (gemv.hpp) with W stored in format first: x (M <= 8, cols) W^T + bias +
     // residual on the instruction set named, repeated `repeats` times (parallel: over the
     // threads, as generation runs it); returns the result, the seconds of the fastest repeat, and
@@ -471,6 +481,12 @@ PYBIND11_MODULE(_native, m) {
         return zoo::storage_bytes(zoo::dtype_named(format), rows, cols);
     }, py::arg("format"), py::arg("rows"), py::arg("cols"),
        "Bytes a frozen (rows, cols) matrix takes in a weight format (fp32, bf16, int8, nf4), scales included.");
+    m.def("packed_matrix_bytes", [](size_t rows, size_t cols) {
+        if (rows > INT32_MAX || cols > INT32_MAX) throw std::invalid_argument("zoo: a matrix of at most 2^31 - 1 rows and columns");
+        return zoo::gemm::packed_xw_bytes(zoo::Matrix(nullptr, zoo::DType::bf16, (int)rows, (int)cols));
+    }, py::arg("rows"), py::arg("cols"),
+       "Bytes a bf16 (rows, cols) frozen matrix's packed copy takes (Executor.set_packed_base); 0 where this CPU "
+       "has no packed layout for it.");
     m.def("activation_floats", [](py::dict cfg, int64_t batch, int64_t seq, py::object checkpointing,
                                   std::vector<std::string> clad_blocks, const std::string& precision) {
         const zoo::Dims d = dims_from(cfg);
@@ -693,6 +709,9 @@ PYBIND11_MODULE(_native, m) {
              py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
              py::arg("steps"))
         .def("zero_grads", &Executor::zero_grads)
+        .def("set_packed_base", &Executor::set_packed_base, py::arg("on"))
+        .def("packed_base_bytes", &Executor::packed_base_bytes)
+        .def("packed_base", &Executor::packed_base)
         .def("set_checkpointing", &Executor::set_checkpointing)
         .def("set_precision", [](Executor& e, const std::string& p) { e.set_precision(zoo::precision_named(p)); })
         .def("precision", [](Executor& e) { return zoo::precision_name(e.precision()); })

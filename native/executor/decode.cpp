@@ -64,10 +64,10 @@ void Executor::decode_chunk(int rows) {
         float* gathered = operand + line_floats(gemv::scratch_floats(gemv::max_rows, d.widest_input()));
         float* probs = c_attention_scratch_ + (size_t)t * attn.cached_thread_floats(cache_len_);
         // Thread 0 times the steps, the wait at the barrier after each included.
-        double t0 = timing ? omp_get_wtime() : 0.0;
+        double t0 = timing ? Profile::now() : 0.0;
         auto lap = [&](ProfileSlot slot) {
             if (!timing || t) return;
-            const double now = omp_get_wtime();
+            const double now = Profile::now();
             profile.forward[slot] += now - t0;
             t0 = now;
         };

@@ -11,11 +11,11 @@
 namespace zoo {
 
 // Runs the statement, adding its wall time to profile.<dir>[k_<slot>] when profiling is on.
-#define TIMED(dir, slot, ...)                                         \
+#define TIMED(dir, slot, ...)                                          \
     do {                                                               \
-        double t0_ = profile.on ? omp_get_wtime() : 0.0;               \
+        double t0_ = profile.on ? Profile::now() : 0.0;                \
         __VA_ARGS__;                                                   \
-        if (profile.on) profile.dir[k_##slot] += omp_get_wtime() - t0_; \
+        if (profile.on) profile.dir[k_##slot] += Profile::now() - t0_; \
     } while (0)
 
 Executor::Executor(const Dims& dims, size_t n_params, const std::vector<ParamBinding>& layout,
@@ -404,6 +404,7 @@ void Executor::store_base(size_t index, size_t first_row, size_t rows, const flo
     const FrozenBinding& f = base_binding(index);
     if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
     store_rows(f.dtype, (int)f.rows, (int)f.cols, (int)first_row, (int)rows, values, base_data(index));
+    packed_stale_ = packed_on_;
 }
 
 void Executor::map_base(size_t index, const std::string& path, size_t offset, const std::string& what) {
@@ -422,11 +423,61 @@ void Executor::map_base(size_t index, const std::string& path, size_t offset, co
     mapping->map(path, offset, bytes, what);
     m->data = mapping->data;
     base_files_[index] = std::move(mapping);
+    packed_stale_ = packed_on_;
     // The arena's pages for the tensor, if anything was stored there, go back to the system.
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     const uintptr_t begin = reinterpret_cast<uintptr_t>(base_.data) + base_offsets_[index];
     const uintptr_t first = (begin + page - 1) / page * page, last = (begin + bytes) / page * page;
     if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
+// The frozen bf16 matrices an input gradient reads: the layers' and the LM head's (a tied
+// embedding, or its own).
+std::vector<Matrix*> Executor::packable_matrices() {
+    std::vector<Matrix*> out;
+    if (!d_.frozen) return out;
+    auto take = [&](Matrix& m) {
+        if (m.data && m.dtype == DType::bf16) out.push_back(&m);
+    };
+    for (LayerMatrices& l : wm_.layers) {
+#define ZOO_TAKE_LAYER(r) take(l.r);
+        ZOO_LAYER_MATRICES(ZOO_TAKE_LAYER)
+#undef ZOO_TAKE_LAYER
+    }
+    take(d_.tied_embeddings ? wm_.wte : wm_.lm_head_w);
+    return out;
+}
+
+size_t Executor::packed_base_bytes() {
+    size_t total = 0;
+    for (Matrix* m : packable_matrices()) total += gemm::packed_xw_bytes(*m);
+    return total;
+}
+
+size_t Executor::set_packed_base(bool on) {
+    for (Matrix* m : packable_matrices()) m->packed_xw = nullptr;
+    packed_.reset(0, "packed base");
+    packed_on_ = packed_stale_ = false;
+    if (!on) return 0;
+    size_t total = 0;
+    std::vector<std::pair<Matrix*, size_t>> placed;
+    for (Matrix* m : packable_matrices())
+        if (const size_t bytes = gemm::packed_xw_bytes(*m)) {
+            placed.push_back({m, total});
+            total += bytes;  // 64-byte multiples
+        }
+    if (!total) return 0;
+    packed_.reset((total + 3) / 4, "packed base");
+    for (auto [m, at] : placed) m->packed_xw = reinterpret_cast<uint8_t*>(packed_.data) + at;
+    packed_on_ = true;
+    repack_base();
+    return total;
+}
+
+void Executor::repack_base() {
+    for (Matrix* m : packable_matrices())
+        if (m->packed_xw) gemm::pack_xw(*m, const_cast<void*>(m->packed_xw));
+    packed_stale_ = false;
 }
 
 size_t Executor::mapped_base_bytes() const {
@@ -446,7 +497,8 @@ void Executor::load_base(size_t index, size_t first_row, size_t rows, float* val
 std::vector<std::pair<std::string, size_t>> Executor::arena_bytes() const {
     const size_t mapped = mapped_base_bytes();
     return {{"weights", 4 * params_.size},     {"frozen_base", 4 * base_.size - mapped},
-            {"frozen_base_mapped", mapped},    {"gradients", 4 * grads_arena_.size},
+            {"frozen_base_mapped", mapped},    {"packed_base", 4 * packed_.size},
+            {"gradients", 4 * grads_arena_.size},
             {"moments", 4 * moments_.size},    {"activations", 4 * acts_.size},  {"kv_cache", 4 * cache_.size},
             {"logits", 4 * logits_arena_.size}};
 }
@@ -796,6 +848,7 @@ void Executor::set_precision(Precision p) {
 
 void Executor::plan(int B, int T) {
     limits::check_batch(B, T, "batch");
+    if (packed_stale_) repack_base();  // every pass plans first
     if (T > d_.max_seq_len)
         throw std::invalid_argument("zoo: sequence length " + std::to_string(T) + " exceeds max_seq_len " +
                                     std::to_string(d_.max_seq_len));
@@ -1637,7 +1690,7 @@ void Executor::set_decay_ranges(const std::vector<std::pair<size_t, size_t>>& de
 
 double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float weight_decay, float max_norm,
                             double norm) {
-    double t0 = profile.on ? omp_get_wtime() : 0.0;
+    double t0 = profile.on ? Profile::now() : 0.0;
     if (norm < 0) norm = grad_norm();
     float scale = 1.0f;
     if (max_norm > 0 && norm > max_norm) scale = (float)(max_norm / (norm + 1e-6));
@@ -1664,7 +1717,7 @@ double Executor::adamw_step(float lr, float beta1, float beta2, float eps, float
     }
     run(at, hi, false);
     grads_.optimizer_step(lo == 0 && hi == n_params_);  // AdamW::update zeroed every gradient it read
-    if (profile.on) profile.forward[k_adamw] += omp_get_wtime() - t0;
+    if (profile.on) profile.forward[k_adamw] += Profile::now() - t0;
     return norm;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -316,6 +317,12 @@ enum ProfileSlot {
 struct Profile {
     bool on = false;
     double forward[kProfileSlots] = {}, pullback[kProfileSlots] = {};
+    // Seconds on a monotonic clock since its first reading. (omp_get_wtime() here counts from the
+    // epoch, in a double whose last bit is 0.24 us: a tiny model's embedding pullback read 0.)
+    static double now() {
+        static const auto start = std::chrono::steady_clock::now();
+        return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
 };
 
 // Lays out every activation buffer of a (B, T) training step from base (nullptr: only plan).
@@ -360,6 +367,14 @@ public:
     void map_base(size_t index, const std::string& path, size_t offset, const std::string& what);
     // Bytes of the frozen base mapped from files.
     size_t mapped_base_bytes() const;
+    // A second copy of a bf16 frozen base's matrices (the layers' and the LM head's), packed for
+    // their input gradients (gemm::pack_xw), in an arena of its own: a bf16 step's pullback then
+    // runs its products at the kernels' rate, for that much more memory. Where this CPU has no
+    // packed layout, or the base no bf16 matrix, nothing is packed. Returns the bytes packed.
+    // Storing or mapping the base again repacks it before the next pass.
+    size_t set_packed_base(bool on);
+    size_t packed_base_bytes();  // what set_packed_base(true) packs
+    bool packed_base() const { return packed_on_; }
     // Bytes each arena holds now (weights, frozen base, gradients, moments, activations, KV cache).
     std::vector<std::pair<std::string, size_t>> arena_bytes() const;
     // AdamW's moments, for the parameters [moment_begin, moment_end) only: all of them, or one
@@ -468,6 +483,10 @@ private:
     std::vector<FrozenBinding> base_rows_;
     std::vector<size_t> base_offsets_;  // bytes
     std::vector<std::unique_ptr<FileMapping>> base_files_;  // per base tensor: its file's bytes, or null
+    Arena packed_;  // set_packed_base's copy (bytes, counted in floats)
+    bool packed_on_ = false, packed_stale_ = false;
+    std::vector<Matrix*> packable_matrices();
+    void repack_base();
     uint8_t* base_data(size_t index) const {
         return base_files_[index] ? base_files_[index]->data
                                   : reinterpret_cast<uint8_t*>(base_.data) + base_offsets_[index];

@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
@@ -56,6 +57,7 @@ bool chosen_set = false;
 struct Key {
     int precision, trans_a, trans_b, M, N, K, lda, ldb, ldc, accumulate;
     int bf16_operands;  // A and B given as bf16 bits (products with a stored bf16 matrix)
+    int packed_b;       // B given in the blocked layout packed_b_desc names (pack_xw)
     bool operator==(const Key& o) const { return std::memcmp(this, &o, sizeof(Key)) == 0; }
 };
 struct KeyHash {
@@ -76,6 +78,7 @@ struct Matmul {
     // run; then `panels` names theirs (oneDNN may pick another kernel for a panel: a block of
     // C's columns, strided, takes gemm:jit:bf16 where the whole product takes brgemm).
     bool rounds_operands = false;
+    bool prepacked = false;  // B read in the layout pack_xw wrote
     std::string panels;  // the kernels the panels ran on, " + " between them
     long calls = 0;
     unsigned long last_use = 0;  // use_clock at its last call (or its making)
@@ -84,6 +87,31 @@ struct Matmul {
 dnnl::engine& engine() {
     static dnnl::engine e(dnnl::engine::kind::cpu, 0);
     return e;
+}
+
+// The blocked layout oneDNN's bf16 matmul picks for B (K x N, bf16) when left to choose, or
+// none (an empty desc) where it keeps B plain or has no bf16 matmul: what pack_xw writes and
+// its products read. oneDNN picks it by K, N and the ISA, not by M (a product of other rows
+// that takes no such B falls back to W as stored: onednn_gemm). Kept per shape: a step asks
+// for it in every input gradient.
+dnnl::memory::desc packed_b_desc(int K, int N) {
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    static std::mutex mutex;
+    static std::map<std::pair<int, int>, dnnl::memory::desc> known;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (auto it = known.find({K, N}); it != known.end()) return it->second;
+    dnnl::memory::desc packed;
+    const dnnl::memory::desc plain({K, N}, dt::bf16, tag::ab);
+    try {
+        constexpr int rows = 256;  // a step's, for the query only
+        const dnnl::matmul::primitive_desc pd(engine(), dnnl::memory::desc({rows, K}, dt::bf16, tag::ab),
+                                              dnnl::memory::desc({K, N}, dt::bf16, tag::any),
+                                              dnnl::memory::desc({rows, N}, dt::f32, tag::ab));
+        if (is_bf16_kernel(pd.impl_info_str()) && pd.weights_desc() != plain) packed = pd.weights_desc();
+    } catch (const dnnl::error&) {  // no bf16 matmul on this ISA (AVX2)
+    }
+    return known.emplace(std::pair{K, N}, packed).first->second;
 }
 
 Matmul make_matmul(const Key& k) {
@@ -107,6 +135,15 @@ Matmul make_matmul(const Key& k) {
                       dnnl::memory(ab.second, engine(), nullptr), dnnl::memory(c, engine(), nullptr),
                       pd.impl_info_str()};
     };
+    if (k.packed_b) {  // none where no bf16 kernel of these rows reads that layout: W is read as stored
+        try {
+            Matmul m = make({dnnl::memory::desc({k.M, k.K}, dt::bf16, dims{k.lda, 1}), packed_b_desc(k.K, k.N)}, attr);
+            m.prepacked = true;
+            return is_bf16_kernel(m.kernel) ? std::move(m) : Matmul{};
+        } catch (const dnnl::error&) {
+            return Matmul{};
+        }
+    }
     if (k.bf16_operands || k.precision != (int)Precision::bf16) return make(describe(k.bf16_operands ? dt::bf16 : dt::f32, k.lda, k.ldb), attr);
     // bf16 of fp32 operands: oneDNN rounds both to bf16 (nearest even) and sums in fp32. On AMX
     // its fpmath_mode::bf16 takes the AMX kernels; on AVX512_BF16 without AMX (Zen 4, Zen 5),
@@ -128,6 +165,7 @@ Matmul make_matmul(const Key& k) {
 }
 
 std::string kernel_name(const Matmul& m) {
+    if (m.prepacked) return m.kernel + " (weights prepacked)";
     if (!m.rounds_operands) return m.kernel;
     return (m.panels.empty() ? m.kernel : m.panels) + " (operands rounded by zoo)";
 }
@@ -161,12 +199,19 @@ void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
 void rounded_gemm(const Key& whole, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
                   int ldb, float beta, float* C, int ldc);
 
+dnnl::stream& stream() {
+    static dnnl::stream s(engine());
+    return s;
+}
+
 // panel_of: the product zoo rounds that this call is a panel of (kernels_used() counts that
-// product, not its panels, and names the kernels its panels ran on), or null.
-void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
-                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, const Key* panel_of = nullptr) {
-    static dnnl::stream stream(engine());
-    const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands};
+// product, not its panels, and names the kernels its panels ran on), or null. packed_b: B is in
+// packed_b_desc's layout (bf16 operands, neither transposed); false is returned, nothing run,
+// where no product of these rows takes it.
+bool onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
+                 int ldb, float beta, float* C, int ldc, bool bf16_operands = false, const Key* panel_of = nullptr,
+                 bool packed_b = false) {
+    const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands, packed_b};
     {
         std::unique_lock<std::mutex> lock(cache_mutex);
         auto it = cache.find(key);
@@ -182,6 +227,7 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
         }
         Matmul& m = it->second;
         m.last_use = ++use_clock;
+        if (packed_b && !m.primitive.get(true)) return false;
         if (!panel_of) {
             m.calls++;
         } else if (auto whole = cache.find(*panel_of); whole != cache.end()) {
@@ -199,15 +245,16 @@ void onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
                 // oneDNN builds its argument map and execution context on the heap on every call,
                 // whatever the caller passes: counted apart (alloc_count.hpp).
                 const LibraryCall in_onednn;
-                if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
+                if (dnnl_primitive_execute(m.primitive.get(), stream().get(), 3, args) != dnnl_success)
                     throw std::runtime_error("zoo: oneDNN matmul failed");
-                stream.wait();
+                stream().wait();
             }
-            return;
+            return true;
         }
     }
     rounded_gemm(key, ta, tb, M, N, K, static_cast<const float*>(A), lda, static_cast<const float*>(B), ldb, beta, C,
                  ldc);
+    return true;
 }
 
 // A bf16 product of fp32 operands that zoo rounds itself (where oneDNN's fpmath mode picks no
@@ -385,6 +432,18 @@ Bf16Scratch bf16_scratch(const Matrix& W, int M) {
     return {left, left + tile, left + tile + (size_t)M * tile_rows(p, W)};
 }
 
+// Bytes of one block of rows (K x N) packed in packed_b_desc's layout, 64-byte rounded; 0 where
+// it has none.
+size_t packed_block_bytes(int K, int N) {
+#ifdef ZOO_GEMM_ONEDNN
+    const dnnl::memory::desc packed = packed_b_desc(K, N);
+    return packed.is_zero() ? 0 : (packed.get_size() + 63) / 64 * 64;
+#else
+    (void)K, (void)N;
+    return 0;
+#endif
+}
+
 }  // namespace
 
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
@@ -401,8 +460,10 @@ void rounded_xwt(int M, const Matrix& W, float beta, float* y, int ldy, float* s
     const Precision p = Precision::bf16;
     const int R = tile_rows(p, W);
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(scratch);
-    if (W.dtype == DType::bf16)
-        return onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
+    if (W.dtype == DType::bf16) {
+        onednn_gemm(p, false, true, M, W.rows, W.cols, xb, W.cols, W.data, W.cols, beta, y, ldy, true);
+        return;
+    }
     const Bf16Scratch at = bf16_scratch(W, M);
     uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + at.tile);
     float* packed = scratch + at.packed;  // M x R
@@ -471,15 +532,22 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
     if (bf16_operands(p, W)) {
         uint16_t* db = reinterpret_cast<uint16_t*>(scratch);
         uint16_t* tile = reinterpret_cast<uint16_t*>(scratch + bf16_scratch(W, M).tile);
+        const bool packed = W.packed_xw && W.dtype == DType::bf16;
+        const size_t packed_block = packed ? packed_block_bytes(R, W.cols) : 0;  // all blocks but the last
         for (int r0 = 0; r0 < W.rows; r0 += R) {
             const int n = std::min(R, W.rows - r0);
+            const float b = r0 ? 1.0f : beta;
             to_bf16_rows(dy + r0, lddy, M, n, db);
+            if (packed && onednn_gemm(p, false, false, M, W.cols, n, db, n,
+                                      static_cast<const uint8_t*>(W.packed_xw) + r0 / R * packed_block, W.cols, b,
+                                      dx, lddx, true, nullptr, true))
+                continue;
             const void* w = static_cast<const uint16_t*>(W.data) + (size_t)r0 * W.cols;
             if (W.dtype != DType::bf16) {
                 widen_rows_bf16(W, r0, r0 + n, tile);
                 w = tile;
             }
-            onednn_gemm(p, false, false, M, W.cols, n, db, n, w, W.cols, r0 ? 1.0f : beta, dx, lddx, true);
+            onednn_gemm(p, false, false, M, W.cols, n, db, n, w, W.cols, b, dx, lddx, true);
         }
         return;
     }
@@ -489,6 +557,41 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
         widen_rows(W, r0, r0 + n, scratch);
         gemm(p, false, false, M, W.cols, n, dy + r0, lddy, scratch, W.cols, r0 ? 1.0f : beta, dx, lddx);
     }
+}
+
+size_t packed_xw_bytes(const Matrix& W) {
+#ifdef ZOO_GEMM_ONEDNN
+    if (W.dtype != DType::bf16 || !bf16_native()) return 0;
+    const int R = k_block_rows(Precision::bf16, W);
+    size_t total = 0;
+    for (int r0 = 0; r0 < W.rows; r0 += R) {
+        const size_t block = packed_block_bytes(std::min(R, W.rows - r0), W.cols);
+        if (!block) return 0;
+        total += block;
+    }
+    return total;
+#else
+    (void)W;
+    return 0;
+#endif
+}
+
+void pack_xw(const Matrix& W, void* out) {
+    if (!packed_xw_bytes(W)) throw std::logic_error("zoo: pack_xw: this matrix has no packed layout here");
+#ifdef ZOO_GEMM_ONEDNN
+    using dt = dnnl::memory::data_type;
+    using tag = dnnl::memory::format_tag;
+    const int R = k_block_rows(Precision::bf16, W);
+    uint8_t* at = static_cast<uint8_t*>(out);
+    for (int r0 = 0; r0 < W.rows; r0 += R) {
+        const int n = std::min(R, W.rows - r0);
+        auto* rows = const_cast<uint16_t*>(static_cast<const uint16_t*>(W.data) + (size_t)r0 * W.cols);
+        dnnl::memory from({{n, W.cols}, dt::bf16, tag::ab}, engine(), rows), to(packed_b_desc(n, W.cols), engine(), at);
+        dnnl::reorder(from, to).execute(stream(), from, to);  // zeroes the layout's padding too
+        stream().wait();
+        at += packed_block_bytes(n, W.cols);
+    }
+#endif
 }
 
 std::string kernel(Precision p, bool ta, bool tb, int M, int N, int K, bool bf16_operands) {

@@ -49,6 +49,12 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
 void matrix_xwt_rounded(int M, const Matrix& W, float beta, float* y, int ldy, float* scratch);
 void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx,
                float* scratch);
+// A bf16 W's blocks of rows, as matrix_xw's bf16 products read them, reordered once into the
+// blocked layout oneDNN's bf16 kernels take B in (Matrix::packed_xw): then no product packs W
+// again, and the input gradients run at the kernels' rate, for a second copy of W in memory.
+// packed_xw_bytes: 0 where W or this CPU has no such layout (not bf16, no oneDNN bf16 kernel).
+size_t packed_xw_bytes(const Matrix& W);
+void pack_xw(const Matrix& W, void* out);  // out: packed_xw_bytes(W), 64-byte aligned
 
 // What would run op(A) op(B) of this shape, densely stored: the library, and for oneDNN its
 // kernel (e.g. "onednn:brg:avx512_core_amx"; "... (operands rounded by zoo)" where zoo hands

@@ -77,6 +77,9 @@ struct Matrix {
     const void* data = nullptr;
     DType dtype = DType::f32;
     int rows = 0, cols = 0;
+    // A bf16 matrix's second copy, its blocks of rows packed for matrix_xw (gemm::pack_xw), or
+    // null: matrix_xw then reads data as stored.
+    const void* packed_xw = nullptr;
 
     Matrix() = default;
     Matrix(const void* d, DType t, int r, int c) : data(d), dtype(t), rows(r), cols(c) {}

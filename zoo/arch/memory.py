@@ -4,7 +4,8 @@ works for models far larger than the machine).
 Full finetuning keeps everything in float32: parameters, gradients, AdamW's two moments (16
 bytes per parameter; under ZeRO-1 each of N processes keeps 1/N of the moments). A LoRA run
 keeps its frozen base in its format (bf16, int8, nf4: native/kernels/quant.hpp) and 16 bytes per
-adapter parameter. Both add the activation arena the native planner lays out for one
+adapter parameter (a bf16 base packed for its input gradients, --packed-base, a second copy
+of its matrices). Both add the activation arena the native planner lays out for one
 micro-batch of batch x seq_len tokens (activation_bytes, the same figure a built model uses).
 """
 
@@ -79,6 +80,14 @@ def base_bytes(cfg: ModelConfig, base_dtype: str) -> int:
     return sum(int(_native.storage_bytes(fmt, r, c)) for _, _, r, c, fmt in rows)
 
 
+def packed_base_bytes(cfg: ModelConfig) -> int:
+    """Bytes of a bf16 frozen base's packed copy (Model.set_packed_base): the layers' matrices
+    and the LM head's, in the layout this CPU's bf16 kernels read (0 where it has none)."""
+    rows, _ = frozen_table(parameter_layout(cfg), "bf16")
+    return sum(int(_native.packed_matrix_bytes(r, c)) for role, _, r, c, fmt in rows
+               if fmt == "bf16" and (role != "wte" or cfg.tied_embeddings))
+
+
 @dataclass(frozen=True)
 class FinetuneMemory:
     parameters: int  # the trainable ones: the model's, or a LoRA run's adapters
@@ -86,22 +95,24 @@ class FinetuneMemory:
     optimizer: int  # AdamW first and second moments
     activations: int
     base: int = 0  # a LoRA run's frozen base
+    packed: int = 0  # its packed copy (packed_base_bytes)
 
     @property
     def total(self) -> int:
-        return self.base + self.parameters + self.gradients + self.optimizer + self.activations
+        return self.base + self.packed + self.parameters + self.gradients + self.optimizer + self.activations
 
 
 def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool | int = False,
                           precision: str = "fp32", moment_floats: Optional[int] = None,
                           lora: Optional[LoraConfig] = None, base_dtype: Optional[str] = None,
-                          zero_ranks: int = 1) -> FinetuneMemory:
+                          zero_ranks: int = 1, packed_base: bool = False) -> FinetuneMemory:
     """Memory for finetuning with AdamW at micro-batch (batch, seq_len): full finetuning, or with
     lora adapters over a frozen base in base_dtype (default bf16); checkpointing: with activation
     checkpointing (each layer recomputed in the pullback; an int: the first k layers); precision: of the products (a bf16
     step keeps some activations in bf16); moment_floats: the parameters whose AdamW moments this
     process keeps (default all; a ZeRO-1 shard), or zero_ranks: the ranks the moments are
-    sharded across (ZeRO-1), each keeping its share."""
+    sharded across (ZeRO-1), each keeping its share; packed_base: a bf16 base keeps a packed
+    copy (packed_base_bytes)."""
     check_batch_shape(batch, seq_len)
     if lora is None:
         n = num_parameters(cfg)
@@ -117,7 +128,8 @@ def finetune_memory_bytes(cfg: ModelConfig, batch: int, seq_len: int, checkpoint
     return FinetuneMemory(parameters=FLOAT_BYTES * n, gradients=FLOAT_BYTES * n, optimizer=2 * FLOAT_BYTES * moments,
                           activations=activation_bytes(cfg, batch, seq_len, checkpointing, precision=precision,
                                                        setup=setup),
-                          base=base_bytes(cfg, base_dtype))
+                          base=base_bytes(cfg, base_dtype),
+                          packed=packed_base_bytes(cfg) if packed_base and base_dtype == "bf16" else 0)
 
 
 def partial_checkpoint_layers(cfg: ModelConfig, batch: int, seq_len: int, growth: float, precision: str = "fp32",
@@ -296,7 +308,9 @@ def check_memory(needed: int, what: str, fix: str) -> None:
 
 def describe(m: FinetuneMemory, base_dtype: Optional[str] = None) -> str:
     """'X = weights ... + activations ...': the parts of an estimate."""
-    parts = ([f"frozen {base_dtype} base {human_bytes(m.base)}", f"adapters {human_bytes(m.parameters)}"] if m.base
+    parts = ([f"frozen {base_dtype} base {human_bytes(m.base)}"]
+             + ([f"its packed copy {human_bytes(m.packed)}"] if m.packed else [])
+             + [f"adapters {human_bytes(m.parameters)}"] if m.base
              else [f"weights {human_bytes(m.parameters)}"])
     parts += [f"gradients {human_bytes(m.gradients)}", f"AdamW moments {human_bytes(m.optimizer)}",
               f"activations {human_bytes(m.activations)}"]
@@ -309,26 +323,30 @@ _NARROWER = {"fp32": ("bf16", "int8", "nf4"), "bf16": ("int8", "nf4"), "int8": (
 
 def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointing: bool | int, precision: str,
                         lora: Optional[LoraConfig], base_dtype: Optional[str], what: str,
-                        zero_ranks: int = 1) -> FinetuneMemory:
+                        zero_ranks: int = 1, packed_base: bool = False) -> FinetuneMemory:
     """The memory a finetune of cfg needs (finetune_memory_bytes), checked before anything is
     allocated: a run that would not fit in what this process can allocate is refused with
     ResourceError giving the estimate, what is available, and the settings that would fit
     (--lora, a narrower base, --checkpointing, a smaller batch or sequence), each with its
     estimate. Returns the estimate."""
     need = finetune_memory_bytes(cfg, batch, seq_len, checkpointing, precision, lora=lora, base_dtype=base_dtype,
-                                 zero_ranks=zero_ranks)
+                                 zero_ranks=zero_ranks, packed_base=packed_base)
     available = available_memory_bytes()
     if os.environ.get(SKIP_CHECK_ENV) == "1" or available is None or need.total <= available[0]:
         return need
     have, where = available
 
     def estimate(**change) -> int:
-        s = dict(batch=batch, seq_len=seq_len, checkpointing=checkpointing, lora=lora, base_dtype=base_dtype)
+        s = dict(batch=batch, seq_len=seq_len, checkpointing=checkpointing, lora=lora, base_dtype=base_dtype,
+                 packed_base=packed_base)
         s.update(change)
         return finetune_memory_bytes(cfg, s["batch"], s["seq_len"], s["checkpointing"], precision,
-                                     lora=s["lora"], base_dtype=s["base_dtype"], zero_ranks=zero_ranks).total
+                                     lora=s["lora"], base_dtype=s["base_dtype"], zero_ranks=zero_ranks,
+                                     packed_base=s["packed_base"]).total
 
     options: list[tuple[str, int]] = []
+    if need.packed:
+        options.append(("without --packed-base", estimate(packed_base=False)))
     adapters = lora or LoraConfig()
     base = base_dtype or "bf16"
     bases = ([("--lora", "bf16")] if lora is None else []) + [

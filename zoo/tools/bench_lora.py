@@ -10,6 +10,8 @@ memory (getrusage's ru_maxrss, read in the child) is its own and none competes f
 
   zoo_<base>    python -m zoo.tools.bench_lora_worker --base bf16|int8|nf4 [--checkpointing]
                 the frozen base in that format, fp32 adapters (one system per --base)
+  zoo_bf16_packed  ... --base bf16 --packed-base: the bf16 base with its packed copy
+                (Model.set_packed_base), beside zoo_bf16, where --packed-base is given
   torch_bf16    python zoo/tools/bench_lora_torch.py --setting bf16: transformers + PEFT, bf16
                 weights, fp32 adapters, autocast bf16
   torch_fp32    ... --setting fp32: everything in fp32
@@ -62,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"zoo's frozen base, one system each: {', '.join(BASES)}; 'none': no zoo system "
                         "(default bf16)")
     p.add_argument("--checkpointing", action="store_true", help="zoo with activation checkpointing")
+    p.add_argument("--packed-base", action="store_true",
+                   help="also zoo's bf16 base packed for its input gradients (system zoo_bf16_packed)")
     p.add_argument("--from-checkpoint", action="store_true",
                    help="write zoo's random model once as a bf16 safetensors checkpoint folder (in the run's "
                         "temporary folder, removed at its end) and have every zoo system load it as a user does "
@@ -194,6 +198,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         raise ValueError("--torch needs torch, transformers and peft installed (pip install -e '.[dev]')")
     if not bases and not settings:
         raise ValueError("nothing to measure: --base none and --torch none")
+    if args.packed_base and "bf16" not in bases:
+        raise ValueError("--packed-base packs a bf16 base: add bf16 to --base")
     known = module_names(cfg)
     targets = args.targets or known
     unknown = [t for t in targets if t not in known]
@@ -226,6 +232,9 @@ def run_bench(args: argparse.Namespace) -> dict:
         # (system, command): zoo's bases, then PyTorch's settings, each with every attention named
         runs = [(f"zoo_{base}", [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", base, *common,
                                  *zoo_common]) for base in bases]
+        if args.packed_base:
+            runs.append(("zoo_bf16_packed", [sys.executable, "-m", "zoo.tools.bench_lora_worker", "--base", "bf16",
+                                             "--packed-base", *common, *zoo_common]))
         torch_worker = str(Path(__file__).with_name("bench_lora_torch.py"))
         for setting in settings:
             for attn in attns:
@@ -248,7 +257,8 @@ def run_bench(args: argparse.Namespace) -> dict:
     for name, results in raw.items():
         result = results[0]
         s = _summary(results, tokens, flops["total"])
-        s.update({k: result[k] for k in ("build_s", "rss_after_build_mib", "arena_bytes", "trainable_params",
+        s.update({k: result[k] for k in ("build_s", "pack_s", "packed_base_bytes", "rss_after_build_mib",
+                                         "arena_bytes", "trainable_params",
                                          "imported_zoo", "kernels_used", "hf_class", "attention")
                   if k in result})
         s["checkpointing"] = args.checkpointing if name.startswith("zoo_") else args.torch_checkpointing
@@ -266,6 +276,10 @@ def run_bench(args: argparse.Namespace) -> dict:
             ratios[f"{a}_over_{b}"] = {
                 "step_time": systems[a]["step_ms_median"] / systems[b]["step_ms_median"],
                 "peak_rss": systems[a]["peak_rss_mib"] / systems[b]["peak_rss_mib"]}
+    if "zoo_bf16_packed" in systems and "zoo_bf16" in systems:  # what the packed copy buys, and costs
+        a, b = systems["zoo_bf16_packed"], systems["zoo_bf16"]
+        ratios["zoo_bf16_packed_over_zoo_bf16"] = {"step_time": a["step_ms_median"] / b["step_ms_median"],
+                                                   "peak_rss": a["peak_rss_mib"] / b["peak_rss_mib"]}
     by_round = []
     for r in range(args.rounds):
         ms = {name: 1000.0 * statistics.median(raw[name][r]["step_s"]) for name in raw}
@@ -281,7 +295,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         ["--torch-checkpointing"] if args.torch_checkpointing else []) + (
         ["--hf-class", *args.hf_class] if args.hf_class is not None else []) + (
         ["--rounds", str(args.rounds)] if args.rounds > 1 else []) + (["--profile"] if args.profile else []) + (
-        ["--from-checkpoint"] if args.from_checkpoint else [])
+        ["--from-checkpoint"] if args.from_checkpoint else []) + (["--packed-base"] if args.packed_base else [])
     return {
         "schema": SCHEMA,
         "command": shlex.join(command),
@@ -334,6 +348,10 @@ def markdown(r: dict) -> str:
     lines.append(f"- FLOPs per step: {f['total'] / 1e9:,.1f} GFLOP = frozen products 4 x {f['matmul_params']:,} x "
                  f"{r['tokens_per_step']} ({f['frozen'] / 1e9:,.1f}) + adapters ({f['adapters'] / 1e9:,.2f}); "
                  "attention not counted")
+    for name, s in r["systems"].items():
+        if s.get("packed_base_bytes"):
+            lines.append(f"- {name}: {s['packed_base_bytes'] / 2**20:,.1f} MiB of the base packed in "
+                         f"{s['pack_s']:.1f} s, before the steps")
     for name, s in r["systems"].items():
         if s.get("hf_class"):
             lines.append(f"- {name}: transformers' {s['hf_class']}, {s['attention']} attention")

@@ -21,7 +21,7 @@ from .bench_worker import cpu_info
 
 
 def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: int, threads: int,
-        profile: bool = False, checkpoint: str | None = None) -> dict:
+        profile: bool = False, checkpoint: str | None = None, packed_base: bool = False) -> dict:
     rss_start = _rss_now_mib()
     import numpy as np
 
@@ -46,6 +46,9 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
         if model.config != cfg:
             raise ValueError(f"{checkpoint}: its config.json reads back as a model other than the manifest's")
     build_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    packed_bytes = model.set_packed_base(True) if packed_base else 0
+    pack_s = time.perf_counter() - t0
     rss_built = _rss_now_mib()
     data = read_tokens(workdir, B, T)
     x, y = np.ascontiguousarray(data[:, :-1]), np.ascontiguousarray(data[:, 1:])
@@ -62,12 +65,14 @@ def run(workdir: str, base_dtype: str, checkpointing: bool, steps: int, warmup: 
     return {
         "blocks_s": blocks, "profiled": profile,
         "step_s": times, "losses": losses, "median_s": statistics.median(times), "build_s": build_s,
+        "packed_base_bytes": packed_bytes, "pack_s": pack_s,
         "peak_rss_mib": _peak_rss_mib(), "rss_start_mib": rss_start, "rss_after_import_mib": rss_imported,
         "rss_after_build_mib": rss_built, "threads": zoo.get_threads(), "checkpoint": checkpoint,
         "arena_bytes": model.arena_bytes(),
         "trainable_params": sum(p.size for p in model.parameters().values()),
         "implementation": f"zoo {zoo.__version__}: {base_dtype} base, fp32 adapters, {model.precision} matmuls"
-                          + (", checkpointing" if checkpointing else ""),
+                          + (", checkpointing" if checkpointing else "")
+                          + (", base packed for the input gradients" if packed_base else ""),
         "gemm": zoo.gemm_info(), "cpu": cpu_info(),
         # Every product the steps ran on oneDNN, with the kernel oneDNN picked for it.
         "kernels_used": _native.gemm_kernels_used(),
@@ -84,10 +89,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--profile", action="store_true", help="time every block (the executor's profile)")
     ap.add_argument("--checkpoint", default=None, help="load the base from this checkpoint folder")
+    ap.add_argument("--packed-base", action="store_true", help="a bf16 base packed for its input gradients")
     ap.add_argument("--out", required=True, help="where to write the result (JSON)")
     a = ap.parse_args(argv)
     try:
-        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads, a.profile, a.checkpoint)
+        result = run(a.workdir, a.base, a.checkpointing, a.steps, a.warmup, a.threads, a.profile, a.checkpoint,
+                     a.packed_base)
     except ValueError as e:  # a setting this zoo cannot honour: one line for the parent to show
         print(f"zoo bench_lora worker: {e}", file=sys.stderr)
         return 3

@@ -126,7 +126,8 @@ def check_memory_up_front(cfg: TrainConfig, ranks: int, say) -> None:
     rows = -(-cfg.batch_size // ranks)
     checkpointing = cfg.checkpoint_layers(model_cfg, rows, ranks)
     need = check_finetune_fits(model_cfg, rows, cfg.seq_len, checkpointing, cfg.precision,
-                               cfg.lora_config(), cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1)
+                               cfg.lora_config(), cfg.base_dtype, what, zero_ranks=ranks if cfg.zero else 1,
+                               packed_base=cfg.packed_base)
     have = available_memory_bytes()
     say(f"memory{' per rank' if ranks > 1 else ''}: {describe(need, cfg.base_dtype)} at batch "
         f"{rows} x {cfg.seq_len}{checkpointing_words(model_cfg, checkpointing)}"

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..arch.layout import num_parameters
+from ..arch.memory import human_bytes
 from ..core.atomic import named
 from ..core.errors import ResourceError, TrainError, TrainInterrupted
 from ..core.gemm import products_report
@@ -105,6 +106,10 @@ class Trainer:
         # the method's default checkpoints the first layers only (TrainConfig.checkpoint_layers)
         ranks = 1 if group is None else group.size
         self.model.set_checkpointing(cfg.checkpoint_layers(self.model.config, -(-cfg.batch_size // ranks), ranks))
+        if cfg.packed_base:
+            packed = self.model.set_packed_base(True)
+            self.say(f"packed base: {human_bytes(packed)} of the bf16 base's matrices packed for the bf16 kernels"
+                     if packed else "packed base: this CPU's kernels read the base as stored; nothing packed")
         self.plan = RankPlan(cfg, group, self.model, self.say)
         self.checkpoints = Checkpoints(cfg, self.out, self.model, self.tokenizer, self.plan, self.folder, self.log,
                                        self.threads)
