@@ -11,6 +11,7 @@ from helpers import CLAD, needs_bf16
 
 import zoo
 from zoo import LoraConfig
+from zoo.core.native import _native
 
 # Rows longer than a Clad tape's inline buffer (64 values): a kernel that taped per element
 # or per key would allocate here.
@@ -52,19 +53,24 @@ ONEDNN_ALLOCATIONS_PER_CALL = 16
 
 
 # The whole model on either backend; LoRA over each stored base format.
-BF16_RUNS = [(None, ad) for ad in BACKENDS] + [(base, "manual") for base in ("bf16", "int8", "nf4")]
+# (base, ad, packed): packed, the bf16 base's packed copy read by the pullback (Model.set_packed_base).
+BF16_RUNS = ([(None, ad, False) for ad in BACKENDS] + [(base, "manual", False) for base in ("bf16", "int8", "nf4")]
+             + [("bf16", "manual", True)])
 
 
 @needs_bf16
-@pytest.mark.parametrize("base,ad", BF16_RUNS,
-                         ids=[f"{'full' if b is None else 'lora-' + b}-{ad}" for b, ad in BF16_RUNS])
+@pytest.mark.parametrize("base,ad,packed", BF16_RUNS,
+                         ids=[f"{'full' if b is None else 'lora-' + b}{'-packed' if p else ''}-{ad}"
+                              for b, ad, p in BF16_RUNS])
 @pytest.mark.parametrize("cfg", [GPT2, LLAMA], ids=["gpt2", "llama"])
-def test_a_bf16_training_step_allocates_nothing_but_onednns_per_call_maps(cfg, base, ad, threads):
+def test_a_bf16_training_step_allocates_nothing_but_onednns_per_call_maps(cfg, base, ad, packed, threads):
     """The second step is the first after an AdamW step, whose weight-gradient products add
     instead of writing: they are made with the first step's (gemm.cpp), so one warm-up step
     plans everything here too."""
     lora = {} if base is None else {"lora": LoraConfig(r=4), "base_dtype": base}
     model = zoo.Model(cfg, seed=0, precision="bf16", ad=ad, **lora)
+    if packed:
+        assert model.set_packed_base(True) > 0
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
     targets = rng.integers(0, cfg.vocab_size, (2, 80)).astype(np.int32)
@@ -72,6 +78,8 @@ def test_a_bf16_training_step_allocates_nothing_but_onednns_per_call_maps(cfg, b
     assert model._exec.count_step_allocations(tokens, targets, 3) == 0
     allocations, calls = model._exec.library_allocations()
     assert calls >= 3 * 3 * cfg.n_layer  # the step's products ran on oneDNN: the case is exercised
+    if packed:
+        assert any("weights prepacked" in k["kernel"] for k in _native.gemm_kernels_used())
     assert allocations <= ONEDNN_ALLOCATIONS_PER_CALL * calls
 
 
@@ -80,8 +88,6 @@ def test_a_bf16_step_planned_while_the_primitive_cache_overflows_allocates_nothi
     """oneDNN's primitives are kept per product shape, up to a bound: a warm-up step that fills
     the cache midway must keep its own (the older half goes), or the next step makes the first
     ones again. Seen when this file ran after the rest of the suite had filled the cache."""
-    from zoo.core.native import _native
-
     rng = np.random.default_rng(0)
     entries, capacity = _native.gemm_primitive_cache()
     n = 1

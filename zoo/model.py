@@ -681,15 +681,17 @@ class Model:
         """Keep a second copy of a bf16 frozen base's matrices (the layers' and the LM head's),
         packed once in the layout the CPU's bf16 kernels read, so a bf16 step's pullback does not
         repack them in every product: a faster LoRA step for the memory of that copy
-        (docs/lora.md). Returns the bytes packed: 0 where this CPU has no bf16 matrix kernels
-        (nothing to gain). Weights stored into the base later are packed again before the next
-        pass. Off frees the copy."""
+        (docs/lora.md). For a LoRA model over a bf16 base, in bf16 products. Returns the bytes
+        packed (0 where oneDNN reads these products' weights as stored). Weights stored into the
+        base later are packed again before the next pass. Off frees the copy."""
         if on:
-            if not self.frozen or self.base_dtype != "bf16":
-                raise ValueError(f"set_packed_base: packs a bf16 frozen base; this model's "
-                                 f"{'base is ' + self.base_dtype if self.frozen else 'weights train'}")
-            check_memory(int(self._exec.packed_base_bytes()), "a packed copy of the bf16 frozen base",
-                         "leave the base unpacked (--packed-base off)")
+            if self.lora is None or self.base_dtype != "bf16" or self.precision != "bf16":
+                raise ValueError("set_packed_base: packs a bf16 base for a LoRA model's bf16 products; this model "
+                                 + ("has no adapters" if self.lora is None else
+                                    f"has its base in {self.base_dtype} and its products in {self.precision}"))
+            growth = int(self._exec.packed_base_bytes()) - self.arena_bytes()["packed_base"]
+            check_memory(growth, "a packed copy of the bf16 frozen base",
+                         "leave the base unpacked (--no-packed-base, or Model.set_packed_base(False))")
         return int(self._exec.set_packed_base(bool(on)))
 
     @property
@@ -699,6 +701,9 @@ class Model:
     def set_precision(self, precision: str) -> None:
         """The precision of the matrix products from the next call on (see the class doc)."""
         check_precision(precision)
+        if precision != "bf16" and self.packed_base:
+            raise ValueError(f"set_precision({precision!r}): the base is packed for bf16 products; "
+                             "set_packed_base(False) first")
         self._exec.set_precision(precision)
 
     def activation_bytes(self, batch_size: int, seq_len: int) -> int:

@@ -709,7 +709,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("tokens"), py::arg("positions"), py::arg("hidden"), py::arg("rows"), py::arg("targets"),
              py::arg("steps"))
         .def("zero_grads", &Executor::zero_grads)
-        .def("set_packed_base", &Executor::set_packed_base, py::arg("on"))
+        .def("set_packed_base", &Executor::set_packed_base, py::arg("on"), py::call_guard<py::gil_scoped_release>())
         .def("packed_base_bytes", &Executor::packed_base_bytes)
         .def("packed_base", &Executor::packed_base)
         .def("set_checkpointing", &Executor::set_checkpointing)

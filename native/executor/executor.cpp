@@ -404,7 +404,7 @@ void Executor::store_base(size_t index, size_t first_row, size_t rows, const flo
     const FrozenBinding& f = base_binding(index);
     if (first_row + rows > f.rows) throw std::invalid_argument("zoo: rows outside frozen tensor " + where(f.role, f.layer));
     store_rows(f.dtype, (int)f.rows, (int)f.cols, (int)first_row, (int)rows, values, base_data(index));
-    packed_stale_ = packed_on_;
+    if (const Matrix* m = matrix_slot(wm_, f.role, f.layer); m && m->packed_xw) packed_stale_ = true;
 }
 
 void Executor::map_base(size_t index, const std::string& path, size_t offset, const std::string& what) {
@@ -423,7 +423,7 @@ void Executor::map_base(size_t index, const std::string& path, size_t offset, co
     mapping->map(path, offset, bytes, what);
     m->data = mapping->data;
     base_files_[index] = std::move(mapping);
-    packed_stale_ = packed_on_;
+    if (m->packed_xw) packed_stale_ = true;
     // The arena's pages for the tensor, if anything was stored there, go back to the system.
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
     const uintptr_t begin = reinterpret_cast<uintptr_t>(base_.data) + base_offsets_[index];
@@ -475,8 +475,13 @@ size_t Executor::set_packed_base(bool on) {
 }
 
 void Executor::repack_base() {
-    for (Matrix* m : packable_matrices())
-        if (m->packed_xw) gemm::pack_xw(*m, const_cast<void*>(m->packed_xw));
+    try {
+        for (Matrix* m : packable_matrices())
+            if (m->packed_xw) gemm::pack_xw(*m, const_cast<void*>(m->packed_xw));
+    } catch (...) {
+        set_packed_base(false);  // a copy packed in part must not be read
+        throw;
+    }
     packed_stale_ = false;
 }
 
@@ -848,7 +853,7 @@ void Executor::set_precision(Precision p) {
 
 void Executor::plan(int B, int T) {
     limits::check_batch(B, T, "batch");
-    if (packed_stale_) repack_base();  // every pass plans first
+    if (packed_stale_) repack_base();  // every pass plans first (select_backward, which reads it too, checks)
     if (T > d_.max_seq_len)
         throw std::invalid_argument("zoo: sequence length " + std::to_string(T) + " exceeds max_seq_len " +
                                     std::to_string(d_.max_seq_len));
@@ -1603,6 +1608,7 @@ void Executor::select_backward(const float* row_weight, float grad_scale) {
         throw std::logic_error("zoo: select_backward needs a training select_forward just before it (no other pass "
                                "between)");
     sel_.pending = false;
+    if (packed_stale_) repack_base();  // the base was stored into since the forward
     const int B = sel_.B, T = sel_.T, N = B * T, n = sel_.n, d = d_.d_model;
     const PositionsScope scope(positions_, sel_.positions.empty() ? nullptr : sel_.positions.data()),
         hidden_scope(hidden_, sel_.hidden.empty() ? nullptr : sel_.hidden.data());

@@ -317,8 +317,9 @@ enum ProfileSlot {
 struct Profile {
     bool on = false;
     double forward[kProfileSlots] = {}, pullback[kProfileSlots] = {};
-    // Seconds on a monotonic clock since its first reading. (omp_get_wtime() here counts from the
-    // epoch, in a double whose last bit is 0.24 us: a tiny model's embedding pullback read 0.)
+    // Seconds on a monotonic clock since its first reading. (omp_get_wtime() of LLVM's OpenMP,
+    // which a Clad build links, ticks in whole microseconds: a tiny model's embedding pullback
+    // read 0, and bench_ad's test failed now and then.)
     static double now() {
         static const auto start = std::chrono::steady_clock::now();
         return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -375,7 +376,8 @@ public:
     size_t set_packed_base(bool on);
     size_t packed_base_bytes();  // what set_packed_base(true) packs
     bool packed_base() const { return packed_on_; }
-    // Bytes each arena holds now (weights, frozen base, gradients, moments, activations, KV cache).
+    // Bytes each arena holds now (weights, frozen base, its packed copy, gradients, moments,
+    // activations, KV cache, logits).
     std::vector<std::pair<std::string, size_t>> arena_bytes() const;
     // AdamW's moments, for the parameters [moment_begin, moment_end) only: all of them, or one
     // rank's shard under ZeRO-1 (docs/distributed.md). Mapped at their first use, in their own

@@ -199,11 +199,6 @@ void to_bf16_rows(const float* a, int lda, int rows, int cols, uint16_t* out) {
 void rounded_gemm(const Key& whole, bool ta, bool tb, int M, int N, int K, const float* A, int lda, const float* B,
                   int ldb, float beta, float* C, int ldc);
 
-dnnl::stream& stream() {
-    static dnnl::stream s(engine());
-    return s;
-}
-
 // panel_of: the product zoo rounds that this call is a panel of (kernels_used() counts that
 // product, not its panels, and names the kernels its panels ran on), or null. packed_b: B is in
 // packed_b_desc's layout (bf16 operands, neither transposed); false is returned, nothing run,
@@ -211,6 +206,7 @@ dnnl::stream& stream() {
 bool onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void* A, int lda, const void* B,
                  int ldb, float beta, float* C, int ldc, bool bf16_operands = false, const Key* panel_of = nullptr,
                  bool packed_b = false) {
+    static dnnl::stream stream(engine());
     const Key key{(int)p, ta, tb, M, N, K, lda, ldb, ldc, beta != 0.0f, bf16_operands, packed_b};
     {
         std::unique_lock<std::mutex> lock(cache_mutex);
@@ -245,9 +241,9 @@ bool onednn_gemm(Precision p, bool ta, bool tb, int M, int N, int K, const void*
                 // oneDNN builds its argument map and execution context on the heap on every call,
                 // whatever the caller passes: counted apart (alloc_count.hpp).
                 const LibraryCall in_onednn;
-                if (dnnl_primitive_execute(m.primitive.get(), stream().get(), 3, args) != dnnl_success)
+                if (dnnl_primitive_execute(m.primitive.get(), stream.get(), 3, args) != dnnl_success)
                     throw std::runtime_error("zoo: oneDNN matmul failed");
-                stream().wait();
+                stream.wait();
             }
             return true;
         }
@@ -582,13 +578,14 @@ void pack_xw(const Matrix& W, void* out) {
     using dt = dnnl::memory::data_type;
     using tag = dnnl::memory::format_tag;
     const int R = k_block_rows(Precision::bf16, W);
+    dnnl::stream own(engine());  // not the products' stream: another model may run them meanwhile
     uint8_t* at = static_cast<uint8_t*>(out);
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         auto* rows = const_cast<uint16_t*>(static_cast<const uint16_t*>(W.data) + (size_t)r0 * W.cols);
         dnnl::memory from({{n, W.cols}, dt::bf16, tag::ab}, engine(), rows), to(packed_b_desc(n, W.cols), engine(), at);
-        dnnl::reorder(from, to).execute(stream(), from, to);  // zeroes the layout's padding too
-        stream().wait();
+        dnnl::reorder(from, to).execute(own, from, to);  // zeroes the layout's padding too
+        own.wait();
         at += packed_block_bytes(n, W.cols);
     }
 #endif

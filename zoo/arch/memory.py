@@ -346,11 +346,12 @@ def check_finetune_fits(cfg: ModelConfig, batch: int, seq_len: int, checkpointin
 
     options: list[tuple[str, int]] = []
     if need.packed:
-        options.append(("without --packed-base", estimate(packed_base=False)))
+        options.append(("--no-packed-base", estimate(packed_base=False)))
     adapters = lora or LoraConfig()
     base = base_dtype or "bf16"
+    unpacked = " --no-packed-base" if packed_base else ""  # a narrower base has no packed copy
     bases = ([("--lora", "bf16")] if lora is None else []) + [
-        (("" if lora else "--lora ") + f"--base-dtype {d}", d) for d in _NARROWER[base if lora else "bf16"]]
+        (("" if lora else "--lora ") + f"--base-dtype {d}" + unpacked, d) for d in _NARROWER[base if lora else "bf16"]]
     for flags, d in bases:
         options.append((flags, estimate(lora=adapters, base_dtype=d)))
     every_layer = checkpoint_layers(cfg, checkpointing) == cfg.n_layer

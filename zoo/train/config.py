@@ -278,8 +278,8 @@ class TrainConfig(BaseModel):
         if self.precision is None:  # a narrow frozen base runs its products in bf16 where the CPU has them
             self.precision = default_precision(self.base_dtype) if self.lora else "fp32"
         if self.packed_base and (self.base_dtype != "bf16" or self.precision != "bf16"):
-            raise ValueError(f"{flag('packed_base')} packs a bf16 base for bf16 products; this run has a "
-                             f"{self.base_dtype} base and {self.precision} products")
+            raise ValueError(f"{flag('packed_base')} packs a bf16 base for bf16 products; this run has its base "
+                             f"in {self.base_dtype} and its products in {self.precision}")
         if self.min_lr is not None and self.min_lr > self.lr:
             raise ValueError(f"min_lr: {self.min_lr} is above lr {self.lr}")
         if self.batch_size * self.seq_len > MAX_TOKENS:
