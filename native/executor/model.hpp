@@ -372,7 +372,7 @@ public:
     // their input gradients (gemm::pack_xw), in an arena of its own: a bf16 step's pullback then
     // runs its products at the kernels' rate, for that much more memory. Where this CPU has no
     // packed layout, or the base no bf16 matrix, nothing is packed. Returns the bytes packed.
-    // Storing or mapping the base again repacks it before the next pass.
+    // A packed matrix stored into or mapped again is packed again before the next pass reads it.
     size_t set_packed_base(bool on);
     size_t packed_base_bytes();  // what set_packed_base(true) packs
     bool packed_base() const { return packed_on_; }
