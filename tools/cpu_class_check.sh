@@ -3,7 +3,8 @@
 # classes"): the CPU and the compiler zoo was built with; the class tests; the kernel each of
 # GPT-2's products runs on, at the machine's class and forced to AVX512_CORE_BF16; the MLP
 # activations' loops alone; the GPT-2 and SmolLM bf16 steps against PyTorch autocast; LoRA over
-# llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT. Each benchmark writes its JSON
+# llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT, and the bf16 base with its
+# packed copy (--packed-base) beside it. Each benchmark writes its JSON
 # into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 20 minutes
 # in all. A step that fails or runs past its limit is reported and the next one runs.
 #
@@ -12,12 +13,13 @@
 #
 # PART (default: all, in this order), with its time on 2 cores of a Zen 5: classes (the class
 # tests and GPT-2's products, 1 minute), activations (seconds), gpt2 (2 minutes), smollm (6),
-# lora (7 with its two rounds). Parts let a machine lent for 10 minutes a command run them all.
+# lora (7 with its two rounds), packed (5). Parts let a machine lent for 10 minutes a command run
+# them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 out=${1:-build/cpu-class}
-all_parts=(classes activations gpt2 smollm lora)
+all_parts=(classes activations gpt2 smollm lora packed)
 parts=("${@:2}")
 ((${#parts[@]})) || parts=("${all_parts[@]}")
 for p in "${parts[@]}"; do
@@ -64,4 +66,7 @@ wants smollm && step 540 "SmolLM-135M 4 x 256 bf16 step" "$py" -m zoo.cli bench 
 wants lora && step 540 "LoRA llama-3.2-1b 1 x 256, bf16, int8 and nf4 bases" "$py" -m zoo.tools.bench_lora \
     --preset llama-3.2-1b --batch-size 1 --seq-len 256 --base bf16 int8 nf4 --torch bf16 --steps 3 --warmup 1 \
     --rounds 2 --threads 2 --json "$out/lora-llama-3.2-1b-b1-t256.json"
+wants packed && step 540 "LoRA llama-3.2-1b 1 x 256, the bf16 base packed and not" "$py" -m zoo.tools.bench_lora \
+    --preset llama-3.2-1b --batch-size 1 --seq-len 256 --base bf16 --packed-base --torch bf16 --steps 3 --warmup 1 \
+    --rounds 2 --threads 2 --json "$out/lora-llama-3.2-1b-b1-t256-packed-base.json"
 echo "== done ($(date -u +%H:%M:%S)): $out"
