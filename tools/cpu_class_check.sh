@@ -5,7 +5,7 @@
 # activations' loops alone; the GPT-2 and SmolLM bf16 steps against PyTorch autocast; LoRA over
 # llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT, and the bf16 base with its
 # packed copy (--packed-base) beside it. Each benchmark writes its JSON
-# into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 20 minutes
+# into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 23 minutes
 # in all. A step that fails or runs past its limit is reported and the next one runs.
 #
 #   tools/cpu_class_check.sh [OUT [PART...]]             OUT defaults to build/cpu-class
@@ -13,7 +13,7 @@
 #
 # PART (default: all, in this order), with its time on 2 cores of a Zen 5: classes (the class
 # tests and GPT-2's products, 1 minute), activations (seconds), gpt2 (2 minutes), smollm (6),
-# lora (7 with its two rounds), packed (5). Parts let a machine lent for 10 minutes a command run
+# lora (7 with its two rounds), packed (3). Parts let a machine lent for 10 minutes a command run
 # them all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
