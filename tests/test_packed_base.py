@@ -6,7 +6,7 @@ pack or not across a resume; runs that cannot use it are refused."""
 
 import numpy as np
 import pytest
-from helpers import BF16, gemm_rounding, needs_bf16
+from helpers import BF16, LLAMA_TINY, gemm_rounding, needs_bf16, random_batch
 
 import zoo
 from zoo import LoraConfig, ModelConfig
@@ -20,19 +20,16 @@ from zoo.core.native import _native
 from zoo.train.config import TrainConfig
 from zoo.train.trainer import Trainer, TrainInterrupted
 
-# Rows of 40 and 72 (no multiple of the kernels' blocks of 16 and 64), and a head of its own.
-LLAMA_TINY = ModelConfig(vocab_size=101, max_seq_len=32, d_model=40, n_layer=2, n_head=4, n_kv_head=2, head_dim=10,
-                         d_ff=72, norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False,
-                         mlp_bias=False, tied_embeddings=False)
-# The head is the token embedding; its 2,100 rows take two blocks of an input gradient (2,048 and 52).
+# LLAMA_TINY's rows of 48 and 80 are no multiple of the kernels' blocks of 64 columns; its head is
+# its own matrix. Here the head is the token embedding, whose 2,100 rows take two blocks of an
+# input gradient (2,048 and 52).
 TIED_WIDE = ModelConfig(vocab_size=2100, max_seq_len=16, d_model=64, n_layer=1, n_head=4, d_ff=128,
                         norm="rmsnorm", mlp="swiglu", positions="rope", attention_bias=False, mlp_bias=False,
                         tied_embeddings=True)
 
 
-def batch(cfg, B=2, T=12, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, cfg.vocab_size, (B, T)), rng.integers(0, cfg.vocab_size, (B, T))
+def batch(cfg):
+    return random_batch(cfg, B=2, T=12, ignored=0)
 
 
 def lora_model(cfg, packed=False, seed=1, precision="bf16"):
