@@ -186,6 +186,12 @@ int checkpoint_layers(const zoo::Dims& d, py::handle v) {
 }
 
 // A plan as Python sees it: one dict per buffer.
+// bytes of buf, 64-byte aligned (as the kernels read a stored matrix), sized to hold them.
+void* aligned_bytes(std::vector<uint8_t>& buf, size_t bytes) {
+    buf.resize(bytes + 64);
+    return buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+}
+
 py::list plan_list(const std::vector<zoo::PlannedBuffer>& buffers) {
     py::list out;
     for (const auto& b : buffers)
@@ -250,8 +256,8 @@ PYBIND11_MODULE(_native, m) {
         if (w.ndim() != 2) throw std::invalid_argument("zoo: widen takes a 2-D matrix");
         const int rows = (int)w.shape(0), cols = (int)w.shape(1);
         const zoo::DType t = zoo::dtype_named(format);
-        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
-        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        std::vector<uint8_t> stored;
+        void* data = aligned_bytes(stored, zoo::storage_bytes(t, rows, cols));
         zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
         const zoo::Matrix W(data, t, rows, cols);
         if (to_bf16) {
@@ -301,16 +307,15 @@ PYBIND11_MODULE(_native, m) {
         const zoo::DType t = zoo::dtype_named(format);
         const zoo::Precision p = zoo::precision_named(precision);
         zoo::gemm::require_precision(p);
-        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
-        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        std::vector<uint8_t> stored;
+        void* data = aligned_bytes(stored, zoo::storage_bytes(t, rows, cols));
         zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
         zoo::Matrix W(data, t, rows, cols);
         std::vector<uint8_t> packed_copy;
         if (packed) {
             const size_t bytes = zoo::gemm::packed_xw_bytes(W);
             if (!bytes) throw std::invalid_argument("zoo: no packed layout for a " + format + " matrix on this CPU");
-            packed_copy.resize(bytes + 64);
-            void* at = packed_copy.data() + (64 - reinterpret_cast<uintptr_t>(packed_copy.data()) % 64) % 64;
+            void* at = aligned_bytes(packed_copy, bytes);
             zoo::gemm::pack_xw(W, at);
             W.packed_xw = at;
         }
@@ -355,8 +360,8 @@ PYBIND11_MODULE(_native, m) {
         const zoo::DType t = zoo::dtype_named(format);
         const zoo::Precision p = zoo::precision_named(precision);
         const zoo::gemv::Isa set = zoo::gemv::isa_named(isa);
-        std::vector<uint8_t> stored(zoo::storage_bytes(t, rows, cols) + 64);
-        void* data = stored.data() + (64 - reinterpret_cast<uintptr_t>(stored.data()) % 64) % 64;
+        std::vector<uint8_t> stored;
+        void* data = aligned_bytes(stored, zoo::storage_bytes(t, rows, cols));
         zoo::store_rows(t, rows, cols, 0, rows, w.data(), data);
         const zoo::Matrix W(data, t, rows, cols);
         std::vector<float> scratch(zoo::gemv::scratch_floats(std::max(1, M), cols));
