@@ -271,10 +271,12 @@ CASES: dict[str, Callable] = {
     "attn-mqa-nh4-nkv1-hd12": lambda r: attention_case(r, 4, 1, 12),
     "attn-mha-nh3-hd20": lambda r: attention_case(r, 3, 3, 20),
     "attn-gqa-nh6-nkv2-hd20": lambda r: attention_case(r, 6, 2, 20),
-    # the tiled kernels: blocks of 8 query rows plus single-row tails, 16-wide key tiles past
-    # the last key, head dims a multiple of 16 and not
+    # the tiled kernels: blocks of 8 query rows plus single-row tails, key tiles past the last
+    # key, head dims that take each tile path at the build's vector width (AVX-512 16 floats,
+    # AVX2 8, SSE and NEON 4: one tile or two, and a scalar tail)
     "attn-tiles-gqa-nh4-nkv2-hd64-T37": lambda r: attention_case(r, 4, 2, 64, B=1, T=37),
     "attn-tiles-mha-nh2-hd24-T20": lambda r: attention_case(r, 2, 2, 24, B=2, T=20),
+    "attn-tiles-mha-nh2-hd6-T20": lambda r: attention_case(r, 2, 2, 6, B=1, T=20),
     "cross-entropy": lambda r: cross_entropy_case(r, n_ignored=0),
     "cross-entropy-ignored": lambda r: cross_entropy_case(r, n_ignored=4),
     "residual": residual_case,

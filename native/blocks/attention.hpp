@@ -49,53 +49,80 @@ inline void attention_forward_row(const float* q, const float* k, const float* v
     for (int j = 0; j < n_keys2; j++) vec_axpy(p[n_first + j], v2 + (size_t)j * kv_stride, o, hd);
 }
 
-// The training kernels below work on blocks of query rows with register tiles of 16 floats:
-// a GCC/Clang vector type, one AVX-512 register (two AVX2, four SSE ones). Each key or value
-// row loaded feeds one fused multiply-add per query row of the block, where the row kernel
-// above does one horizontal reduction per key: the GPT-2 step's attention 1.6x faster at
-// T=64 and 2.6x at T=256, rebuilding the probabilities included (docs/benchmarks.md).
-typedef float f32x16 __attribute__((vector_size(64), aligned(4), may_alias));
-inline f32x16 load16(const float* p) { return *reinterpret_cast<const f32x16*>(p); }
-inline void store16(float* p, f32x16 v) { *reinterpret_cast<f32x16*>(p) = v; }
+// The training kernels below work on blocks of query rows with register tiles: a GCC/Clang
+// vector type as wide as one of the CPU's vector registers. Each key or value row loaded feeds
+// one fused multiply-add per query row of the block, where the row kernel above does one
+// horizontal reduction per key: the GPT-2 step's attention 1.6x faster at T=64 and 2.6x at
+// T=256, rebuilding the probabilities included (docs/benchmarks.md). A kernel holds at most
+// kTileRows rows' tiles at a time, so that its accumulators fit the register file: AVX-512 has
+// 32 registers, AVX2 and SSE 16. (Tiles of 16 floats on AVX2 took two registers each, and the
+// 8 rows' 32 accumulators went through the stack: the GPT-2 step's attention 30x slower on a
+// Zen 3 than on a Zen 5 forced to AVX2.)
+#if defined(__AVX512F__)
+#define ZOO_TILE_LANES 16
+constexpr int kTileRows = 8;
+#elif defined(__AVX__)
+#define ZOO_TILE_LANES 8
+constexpr int kTileRows = 4;
+#else  // SSE, NEON and scalar builds: 128-bit vectors
+#define ZOO_TILE_LANES 4
+constexpr int kTileRows = 4;
+#endif
+constexpr int kTileLanes = ZOO_TILE_LANES;
+typedef float f32xL __attribute__((vector_size(4 * ZOO_TILE_LANES), aligned(4), may_alias));
+#undef ZOO_TILE_LANES
+inline f32xL load_tile(const float* p) { return *reinterpret_cast<const f32xL*>(p); }
+inline void store_tile(float* p, f32xL v) { *reinterpret_cast<f32xL*>(p) = v; }
+// The rows a kernel of R rows holds at once; R is 1 or a multiple of kTileRows.
+template <int R>
+constexpr int tile_group() {
+    static_assert(R < kTileRows || R % kTileRows == 0, "a block's rows split into whole groups");
+    return R < kTileRows ? R : kTileRows;
+}
 
-// The kernels take two 16-float tiles per pass where they can: each broadcast row element
-// then feeds two multiply-adds, which halves the loads per multiply-add (loads, not
-// arithmetic, bound these small products).
+// The kernels take two tiles per pass where they can: each broadcast row element then feeds
+// two multiply-adds, which halves the loads per multiply-add (loads, not arithmetic, bound
+// these small products). Column tiles are the outer loop and row groups the inner one, so a
+// tile's column stays in L1 for every group. Each output element sums in the same order at
+// every width: the results do not depend on the CPU's vector width.
 
 // s[r][0..n16) = a[r] . bt[:, j]: R rows of a (lda apart, kdim long) against the columns of
-// bt, kdim rows of ldb floats (keys transposed, so 16 keys load as one vector). n16 % 16 == 0.
-// Add: s += instead of s = (a custom derivative adds into its adjoints).
+// bt, kdim rows of ldb floats (keys transposed, so a tile of keys loads as one vector).
+// n16 % 16 == 0. Add: s += instead of s = (a custom derivative adds into its adjoints).
 template <int R, bool Add = false>
 inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int ldb, int kdim, int n16,
                                float* s, int lds) {
+    constexpr int G = tile_group<R>(), L = kTileLanes;
     int j = 0;
-    for (; j + 32 <= n16; j += 32) {
-        f32x16 acc0[R] = {}, acc1[R] = {};
-        for (int k = 0; k < kdim; k++) {
-            const f32x16 b0 = load16(bt + (size_t)k * ldb + j), b1 = load16(bt + (size_t)k * ldb + j + 16);
-            for (int r = 0; r < R; r++) {
-                const float ar = a[r * lda + k];
-                acc0[r] += b0 * ar;
-                acc1[r] += b1 * ar;
+    for (; j + 2 * L <= n16; j += 2 * L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL acc0[G] = {}, acc1[G] = {};
+            for (int k = 0; k < kdim; k++) {
+                const f32xL b0 = load_tile(bt + (size_t)k * ldb + j), b1 = load_tile(bt + (size_t)k * ldb + j + L);
+                for (int r = 0; r < G; r++) {
+                    const float ar = a[(r0 + r) * lda + k];
+                    acc0[r] += b0 * ar;
+                    acc1[r] += b1 * ar;
+                }
+            }
+            for (int r = 0; r < G; r++) {
+                float* sr = s + (size_t)(r0 + r) * lds + j;
+                store_tile(sr, Add ? load_tile(sr) + acc0[r] : acc0[r]);
+                store_tile(sr + L, Add ? load_tile(sr + L) + acc1[r] : acc1[r]);
             }
         }
-        for (int r = 0; r < R; r++) {
-            float* sr = s + (size_t)r * lds + j;
-            store16(sr, Add ? load16(sr) + acc0[r] : acc0[r]);
-            store16(sr + 16, Add ? load16(sr + 16) + acc1[r] : acc1[r]);
+    for (; j < n16; j += L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL acc[G] = {};
+            for (int k = 0; k < kdim; k++) {
+                const f32xL b = load_tile(bt + (size_t)k * ldb + j);
+                for (int r = 0; r < G; r++) acc[r] += b * a[(r0 + r) * lda + k];
+            }
+            for (int r = 0; r < G; r++) {
+                float* sr = s + (size_t)(r0 + r) * lds + j;
+                store_tile(sr, Add ? load_tile(sr) + acc[r] : acc[r]);
+            }
         }
-    }
-    for (; j < n16; j += 16) {
-        f32x16 acc[R] = {};
-        for (int k = 0; k < kdim; k++) {
-            const f32x16 b = load16(bt + (size_t)k * ldb + j);
-            for (int r = 0; r < R; r++) acc[r] += b * a[r * lda + k];
-        }
-        for (int r = 0; r < R; r++) {
-            float* sr = s + (size_t)r * lds + j;
-            store16(sr, Add ? load16(sr) + acc[r] : acc[r]);
-        }
-    }
 }
 
 // c[r][0..hd) = sum over j < n of p[r][j] m[j]: R rows of weights times rows of m (ldm apart).
@@ -103,35 +130,38 @@ inline void tile_rows_dot_cols(const float* a, size_t lda, const float* bt, int 
 template <int R, bool Add = false>
 inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t ldm, int n, int hd,
                                float* c, size_t ldc) {
+    constexpr int G = tile_group<R>(), L = kTileLanes;
     int d0 = 0;
-    for (; d0 + 32 <= hd; d0 += 32) {
-        f32x16 acc0[R] = {}, acc1[R] = {};
-        for (int j = 0; j < n; j++) {
-            const f32x16 m0 = load16(m + j * ldm + d0), m1 = load16(m + j * ldm + d0 + 16);
-            for (int r = 0; r < R; r++) {
-                const float pr = p[r * ldp + j];
-                acc0[r] += m0 * pr;
-                acc1[r] += m1 * pr;
+    for (; d0 + 2 * L <= hd; d0 += 2 * L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL acc0[G] = {}, acc1[G] = {};
+            for (int j = 0; j < n; j++) {
+                const f32xL m0 = load_tile(m + j * ldm + d0), m1 = load_tile(m + j * ldm + d0 + L);
+                for (int r = 0; r < G; r++) {
+                    const float pr = p[(r0 + r) * ldp + j];
+                    acc0[r] += m0 * pr;
+                    acc1[r] += m1 * pr;
+                }
+            }
+            for (int r = 0; r < G; r++) {
+                float* cr = c + (r0 + r) * ldc + d0;
+                store_tile(cr, Add ? load_tile(cr) + acc0[r] : acc0[r]);
+                store_tile(cr + L, Add ? load_tile(cr + L) + acc1[r] : acc1[r]);
             }
         }
-        for (int r = 0; r < R; r++) {
-            float* cr = c + r * ldc + d0;
-            store16(cr, Add ? load16(cr) + acc0[r] : acc0[r]);
-            store16(cr + 16, Add ? load16(cr + 16) + acc1[r] : acc1[r]);
+    for (; d0 + L <= hd; d0 += L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL acc[G] = {};
+            for (int j = 0; j < n; j++) {
+                const f32xL mj = load_tile(m + j * ldm + d0);
+                for (int r = 0; r < G; r++) acc[r] += mj * p[(r0 + r) * ldp + j];
+            }
+            for (int r = 0; r < G; r++) {
+                float* cr = c + (r0 + r) * ldc + d0;
+                store_tile(cr, Add ? load_tile(cr) + acc[r] : acc[r]);
+            }
         }
-    }
-    for (; d0 + 16 <= hd; d0 += 16) {
-        f32x16 acc[R] = {};
-        for (int j = 0; j < n; j++) {
-            const f32x16 mj = load16(m + j * ldm + d0);
-            for (int r = 0; r < R; r++) acc[r] += mj * p[r * ldp + j];
-        }
-        for (int r = 0; r < R; r++) {
-            float* cr = c + r * ldc + d0;
-            store16(cr, Add ? load16(cr) + acc[r] : acc[r]);
-        }
-    }
-    for (; d0 < hd; d0++)  // head_dim not a multiple of 16
+    for (; d0 < hd; d0++)  // head_dim not a multiple of the tile
         for (int r = 0; r < R; r++) {
             float s = 0.0f;
             for (int j = 0; j < n; j++) s += p[r * ldp + j] * m[j * ldm + d0];
@@ -144,33 +174,36 @@ inline void tile_weighted_rows(const float* p, int ldp, const float* m, size_t l
 template <int R>
 inline void tile_add_weighted_cols(const float* p, int ldp, const float* x, size_t ldx, int n, int hd,
                                    float* m, size_t ldm) {
+    constexpr int G = tile_group<R>(), L = kTileLanes;
     int d0 = 0;
-    for (; d0 + 32 <= hd; d0 += 32) {
-        f32x16 x0[R], x1[R];
-        for (int r = 0; r < R; r++) {
-            x0[r] = load16(x + r * ldx + d0);
-            x1[r] = load16(x + r * ldx + d0 + 16);
-        }
-        for (int j = 0; j < n; j++) {
-            f32x16 acc0 = load16(m + j * ldm + d0), acc1 = load16(m + j * ldm + d0 + 16);
-            for (int r = 0; r < R; r++) {
-                const float pr = p[r * ldp + j];
-                acc0 += x0[r] * pr;
-                acc1 += x1[r] * pr;
+    for (; d0 + 2 * L <= hd; d0 += 2 * L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL x0[G], x1[G];
+            for (int r = 0; r < G; r++) {
+                x0[r] = load_tile(x + (r0 + r) * ldx + d0);
+                x1[r] = load_tile(x + (r0 + r) * ldx + d0 + L);
             }
-            store16(m + j * ldm + d0, acc0);
-            store16(m + j * ldm + d0 + 16, acc1);
+            for (int j = 0; j < n; j++) {
+                f32xL acc0 = load_tile(m + j * ldm + d0), acc1 = load_tile(m + j * ldm + d0 + L);
+                for (int r = 0; r < G; r++) {
+                    const float pr = p[(r0 + r) * ldp + j];
+                    acc0 += x0[r] * pr;
+                    acc1 += x1[r] * pr;
+                }
+                store_tile(m + j * ldm + d0, acc0);
+                store_tile(m + j * ldm + d0 + L, acc1);
+            }
         }
-    }
-    for (; d0 + 16 <= hd; d0 += 16) {
-        f32x16 xr[R];
-        for (int r = 0; r < R; r++) xr[r] = load16(x + r * ldx + d0);
-        for (int j = 0; j < n; j++) {
-            f32x16 acc = load16(m + j * ldm + d0);
-            for (int r = 0; r < R; r++) acc += xr[r] * p[r * ldp + j];
-            store16(m + j * ldm + d0, acc);
+    for (; d0 + L <= hd; d0 += L)
+        for (int r0 = 0; r0 < R; r0 += G) {
+            f32xL xr[G];
+            for (int r = 0; r < G; r++) xr[r] = load_tile(x + (r0 + r) * ldx + d0);
+            for (int j = 0; j < n; j++) {
+                f32xL acc = load_tile(m + j * ldm + d0);
+                for (int r = 0; r < G; r++) acc += xr[r] * p[(r0 + r) * ldp + j];
+                store_tile(m + j * ldm + d0, acc);
+            }
         }
-    }
     for (; d0 < hd; d0++)
         for (int j = 0; j < n; j++) {
             float s = m[j * ldm + d0];
