@@ -83,8 +83,8 @@ constexpr int tile_group() {
 // The kernels take two tiles per pass where they can: each broadcast row element then feeds
 // two multiply-adds, which halves the loads per multiply-add (loads, not arithmetic, bound
 // these small products). Column tiles are the outer loop and row groups the inner one, so a
-// tile's column stays in L1 for every group. Each output element sums in the same order at
-// every width: the results do not depend on the CPU's vector width.
+// tile's column stays in L1 for every group. Each output element sums its terms in the same
+// order at every width and grouping.
 
 // s[r][0..n16) = a[r] . bt[:, j]: R rows of a (lda apart, kdim long) against the columns of
 // bt, kdim rows of ldb floats (keys transposed, so a tile of keys loads as one vector).
