@@ -83,8 +83,9 @@ constexpr int tile_group() {
 // The kernels take two tiles per pass where they can: each broadcast row element then feeds
 // two multiply-adds, which halves the loads per multiply-add (loads, not arithmetic, bound
 // these small products). Column tiles are the outer loop and row groups the inner one, so a
-// tile's column stays in L1 for every group. Each output element sums its terms in the same
-// order at every width and grouping.
+// tile's column stays in L1 for every group. Each output element's terms are written in the
+// same order at every width and grouping; -fassociative-math lets the compiler regroup them,
+// so the last bits may differ between widths.
 
 // s[r][0..n16) = a[r] . bt[:, j]: R rows of a (lda apart, kdim long) against the columns of
 // bt, kdim rows of ldb floats (keys transposed, so a tile of keys loads as one vector).
