@@ -740,27 +740,39 @@ inline void zoo::Attention::pullback_rows(const float* q, const float* k, const 
         const float l = lse[t0 + r];
         float* pr = pb + (size_t)r * Tp;
         float* dsr = ds + (size_t)r * Tp;
-        float dot = 0.0f;
+        // dS = P (dP - sum P dP). Its terms sum to zero, and dQ = dS K, dK = dS^T Q lose that
+        // zero's rounding times the keys' (queries') common part, which a norm's bias makes
+        // large: the probabilities rebuilt from the saved lse sum to 1 only within a few
+        // ulps of the scores (recomputed here in another order), so sum P dP is taken over
+        // sum P, the normalized probabilities' weighted mean (q and k gradients 2-5x PyTorch
+        // float32's error without it, tests/test_variants.py).
+        float dot = 0.0f, total = 0.0f;
         if (softcap > 0.0f) {
             // p = exp(c tanh(scale s / c) - lse); d(capped)/ds = scale (1 - tanh^2). The first
             // pass only sums (the scores stay for the second, which recomputes the tanh).
             for (int run = 0; run < 2; run++)
-                for (int j = run_begin[run]; j < run_end[run]; j++)
-                    dot += fast_exp(softcap * fast_tanh(scale * pr[j] / softcap) - l) * dsr[j];
+                for (int j = run_begin[run]; j < run_end[run]; j++) {
+                    const float p = fast_exp(softcap * fast_tanh(scale * pr[j] / softcap) - l);
+                    dot += p * dsr[j];
+                    total += p;
+                }
+            const float mean = dot / total;
             for (int run = 0; run < 2; run++)
                 for (int j = run_begin[run]; j < run_end[run]; j++) {
                     const float t = fast_tanh(scale * pr[j] / softcap);
                     pr[j] = fast_exp(softcap * t - l);
-                    dsr[j] = pr[j] * (dsr[j] - dot) * scale * (1.0f - t * t);
+                    dsr[j] = pr[j] * (dsr[j] - mean) * scale * (1.0f - t * t);
                 }
         } else {
             for (int run = 0; run < 2; run++)
                 for (int j = run_begin[run]; j < run_end[run]; j++) {
                     pr[j] = fast_exp(scale * pr[j] - l);
                     dot += pr[j] * dsr[j];
+                    total += pr[j];
                 }
+            const float mean = dot / total;
             for (int run = 0; run < 2; run++)
-                for (int j = run_begin[run]; j < run_end[run]; j++) dsr[j] = pr[j] * (dsr[j] - dot) * scale;
+                for (int j = run_begin[run]; j < run_end[run]; j++) dsr[j] = pr[j] * (dsr[j] - mean) * scale;
         }
         for (int j = 0; j < vis.first; j++) pr[j] = dsr[j] = 0.0f;
         for (int j = vis.lo; j < vis.hi; j++) pr[j] = dsr[j] = 0.0f;
