@@ -5,6 +5,7 @@ import shutil
 import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,10 @@ def test_a_core_built_for_another_python_is_named(tmp_path):
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
     assert f"it holds {other}, built for another Python" in last
+
+
+def test_a_broken_core_of_this_python_keeps_its_own_error(tmp_path):
+    ours = "_native" + sysconfig.get_config_var("EXT_SUFFIX")
+    r = _import_copy(tmp_path, ours)  # an empty file: the loader's own error, not "never built"
+    assert r.returncode != 0 and "ImportError" in r.stderr
+    assert "no compiled core" not in r.stderr and ours in r.stderr

@@ -44,17 +44,18 @@ def _load_from_wheel(missing: str) -> bool:
     return bool(files)
 
 
-def _unbuilt_core_error(e: ImportError) -> ImportError:
+def _unbuilt_core_error(e: ImportError):
     """The error for a zoo/ folder without a compiled core this Python can load: a source checkout
     never built in place, whose zoo/ shadows an installed zoo when Python runs in it, or a core
-    built for another Python."""
+    built for another Python. None where the folder holds this Python's core (whose import
+    failed for another reason, which e says)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    ours = "_native" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
     found = sorted(f for f in os.listdir(here) if f.startswith("_native.") and f.endswith((".so", ".pyd")))
-    if found:
-        why = f"it holds {', '.join(found)}, built for another Python (this one loads _native{suffix})"
-    else:
-        why = "this copy of zoo was never built"
+    if ours in found:
+        return None
+    why = (f"it holds {', '.join(found)}, built for another Python (this one loads {ours})" if found
+           else "this copy of zoo was never built")
     return ImportError(f"zoo: no compiled core in {here}: {why}. In a checkout, build it in place with "
                        f"`make setup` (or `pip install -e .`); to use a zoo installed elsewhere, run Python "
                        f"outside the checkout, whose zoo/ folder comes first on the path ({e})")
@@ -67,8 +68,8 @@ for _attempt in range(len(_WHEEL_LIBRARIES) + 1):
         break
     except ImportError as e:
         missing = next((p for p in _WHEEL_LIBRARIES if p in str(e)), None)
-        if missing is None and e.name == __package__ and "_native" in str(e):
-            raise _unbuilt_core_error(e) from None
+        if missing is None and e.name == __package__ and (unbuilt := _unbuilt_core_error(e)):
+            raise unbuilt from None
         if missing is None or _attempt == len(_WHEEL_LIBRARIES) or not _load_from_wheel(
                 str(e)[str(e).index(missing):].split(".so")[0]):
             raise
