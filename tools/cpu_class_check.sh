@@ -4,8 +4,9 @@
 # GPT-2's products runs on, at the machine's class and forced to AVX512_CORE_BF16; the MLP
 # activations' loops alone; the GPT-2 and SmolLM bf16 steps against PyTorch autocast; LoRA over
 # llama-3.2-1b's bf16, int8 and nf4 bases against PyTorch + PEFT, and the bf16 base with its
-# packed copy (--packed-base) beside it. On a CPU without bf16 dot products the steps are fp32
-# against PyTorch fp32, and the packed base is skipped. Each benchmark writes its JSON
+# packed copy (--packed-base) beside it; llama-3.1-8b's bf16 base with checkpointing. On a CPU
+# without bf16 dot products the steps are fp32 against PyTorch fp32, and the packed base and
+# the 8B (whose PyTorch fp32 side needs 32 GB) are skipped. Each benchmark writes its JSON
 # into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 23 minutes
 # in all. A step that fails or runs past its limit is reported and the next one runs.
 #
@@ -14,8 +15,10 @@
 #
 # PART (default: all, in this order), with its time on 2 cores of a Zen 5: classes (the class
 # tests and GPT-2's products, 1 minute), activations (seconds), gpt2 (2 minutes), smollm (6),
-# lora (7 with its two rounds), packed (3). Parts let a machine lent for 10 minutes a command run
-# them all.
+# lora (7 with its two rounds), packed (3), lora8b (one round, bf16 base, activation checkpointing
+# on both sides, loaded from a checkpoint written first; 18 GB of memory and 16 GB of disk; about
+# 5 minutes on a Zen 5 by the runs in docs/benchmarks.md, not yet timed as a part). Parts let a
+# machine lent for 10 minutes a command run them all, lora8b in a command of its own.
 #
 #   PARALLEL=1 tools/cpu_class_check.sh OUT [PART...]    the parts at the same time
 #
@@ -27,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-.venv/bin/python}
 out=${1:-build/cpu-class}
-all_parts=(classes activations gpt2 smollm lora packed)
+all_parts=(classes activations gpt2 smollm lora packed lora8b)
 parts=("${@:2}")
 ((${#parts[@]})) || parts=("${all_parts[@]}")
 for p in "${parts[@]}"; do
@@ -105,4 +108,8 @@ wants lora && step 540 "LoRA llama-3.2-1b 1 x 256, bf16, int8 and nf4 bases" "$p
 [ $precision = bf16 ] && wants packed && step 540 "LoRA llama-3.2-1b 1 x 256, the bf16 base packed and not" "$py" -m zoo.tools.bench_lora \
     --preset llama-3.2-1b --batch-size 1 --seq-len 256 --base bf16 --packed-base --torch bf16 --steps 3 --warmup 1 \
     --rounds 2 --threads 2 --json "$out/lora-llama-3.2-1b-b1-t256-packed-base.json"
+[ $precision = fp32 ] && wants lora8b && echo "== lora8b: skipped, PyTorch's fp32 side of the 8B needs 32 GB"
+[ $precision = bf16 ] && wants lora8b && step 570 "LoRA llama-3.1-8b 1 x 256, bf16 base, checkpointing" "$py" -m zoo.tools.bench_lora \
+    --preset llama-3.1-8b --batch-size 1 --seq-len 256 --base bf16 --checkpointing --from-checkpoint --torch bf16 \
+    --torch-checkpointing --steps 2 --warmup 1 --rounds 1 --threads 2 --json "$out/lora-llama-3.1-8b-b1-t256.json"
 echo "== done ($(date -u +%H:%M:%S)): $out"
