@@ -8,7 +8,8 @@
 # without bf16 dot products the steps are fp32 against PyTorch fp32, and the packed base and
 # the 8B (whose PyTorch fp32 side needs 32 GB) are skipped. Each benchmark writes its JSON
 # into OUT. Needs zoo built and the test extras (make setup-dev), 2 free cores, about 23 minutes
-# in all. A step that fails or runs past its limit is reported and the next one runs.
+# in all before lora8b and 28 with it. A step that fails or runs past its limit is reported and
+# the next one runs.
 #
 #   tools/cpu_class_check.sh [OUT [PART...]]             OUT defaults to build/cpu-class
 #   PYTHON=python3 tools/cpu_class_check.sh OUT          with another environment's Python
