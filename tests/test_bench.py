@@ -370,7 +370,9 @@ def test_bench_generate_zoo_alone_writes_table_json_and_targets(tmp_path, capsys
     assert bench_generate.main(["--preset", "tiny-llama", "--base", "int8", "--repeats", "1", "--new-tokens", "6",
                                 "--prefill-len", "32", "--batch", "2", "--no-llama-cpp", "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    precision = "bf16" if zoo.gemm_info()["bf16_native"] else "fp32"  # an int8 base's products, by default
+    from zoo.arch.lora import default_precision
+
+    precision = default_precision("int8")  # an int8 base's products, by default
     assert f"| tiny-llama | int8 ({precision}) | - |" in table
     data = json.loads(out.read_text())
     assert data["schema"] == "zoo-bench-generate/3" and data["llama_cpp"] is None

@@ -9,6 +9,7 @@ import math
 import pytest
 
 import zoo
+from zoo.arch.lora import default_precision
 from zoo.tools import bench_dpo
 
 
@@ -62,5 +63,5 @@ def test_the_profile_splits_a_dpo_step_into_its_parts(tmp_path, capsys):
     assert "lora" in r["dpo"]["policy_forward"]["blocks"] and "linear" in r["dpo"]["pullback"]["blocks"]
     assert r["dpo"]["pullback"]["blocks"]["linear"][1] > 0 and r["sft"]["forward_backward"]["s"] > 0
     assert r["checkpoint_layers"] == r["n_layer"] == 2  # the default at this shape: both layers
-    assert r["precision"] == ("bf16" if zoo.gemm_info()["bf16_native"] else "fp32")  # what this CPU can run
+    assert r["precision"] == default_precision("bf16")  # what this CPU runs best
     assert "dpo step:" in capsys.readouterr().out

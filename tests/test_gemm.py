@@ -196,7 +196,8 @@ def test_the_products_report_names_each_kernel_and_warns_of_bf16_products_withou
     assert summary == f"fp32 products on {GEMM['fp32']}" and warning is None
     if BF16:
         summary, warning = gemm.products_report(cfg, "bf16", 64)
-        assert summary.startswith("bf16 products on onednn:") and warning is None
+        assert summary.startswith("bf16 products on onednn:")
+        assert (warning is None) != gemm.bf16_slower_than_fp32()  # the class of the next test
     # A CPU where oneDNN gives some bf16 products an fp32 kernel: one line says so.
     slow = {(False, True, 64, 320, 64): "onednn:brg:avx512_core"}
     monkeypatch.setattr(_native, "gemm_kernel", lambda p, ta, tb, M, N, K, bf16_operands=False:
@@ -207,6 +208,40 @@ def test_the_products_report_names_each_kernel_and_warns_of_bf16_products_withou
     assert warning == (f"warning: 1 of the {3 * n_shapes} bf16 products of a step run on kernels without bf16 dot products "
                        "(onednn:brg:avx512_core; e.g. lm_head forward 64x320x64): rounded to bf16, they run no "
                        "faster than fp32 here")
+
+
+def test_an_intel_cpu_without_amx_in_use_keeps_lora_in_fp32_and_warns_of_bf16(monkeypatch):
+    """Sapphire Rapids and later with AMX hidden or forced off: their AVX512_BF16 kernels ran at
+    about half fp32's rate (docs/benchmarks.md), so LoRA's default is fp32 there and an explicit
+    bf16 run is told. Cooper Lake (no AVX512-FP16) and AMD keep bf16; AMX in use is the fast class."""
+    from zoo.arch import lora
+    from zoo.core import gemm
+
+    spr = {"bf16_native": True, "cpu_vendor": "GenuineIntel", "onednn_isa": "avx512_core_fp16"}
+    spr_flags = frozenset({"avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16"})
+    assert gemm.bf16_slower_than_fp32(spr, spr_flags)
+    assert gemm.bf16_slower_than_fp32({**spr, "onednn_isa": "avx512_core_bf16"}, spr_flags)  # DNNL_MAX_CPU_ISA
+    assert not gemm.bf16_slower_than_fp32({**spr, "onednn_isa": "avx512_core_amx"}, spr_flags)
+    assert not gemm.bf16_slower_than_fp32({**spr, "onednn_isa": "avx512_core_bf16"}, frozenset({"avx512_bf16"}))
+    assert not gemm.bf16_slower_than_fp32({**spr, "cpu_vendor": "AuthenticAMD"}, spr_flags)
+    assert not gemm.bf16_slower_than_fp32({**spr, "bf16_native": False}, spr_flags)
+
+    monkeypatch.setattr(lora, "gemm_info", lambda: {"bf16_native": True})
+    for slower, want in ((False, "bf16"), (True, "fp32")):
+        monkeypatch.setattr(lora, "bf16_slower_than_fp32", lambda: slower)
+        assert [lora.default_precision(b) for b in ("bf16", "int8", "nf4", "fp32")] == [want] * 3 + ["fp32"]
+
+    monkeypatch.setattr(_native, "gemm_kernel", lambda *a, **k: "onednn:brg:avx512_core_bf16")
+    monkeypatch.setattr(_native, "is_bf16_kernel", lambda k: True)
+    monkeypatch.setattr(gemm, "gemm_info", lambda: spr)
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: spr_flags)
+    summary, warning = gemm.products_report(zoo.preset("tiny-gpt2"), "bf16", 64)
+    assert summary == "bf16 products on onednn:brg:avx512_core_bf16"
+    assert warning == ("warning: bf16 products here run on oneDNN's AVX512_BF16 kernels of an Intel CPU whose AMX "
+                       "is not in use (oneDNN ISA avx512_core_fp16), which ran at about half fp32's rate on such "
+                       "Xeons (docs/training.md): --precision fp32 is faster here")
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: frozenset({"avx512_bf16"}))  # Cooper Lake
+    assert gemm.products_report(zoo.preset("tiny-gpt2"), "bf16", 64)[1] is None
 
 
 @needs_bf16

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .. import families
 from ..core import blocks
-from ..core.gemm import gemm_info
+from ..core.gemm import bf16_slower_than_fp32, gemm_info
 from .layout import ParamSpec
 
 if TYPE_CHECKING:
@@ -170,8 +170,9 @@ def initial_adapter(spec: "ParamSpec", rng: np.random.Generator) -> np.ndarray:
 
 def default_precision(base_dtype: str) -> str:
     """The products of a LoRA run by default: bf16 over a base narrower than fp32 where the CPU has
-    bf16 dot products (the base is bf16 at best already), else fp32."""
-    return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] else "fp32"
+    bf16 dot products (the base is bf16 at best already) that run faster than its fp32 products
+    (gemm.bf16_slower_than_fp32), else fp32."""
+    return "bf16" if base_dtype != "fp32" and gemm_info()["bf16_native"] and not bf16_slower_than_fp32() else "fp32"
 
 
 def run_setup(cfg: "ModelConfig", lora: Optional[LoraConfig], base_dtype: str, frozen: bool,

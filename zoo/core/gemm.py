@@ -62,6 +62,36 @@ def apply_gemm_environment() -> None:
     _gemm_environment_applied = True
 
 
+def cpu_flags() -> frozenset:
+    """The first CPU's flags in /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def bf16_slower_than_fp32(info: Optional[dict] = None, flags: Optional[frozenset] = None) -> bool:
+    """Whether this CPU's bf16 products, though it has bf16 dot products, run slower than its fp32
+    ones: an Intel core of the Sapphire Rapids generation or later (AVX512-FP16) whose products
+    run without AMX, where the system hides AMX (a Linux kernel before 5.16, a virtual machine
+    that does not pass it through) or DNNL_MAX_CPU_ISA lowers the class. oneDNN 3.2's AVX512_BF16
+    kernels ran GPT-2's products there at 0.62x and 0.47x OpenBLAS's fp32 rate, on two such Xeons
+    (docs/benchmarks.md, "What forcing a class shows"). Cooper Lake, the one Intel CPU with
+    AVX512_BF16 and without AVX512-FP16, was never measured, and AMD's Zen 4 and 5 run the same
+    kernels at several times their fp32 rate: both keep bf16."""
+    info = gemm_info() if info is None else info
+    flags = cpu_flags() if flags is None else flags
+    return (bool(info["bf16_native"]) and info["cpu_vendor"] == "GenuineIntel"
+            and "amx" not in info["onednn_isa"] and "avx512_fp16" in flags)
+
+
 # --- which kernels a model's products run on -------------------------------------------------
 
 PRODUCTS = ("forward", "dx", "dW")
@@ -128,6 +158,10 @@ def products_report(cfg, precision: str, rows: int, base_dtype: str = "fp32") ->
     if precision != "bf16":
         return summary, None
     slow = [k for k in kernels if not is_bf16_kernel(k["kernel"])]
+    if not slow and bf16_slower_than_fp32():
+        return summary, (f"warning: bf16 products here run on oneDNN's AVX512_BF16 kernels of an Intel CPU whose "
+                         f"AMX is not in use (oneDNN ISA {gemm_info()['onednn_isa']}), which ran at about half "
+                         f"fp32's rate on such Xeons (docs/training.md): --precision fp32 is faster here")
     if not slow:
         return summary, None
     first = slow[0]

@@ -282,7 +282,7 @@ def run_zoo(workdir: str, share_prompt: bool, checkpointing: Optional[bool], ste
     # a row of the pair as zoo packs it, or each sequence in a row of its own, as TRL pads them
     seq_len = P - 1 + C + R if share_prompt else P + max(C, R) - 1
     rows = 1 if share_prompt else 2
-    precision = default_precision("bf16")  # fp32 products where the CPU has no bf16 dot products
+    precision = default_precision("bf16")  # fp32 products where bf16 ones would not run faster
     if checkpointing is None:  # as the trainer has it (TrainConfig.checkpoint_layers)
         checkpointing = (partial_checkpoint_layers(config, rows, seq_len, DEFAULT_CHECKPOINT_GROWTH, precision,
                                                    lora_config, "bf16")

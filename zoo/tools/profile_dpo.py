@@ -54,7 +54,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = model_config(a.preset, None)
     lora = LoraConfig(r=a.rank, alpha=2.0 * a.rank, dropout=0.0, targets=module_names(cfg))
     seq_len = a.prompt_len - 1 + 2 * a.answer_len
-    precision = default_precision("bf16")  # fp32 products where the CPU has no bf16 dot products
+    precision = default_precision("bf16")  # fp32 products where bf16 ones would not run faster
     if a.checkpointing == "default":
         ckpt = partial_checkpoint_layers(cfg, 1, seq_len, DEFAULT_CHECKPOINT_GROWTH, precision, lora, "bf16")
     elif a.checkpointing in ("on", "off"):
