@@ -85,7 +85,7 @@ def bf16_slower_than_fp32(info: Optional[dict] = None, flags: Optional[frozenset
     kernels ran GPT-2's products there at 0.62x and 0.47x OpenBLAS's fp32 rate, on two such Xeons
     (docs/benchmarks.md, "What forcing a class shows"). Cooper Lake, the one Intel CPU with
     AVX512_BF16 and without AVX512-FP16, was never measured, and AMD's Zen 4 and 5 run the same
-    kernels at several times their fp32 rate: both keep bf16."""
+    kernels at two to four times their fp32 rate: both keep bf16."""
     info = gemm_info() if info is None else info
     flags = cpu_flags() if flags is None else flags
     return (bool(info["bf16_native"]) and info["cpu_vendor"] == "GenuineIntel"
