@@ -62,19 +62,26 @@ def apply_gemm_environment() -> None:
     _gemm_environment_applied = True
 
 
-def cpu_flags() -> frozenset:
-    """The first CPU's flags in /proc/cpuinfo (empty where there is none: not Linux)."""
+def cpu_fields() -> dict:
+    """The first CPU's fields in /proc/cpuinfo ("model name", "vendor_id", "flags", ...; empty
+    where there is none: not Linux)."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if not line.strip():
-                    break
+                    break  # the first processor's block is enough
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return frozenset(value.split())
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return frozenset()
+    return fields
+
+
+def cpu_flags() -> frozenset:
+    """The first CPU's flags (x86's "flags", ARM's "Features")."""
+    fields = cpu_fields()
+    return frozenset(fields.get("flags", fields.get("Features", "")).split())
 
 
 def bf16_slower_than_fp32(info: Optional[dict] = None, flags: Optional[frozenset] = None) -> bool:

@@ -73,16 +73,9 @@ def default_threads() -> int:
 def cpu_description() -> dict:
     """Model name, vendor and the bf16 flags of the first CPU in /proc/cpuinfo ("unknown" where
     it is missing: not Linux, or an architecture that names them otherwise)."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor's block is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
+    from ..core.gemm import cpu_fields
+
+    fields = cpu_fields()
     flags = fields.get("flags", "").split()
     bf16_flags = [flag for flag in flags if "bf16" in flag or flag == "avx_ne_convert"]
     return {"model_name": fields.get("model name", "unknown"), "vendor": fields.get("vendor_id", "unknown"),
