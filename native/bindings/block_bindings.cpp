@@ -157,7 +157,7 @@ void bind_blocks(py::module_& parent) {
         if (dout.ndim() != 3 || dout.shape(0) != B || dout.shape(1) != T || dout.shape(2) != n_head * head_dim)
             throw std::invalid_argument("zoo: attention dout must be (B, T, n_head * head_dim)");
         F dqkv(shape_of(qkv));
-        std::vector<float> scratch(a.scratch_floats(omp_get_max_threads(), T));
+        std::vector<float> scratch(a.pullback_scratch_floats(omp_get_max_threads(), T));
         a.pullback(qkv.data(), pos, hid, lse.data(), dout.data(), dqkv.mutable_data(), scratch.data(), B, T);
         return dqkv;
     }, py::arg("qkv"), py::arg("lse"), py::arg("dout"), py::arg("n_head"), py::arg("n_kv_head"), py::arg("head_dim"),

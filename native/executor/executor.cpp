@@ -567,7 +567,7 @@ static size_t pullback_scratch_floats(const Dims& d, const AdChoice& ad, int B, 
     if (d.qk_norm)  // the norm over q's width (at least k's)
         n = std::max(n, need(ad.on(d.norm->name) ? d.norm->clad_scratch_floats : d.norm->scratch_floats,
                              d.qk_norm == 1 ? d.head_dim : d.attn_dim()));
-    n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.scratch_floats(threads, T));
+    n = std::max(n, ad.on("attention") ? attn.clad_scratch_floats(threads, T) : attn.pullback_scratch_floats(threads, T));
     if (ad.on("linear")) {  // the replayed bias add of the widest layer with a bias
         int widest = 0;
         if (d.attention_bias) widest = d.qkv_dim();
