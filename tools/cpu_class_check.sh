@@ -24,7 +24,8 @@
 #   PARALLEL=1 tools/cpu_class_check.sh OUT [PART...]    the parts at the same time
 #
 # runs each part pinned (taskset) to two physical cores of its own, its output in OUT/PART.log,
-# and prints the logs when all are done: about 8 minutes for all six on 12 free cores. The
+# and prints the logs when all are done: the six parts before lora8b took about 8 minutes on 10
+# cores of an AMX Xeon (side by side by hand, docs/benchmarks.md); lora8b needs 2 cores more. The
 # parts then share the L3 and the memory bus, so their absolute times are slower than alone;
 # each part's ratios still compare zoo and PyTorch run in turn on the same two cores.
 set -uo pipefail
