@@ -392,6 +392,31 @@ def test_stored_matrix_products_over_many_tiles_equal_numpy(fmt):
     assert rel_err(dx, dy.astype(np.float64) @ widened) < 1e-5
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
+def test_fp32_products_of_a_narrow_matrix_are_the_same_bits_on_any_thread_count(fmt):
+    """On OpenBLAS an fp32 product with a narrow W runs on zoo's threads, each widening its own
+    rows (forward) or columns (input gradient) of W a chunk at a time. 700 x 4100 gives each of
+    1-3 threads several chunks, column ranges of unequal width and a short last nf4 block. The
+    results equal numpy's on the stored values, are the same bits whatever the thread count,
+    and leave OpenBLAS on the threads it had."""
+    from zoo.core._native import stored_matrix_product
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((700, 4100)).astype(np.float32)
+    x, dy = rng.standard_normal((7, 4100)).astype(np.float32), rng.standard_normal((7, 700)).astype(np.float32)
+    stored = stored_matrix_product(np.eye(4100, dtype=np.float32), W, fmt, "fp32", False)[0].T
+    results = []
+    for n in (1, 2, 3):
+        zoo.set_threads(n)
+        y, dx = stored_matrix_product(x, W, fmt, "fp32", False)[0], stored_matrix_product(dy, W, fmt, "fp32", True)[0]
+        assert zoo.gemm_info()["openblas_threads"] == n
+        assert rel_err(y, x.astype(np.float64) @ stored.T) < 1e-5
+        assert rel_err(dx, dy.astype(np.float64) @ stored) < 1e-5
+        results.append((y, dx))
+    for y, dx in results[1:]:
+        assert np.array_equal(y, results[0][0]) and np.array_equal(dx, results[0][1])
+
+
 @needs_bf16
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "nf4"])
 def test_stored_matrix_bf16_products_over_two_tiles_equal_the_rounded_operands(fmt):

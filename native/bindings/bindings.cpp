@@ -242,7 +242,8 @@ PYBIND11_MODULE(_native, m) {
                         py::arg("cpu_vendor") = zoo::gemm::cpu_vendor(), py::arg("onednn_isa") = zoo::gemm::cpu_isa(),
                         py::arg("vector_isa") = zoo::vector_isa_name(zoo::vector_isa()),
                         py::arg("cpu_vector_isa") = zoo::vector_isa_name(zoo::cpu_vector_isa()),
-                        py::arg("openblas_core") = zoo::gemm::openblas_core());
+                        py::arg("openblas_core") = zoo::gemm::openblas_core(),
+                        py::arg("openblas_threads") = zoo::gemm::openblas_threads());
     });
     // zoo's own conversion loops (isa.hpp): forced to a path for tests, "auto" for the default.
     m.def("set_vector_isa", &zoo::set_vector_isa, py::arg("name"));

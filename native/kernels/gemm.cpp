@@ -440,13 +440,89 @@ size_t packed_block_bytes(int K, int N) {
 #endif
 }
 
+// --- fp32 products with a narrow W on OpenBLAS, by thread ---
+// OpenBLAS's threads split one product and wait on each other inside it: over the widened tiles
+// of a bf16 base (llama-3.2-1b LoRA, 2 threads, Zen 3) 6% of the step was their waiting
+// (inner_thread) on top of widening each tile before the product. Instead each of zoo's threads
+// takes its own rows of W (forward) or its own columns (input gradient), widens a chunk of
+// them into scratch of its own, and runs a single-threaded sgemm on it: the ten frozen products
+// of that step took 9.0-9.1 s against 9.8-10.2 s in tiles, where fp32 weights took 8.7-8.8
+// (docs/benchmarks.md). A chunk's rows do not depend on the thread count, so neither do the sums.
+
+// Rows of W widened at a time: about 512K values, at least 128 rows (narrower chunks repack x
+// for too few products: a 2048 x 8192 down projection ran 105 GFLOP/s in chunks of 32 rows).
+int xwt_chunk_rows(const Matrix& W) { return std::min(W.rows, std::max(128, (1 << 19) / std::max(1, W.cols) / 16 * 16)); }
+// Rows of W (the products' K) of an input gradient's block: about 1M values over all columns.
+int xw_chunk_rows(const Matrix& W) { return std::min(W.rows, std::max(128, (1 << 20) / std::max(1, W.cols) / 16 * 16)); }
+// A thread's rows in a forward, and its columns in an input gradient (whole nf4 blocks, so that
+// each range widens alone).
+int thread_rows(int rows, int threads) { return ((rows + threads - 1) / threads + 15) / 16 * 16; }
+int thread_cols(int cols, int threads) { return ((cols + threads - 1) / threads + nf4_block - 1) / nf4_block * nf4_block; }
+// A thread's scratch with `threads` threads.
+size_t own_floats(const Matrix& W, int threads) {
+    return std::max((size_t)std::min(xwt_chunk_rows(W), thread_rows(W.rows, threads)) * W.cols,
+                    (size_t)xw_chunk_rows(W) * std::min(W.cols, thread_cols(W.cols, threads)));
+}
+// Scratch for up to `threads` threads: fewer threads take more columns each, so the most any
+// count up to it needs (a plan made for more threads then holds a run with fewer).
+size_t by_thread_floats(const Matrix& W, int threads) {
+    size_t most = 0;
+    for (int t = 1; t <= threads; t++) most = std::max(most, t * own_floats(W, t));
+    return most;
+}
+bool by_thread(Precision p) { return p == Precision::fp32 && fp32_library() == Library::openblas; }
+
+// body(thread, threads, its scratch) on zoo's threads, OpenBLAS single-threaded meanwhile (its
+// thread count restored after): a sgemm called with OpenBLAS's threads on would run them all.
+template <class Body>
+void on_own_threads(const Matrix& W, float* scratch, Body&& body) {
+    const int blas_threads = scipy_openblas_get_num_threads();
+    if (blas_threads > 1) scipy_openblas_set_num_threads(1);
+#pragma omp parallel
+    {
+        const int threads = omp_get_num_threads();
+        body(omp_get_thread_num(), threads, scratch + (size_t)omp_get_thread_num() * own_floats(W, threads));
+    }
+    if (blas_threads > 1) scipy_openblas_set_num_threads(blas_threads);
+}
+
+void xwt_by_thread(int M, const float* x, int ldx, const Matrix& W, float beta, float* y, int ldy, float* scratch) {
+    const int chunk = xwt_chunk_rows(W);
+    on_own_threads(W, scratch, [&](int t, int threads, float* mine) {
+        const int per = thread_rows(W.rows, threads);
+        const int lo = std::min(W.rows, t * per), hi = std::min(W.rows, lo + per);
+        for (int r0 = lo; r0 < hi; r0 += chunk) {
+            const int n = std::min(chunk, hi - r0);
+            for (int r = r0; r < r0 + n; r++) widen_row_range(W, r, 0, W.cols, mine + (size_t)(r - r0) * W.cols);
+            scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, n, W.cols, 1.0f, x, ldx, mine, W.cols, beta,
+                              y + r0, ldy);
+        }
+    });
+}
+
+void xw_by_thread(int M, const float* dy, int lddy, const Matrix& W, float beta, float* dx, int lddx, float* scratch) {
+    const int chunk = xw_chunk_rows(W);
+    on_own_threads(W, scratch, [&](int t, int threads, float* mine) {
+        const int per = thread_cols(W.cols, threads);
+        const int lo = std::min(W.cols, t * per), hi = std::min(W.cols, lo + per), width = hi - lo;
+        for (int r0 = 0; width > 0 && r0 < W.rows; r0 += chunk) {
+            const int n = std::min(chunk, W.rows - r0);
+            for (int r = r0; r < r0 + n; r++) widen_row_range(W, r, lo, hi, mine + (size_t)(r - r0) * width);
+            scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, M, width, n, 1.0f, dy + r0, lddy, mine, width,
+                              r0 ? 1.0f : beta, dx + lo, lddx);
+        }
+    });
+}
 }  // namespace
 
 size_t matrix_scratch_floats(Precision p, DType t, int M, int rows, int cols) {
     if (t == DType::f32) return 0;
     const Matrix W(nullptr, t, rows, cols);
     if (p == Precision::bf16) return bf16_scratch(W, M).total;
-    return (size_t)std::max(tile_rows(p, W), k_block_rows(p, W)) * cols;  // a tile widened to fp32
+    // A tile widened to fp32 for another fp32 library, or OpenBLAS's chunks by thread: room for
+    // both, as the library may be chosen after the plan.
+    return std::max((size_t)std::max(tile_rows(p, W), k_block_rows(p, W)) * cols,
+                    by_thread_floats(W, omp_get_max_threads()));
 }
 
 namespace {
@@ -511,6 +587,7 @@ void matrix_xwt(Precision p, int M, const float* x, int ldx, const Matrix& W, fl
         return rounded_xwt(M, W, beta, y, ldy, scratch);
     }
 #endif
+    if (by_thread(p)) return xwt_by_thread(M, x, ldx, W, beta, y, ldy, scratch);
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         widen_rows(W, r0, r0 + n, scratch);
@@ -548,6 +625,7 @@ void matrix_xw(Precision p, int M, const float* dy, int lddy, const Matrix& W, f
         return;
     }
 #endif
+    if (by_thread(p)) return xw_by_thread(M, dy, lddy, W, beta, dx, lddx, scratch);
     for (int r0 = 0; r0 < W.rows; r0 += R) {
         const int n = std::min(R, W.rows - r0);
         widen_rows(W, r0, r0 + n, scratch);
@@ -720,6 +798,7 @@ void set_fp32_library(const std::string& lib) {
 }
 
 std::string openblas_core() { return scipy_openblas_get_corename(); }
+int openblas_threads() { return scipy_openblas_get_num_threads(); }
 
 bool bf16_built() {
 #ifdef ZOO_GEMM_ONEDNN

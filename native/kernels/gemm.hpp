@@ -93,6 +93,7 @@ bool bf16_native();
 std::string cpu_isa();     // oneDNN's name for the instruction set it uses ("" without oneDNN)
 std::string cpu_vendor();  // from CPUID: GenuineIntel, AuthenticAMD, ...
 std::string openblas_core();  // the kernels OpenBLAS picked for this CPU (OPENBLAS_CORETYPE forces them)
+int openblas_threads();        // the threads an OpenBLAS product runs on now (set_threads)
 void require_precision(Precision p);
 
 void set_threads(int n);  // the threads a GEMM takes (OpenBLAS keeps a pool of its own)

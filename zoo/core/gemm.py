@@ -30,7 +30,9 @@ def check_precision(precision: str) -> None:
 def gemm_info() -> dict:
     """The GEMM libraries: built_in, fp32 (the one fp32 products run on now), fp32_default (the
     measured fastest for this CPU), bf16 (the library bf16 products run on, None without one),
-    bf16_native (whether this CPU has bf16 dot products), cpu_vendor and onednn_isa."""
+    bf16_native (whether this CPU has bf16 dot products), cpu_vendor, onednn_isa, vector_isa
+    (zoo's own vector loops) and cpu_vector_isa (the CPU's), openblas_core (OpenBLAS's kernels)
+    and openblas_threads (the threads an OpenBLAS product runs on)."""
     apply_gemm_environment()
     return dict(_native.gemm_info())
 
