@@ -474,6 +474,8 @@ bool by_thread(Precision p) { return p == Precision::fp32 && fp32_library() == L
 
 // body(thread, threads, its scratch) on zoo's threads, OpenBLAS single-threaded meanwhile (its
 // thread count restored after): a sgemm called with OpenBLAS's threads on would run them all.
+// The count is process-wide: a model stepping on another Python thread meanwhile may run its
+// products on one thread for the while (slower, not wrong; OpenBLAS takes concurrent calls).
 template <class Body>
 void on_own_threads(const Matrix& W, float* scratch, Body&& body) {
     const int blas_threads = scipy_openblas_get_num_threads();
