@@ -445,12 +445,12 @@ size_t packed_block_bytes(int K, int N) {
 // of a bf16 base (llama-3.2-1b LoRA, 2 threads, Zen 3) 6% of the step was their waiting
 // (inner_thread) on top of widening each tile before the product. Instead each of zoo's threads
 // takes its own rows of W (forward) or its own columns (input gradient), widens a chunk of
-// them into scratch of its own, and runs a single-threaded sgemm on it: the ten frozen products
-// of that step took 9.0-9.1 s against 9.8-10.2 s in tiles, where fp32 weights took 8.7-8.8
-// (docs/benchmarks.md). A chunk's rows do not depend on the thread count, so neither do the sums.
+// them into scratch of its own, and runs a single-threaded sgemm on it: that step's linear
+// layers and head took 10.7 s instead of 12.0 (docs/benchmarks.md). A chunk's rows do not
+// depend on the thread count, so neither do the sums.
 
-// Rows of W widened at a time: about 512K values, at least 128 rows (narrower chunks repack x
-// for too few products: a 2048 x 8192 down projection ran 105 GFLOP/s in chunks of 32 rows).
+// Rows of W widened at a time: about 512K values, at least 128 rows (a 2048 x 8192 down
+// projection in chunks of 32 rows ran slower than in tiles: x repacked for too few rows).
 int xwt_chunk_rows(const Matrix& W) { return std::min(W.rows, std::max(128, (1 << 19) / std::max(1, W.cols) / 16 * 16)); }
 // Rows of W (the products' K) of an input gradient's block: about 1M values over all columns.
 int xw_chunk_rows(const Matrix& W) { return std::min(W.rows, std::max(128, (1 << 20) / std::max(1, W.cols) / 16 * 16)); }
