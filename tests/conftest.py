@@ -36,6 +36,16 @@ def restore_threads():
         zoo.set_threads(n)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def restore_threads_after_the_module():
+    """Likewise a module's fixtures: test_distributed's reference runs train in this process at one
+    thread, and every module after it ran at one thread instead of the machine's count."""
+    n = zoo.get_threads()
+    yield
+    if zoo.get_threads() != n:
+        zoo.set_threads(n)
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     """Runs the test at 1 and at 2 OpenMP threads."""

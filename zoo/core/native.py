@@ -8,6 +8,7 @@ import fnmatch
 import numbers
 import os
 import sysconfig
+from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, distribution
 
 # OpenMP threads that spin at barriers steal the cores OpenBLAS's workers (and anything else
@@ -97,4 +98,15 @@ def get_threads() -> int:
     return _native.get_threads()
 
 
-__all__ = ["_native", "MAX_THREADS", "check_threads", "get_threads", "set_threads"]
+@contextmanager
+def threads_set_to(n: int):
+    """The block runs at n threads; the count found before is given back after it."""
+    before = get_threads()
+    set_threads(n)
+    try:
+        yield
+    finally:
+        set_threads(before)
+
+
+__all__ = ["_native", "MAX_THREADS", "check_threads", "get_threads", "set_threads", "threads_set_to"]

@@ -29,6 +29,7 @@ from ..arch.config import ModelConfig
 from ..arch.layout import num_parameters, parameter_layout
 from ..arch.memory import finetune_memory_bytes, finetune_ways, human_bytes
 from ..arch.presets import PRESETS, Preset, preset_info
+from ..core.native import threads_set_to
 
 CARD_SCHEMA = "zoo-card/1"
 CARDS_DIR = "model_cards"
@@ -40,6 +41,10 @@ MEMORY_POINTS = ((1, 512), (4, 256), (8, 1024))
 # products of its LoRA runs: fixed, so a card does not depend on the CPU that generated it (a LoRA run
 # takes bf16 products by default where the CPU has bf16 dot products, as `zoo inspect` assumes).
 WAYS_POINT = (1, 512)
+# The threads the memory figures assume: the activation arena holds each thread's scratch, so
+# the estimate grows a little with the count (gpt2 at B=1, T=512 with checkpointing: 0.8 MiB a
+# thread). Fixed for the same reason: generated on 4 cores, every card differed.
+CARD_THREADS = 2
 WAYS_LORA_R = 16
 WAYS_LORA_PRECISION = "bf16"
 # The measurement a card suggests where none is committed: (batch, seq_len), seq_len clipped.
@@ -479,7 +484,8 @@ def card_markdown(d: dict) -> str:
         "",
         "Full finetuning in float32 with AdamW: parameters, gradients and the two AdamW moments (16 bytes per "
         "parameter) plus the activation arena of one micro-batch of B sequences x T tokens, from "
-        "`zoo.arch.memory.finetune_memory_bytes` (the estimate `zoo inspect` prints). Activation checkpointing "
+        f"`zoo.arch.memory.finetune_memory_bytes` (the estimate `zoo inspect` prints) at {CARD_THREADS} threads "
+        "(each thread's scratch is part of the arena). Activation checkpointing "
         "(`--checkpointing`) keeps each layer's input only and recomputes the rest in the backward pass.",
         "",
         "| B | T | weights + grads + AdamW | activations | total | activations, checkpointing | total, checkpointing |",
@@ -623,17 +629,19 @@ def index_markdown(cards: list[dict]) -> str:
 def render_all(benchmarks_dir: Optional[Path]) -> dict[str, str]:
     """File name (inside model_cards/) -> text, for every preset and the index."""
     bench = read_benchmarks(benchmarks_dir)
-    cards = [card_data(p, bench) for p in PRESETS]
     files: dict[str, str] = {}
-    for d in cards:
-        files[f"{d['name']}.md"] = card_markdown(d)
-        files[f"{d['name']}.json"] = card_json(d)
-    files[INDEX] = index_markdown(cards)
+    with threads_set_to(CARD_THREADS):
+        cards = [card_data(p, bench) for p in PRESETS]
+        for d in cards:
+            files[f"{d['name']}.md"] = card_markdown(d)
+            files[f"{d['name']}.json"] = card_json(d)
+        files[INDEX] = index_markdown(cards)
     return files
 
 
 def render_card(name: str, benchmarks_dir: Optional[Path]) -> str:
-    return card_markdown(card_data(preset_info(name), read_benchmarks(benchmarks_dir)))
+    with threads_set_to(CARD_THREADS):
+        return card_markdown(card_data(preset_info(name), read_benchmarks(benchmarks_dir)))
 
 
 def stale_files(out_dir: Path, files: dict[str, str]) -> list[Path]:
