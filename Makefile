@@ -10,8 +10,14 @@ NATIVE := $(wildcard native/*/*.hpp native/*/*.cpp) CMakeLists.txt pyproject.tom
 demo: $(VENV)/.installed
 	$(VENV)/bin/zoo train
 
+# Two pytest-xdist workers, each taking whole modules (a module's fixtures stay shared): the suite
+# is mostly one core's work (imports of PyTorch, the benchmarks' worker processes), and on 2 cores
+# it took 5 min 08 s with two workers, 9 min 10 s with one (docs/testing.md). TEST_WORKERS=N: N.
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed-dev
-	$(VENV)/bin/pytest -q tests
+	$(PYTEST) tests
 
 # The suite on a Clad build (docs/clad.md): Clad's build folder, the whole suite (the tests that
 # need Clad run, ZOO_TEST_CLAD=1 fails the run if the build has no Clad), then the default build back.
@@ -19,7 +25,7 @@ CLAD_DIR ?= /opt/clad
 CLAD_CXX ?= /usr/lib/llvm-19/bin/clang++
 test-clad: $(VENV)/.installed-dev
 	ZOO_CLAD_DIR=$(CLAD_DIR) CXX=$(CLAD_CXX) $(PY) -m pip install -q --no-build-isolation -e .
-	ZOO_TEST_CLAD=1 $(VENV)/bin/pytest -q tests; status=$$?; \
+	ZOO_TEST_CLAD=1 $(PYTEST) tests; status=$$?; \
 	    $(PY) -m pip install -q --no-build-isolation -e . && exit $$status
 
 # The suite on aarch64 without oneDNN, emulated on an x86-64 Debian machine (tools/test_arm.sh:
