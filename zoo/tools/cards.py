@@ -37,14 +37,15 @@ BENCHMARKS_DIR = "benchmarks"
 INDEX = "README.md"
 # (batch, seq_len) of the memory table; seq_len is clipped to the preset's context.
 MEMORY_POINTS = ((1, 512), (4, 256), (8, 1024))
+# The threads the memory figures assume: the activation arena holds each thread's scratch, so the
+# estimate grows a little with the count (gpt2 at B=1, T=512 with checkpointing: 0.8 MiB a
+# thread). Fixed, so a card does not depend on the machine's cores: generated on 4, every card
+# differed from the committed ones.
+CARD_THREADS = 2
 # The point of the table of each way to finetune (seq_len clipped), the LoRA rank it assumes and the
 # products of its LoRA runs: fixed, so a card does not depend on the CPU that generated it (a LoRA run
 # takes bf16 products by default where the CPU has bf16 dot products, as `zoo inspect` assumes).
 WAYS_POINT = (1, 512)
-# The threads the memory figures assume: the activation arena holds each thread's scratch, so
-# the estimate grows a little with the count (gpt2 at B=1, T=512 with checkpointing: 0.8 MiB a
-# thread). Fixed for the same reason: generated on 4 cores, every card differed.
-CARD_THREADS = 2
 WAYS_LORA_R = 16
 WAYS_LORA_PRECISION = "bf16"
 # The measurement a card suggests where none is committed: (batch, seq_len), seq_len clipped.
