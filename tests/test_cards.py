@@ -78,12 +78,14 @@ def test_card_json_facts():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_card_is_the_same_at_any_thread_count(threads):
+def test_a_card_is_the_same_at_any_thread_count(capsys, threads):
     """The memory figures are at CARD_THREADS whatever count the process runs at (the arena holds
     each thread's scratch): generated on 4 cores, every card differed from the committed ones."""
     zoo.set_threads(threads)
     for name in ("gpt2", "llama-3.2-1b"):
         assert cards.render_card(name, ROOT / cards.BENCHMARKS_DIR) == (CARDS / f"{name}.md").read_text()
+    assert main(["card", "gpt2", "--json"]) == 0  # the command's card too
+    assert capsys.readouterr().out == (CARDS / "gpt2.json").read_text()
     assert zoo.get_threads() == threads  # given back
 
 
@@ -213,6 +215,7 @@ def test_a_card_names_each_block_by_what_it_is():
 def test_cards_show_each_way_to_finetune():
     from zoo.arch.memory import finetune_ways
 
+    zoo.set_threads(cards.CARD_THREADS)  # the count the figures assume
     for p in PRESETS:
         d = json.loads((CARDS / f"{p.name}.json").read_text())
         b, t = cards.ways_point(p.config)

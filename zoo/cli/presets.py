@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..arch.layout import num_parameters
-from ..arch.presets import PRESETS, preset_info
+from ..arch.presets import PRESETS
 
 
 def add_presets(sub) -> None:
@@ -40,8 +40,7 @@ def _cmd_card(args) -> int:
     )
 
     bench_dir = Path(args.benchmarks) if args.benchmarks else cards.default_root() / cards.BENCHMARKS_DIR
-    data = cards.card_data(preset_info(args.name), cards.read_benchmarks(bench_dir))
-    print(cards.card_json(data) if args.json else cards.card_markdown(data), end="")
+    print(cards.render_card(args.name, bench_dir, as_json=args.json), end="")
     return 0
 
 

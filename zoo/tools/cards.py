@@ -640,9 +640,11 @@ def render_all(benchmarks_dir: Optional[Path]) -> dict[str, str]:
     return files
 
 
-def render_card(name: str, benchmarks_dir: Optional[Path]) -> str:
+def render_card(name: str, benchmarks_dir: Optional[Path], as_json: bool = False) -> str:
+    """One preset's card, Markdown or JSON (`zoo card NAME [--json]`)."""
     with threads_set_to(CARD_THREADS):
-        return card_markdown(card_data(preset_info(name), read_benchmarks(benchmarks_dir)))
+        d = card_data(preset_info(name), read_benchmarks(benchmarks_dir))
+        return card_json(d) if as_json else card_markdown(d)
 
 
 def stale_files(out_dir: Path, files: dict[str, str]) -> list[Path]:
