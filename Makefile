@@ -12,7 +12,7 @@ demo: $(VENV)/.installed
 
 # Two pytest-xdist workers, each taking whole modules (a module's fixtures stay shared): the suite
 # is mostly one core's work (imports of PyTorch, the benchmarks' worker processes), and on 2 cores
-# it took 5 min 08 s with two workers, 9 min 10 s with one (docs/testing.md). TEST_WORKERS=N: N.
+# it took 5 min 17 s with two workers, 9 min 10 s in one process (docs/testing.md). TEST_WORKERS=N: N.
 TEST_WORKERS ?= 2
 PYTEST := $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
