@@ -80,7 +80,7 @@ def test_card_json_facts():
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_card_is_the_same_at_any_thread_count(capsys, threads):
     """The memory figures are at CARD_THREADS whatever count the process runs at (the arena holds
-    each thread's scratch): generated on 4 cores, every card differed from the committed ones."""
+    each thread's scratch): generated at 4 threads, 78 of the 79 files differed from the committed ones."""
     zoo.set_threads(threads)
     for name in ("gpt2", "llama-3.2-1b"):
         assert cards.render_card(name, ROOT / cards.BENCHMARKS_DIR) == (CARDS / f"{name}.md").read_text()
