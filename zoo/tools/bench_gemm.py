@@ -131,7 +131,7 @@ def time_product(call, min_seconds: float) -> dict:
 def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emulated: bool,
             min_seconds: float) -> dict:
     import zoo
-    from zoo.core.native import _native
+    from zoo.core.native import _native, threads_set_to
     from zoo.arch.presets import preset
 
     cfg = preset(preset_name)
@@ -153,46 +153,44 @@ def measure(preset_name: str, batch: int, seq_len: int, threads: int, bf16_emula
         bf16_note = ("bf16: not measured (this CPU has no bf16 dot products; --bf16-emulated measures "
                      "oneDNN's emulation)")
 
-    previous_threads = zoo.get_threads()
-    zoo.set_threads(threads)
     rng = np.random.default_rng(0)
     results = []
-    try:
-        for shape in linear_shapes(cfg):
-            n_in, n_out = shape["in"], shape["out"]
-            print(f"measuring {shape['layer']} ({n_in} -> {n_out}) ...", file=sys.stderr, flush=True)
-            x = rng.standard_normal((rows, n_in), dtype=np.float32)
-            w = rng.standard_normal((n_out, n_in), dtype=np.float32)
-            dy = rng.standard_normal((rows, n_out), dtype=np.float32)
-            products = linear_products(x, w, dy)
-            for product in PRODUCTS:
-                a, b, trans_a, trans_b, M, N, K = products[product]
-                c = np.zeros((M, N), dtype=np.float32)  # the output, allocated once (beta = 1)
-                flops = 2.0 * M * N * K
-                row = {**shape, "product": product, "M": M, "N": N, "K": K, "trans_a": trans_a,
-                       "trans_b": trans_b, "flops": flops, "results": {}}
-                for column in columns:
-                    if column == "bf16":
-                        precision = "bf16"
-                    else:
-                        precision = "fp32"
-                        zoo.set_gemm_library(column)
+    with threads_set_to(threads):
+        try:
+            for shape in linear_shapes(cfg):
+                n_in, n_out = shape["in"], shape["out"]
+                print(f"measuring {shape['layer']} ({n_in} -> {n_out}) ...", file=sys.stderr, flush=True)
+                x = rng.standard_normal((rows, n_in), dtype=np.float32)
+                w = rng.standard_normal((n_out, n_in), dtype=np.float32)
+                dy = rng.standard_normal((rows, n_out), dtype=np.float32)
+                products = linear_products(x, w, dy)
+                for product in PRODUCTS:
+                    a, b, trans_a, trans_b, M, N, K = products[product]
+                    c = np.zeros((M, N), dtype=np.float32)  # the output, allocated once (beta = 1)
+                    flops = 2.0 * M * N * K
+                    row = {**shape, "product": product, "M": M, "N": N, "K": K, "trans_a": trans_a,
+                           "trans_b": trans_b, "flops": flops, "results": {}}
+                    for column in columns:
+                        if column == "bf16":
+                            precision = "bf16"
+                        else:
+                            precision = "fp32"
+                            zoo.set_gemm_library(column)
 
-                    def call():
-                        _native.gemm(a, b, trans_a, trans_b, precision=precision, c=c,
-                                     allow_emulated=bf16_emulated)
+                        def call():
+                            _native.gemm(a, b, trans_a, trans_b, precision=precision, c=c,
+                                         allow_emulated=bf16_emulated)
 
-                    _native.gemm_kernels_used(reset=True)
-                    timing = time_product(call, min_seconds)
-                    timing["gflops"] = flops / timing["seconds_median"] / 1e9
-                    timing["gflops_best"] = flops / timing["seconds_best"] / 1e9  # JSON only
-                    timing["kernel"] = kernel_run(precision, M, N, K)
-                    timing["bf16_kernel"] = _native.is_bf16_kernel(timing["kernel"])
-                    row["results"][column] = timing
-                results.append(row)
-    finally:
-        zoo.set_gemm_library("auto")
-        zoo.set_threads(previous_threads)
+                        _native.gemm_kernels_used(reset=True)
+                        timing = time_product(call, min_seconds)
+                        timing["gflops"] = flops / timing["seconds_median"] / 1e9
+                        timing["gflops_best"] = flops / timing["seconds_best"] / 1e9  # JSON only
+                        timing["kernel"] = kernel_run(precision, M, N, K)
+                        timing["bf16_kernel"] = _native.is_bf16_kernel(timing["kernel"])
+                        row["results"][column] = timing
+                    results.append(row)
+        finally:
+            zoo.set_gemm_library("auto")
 
     # The whole step: each shape's time weighted by how many times a step runs it.
     step = {}
