@@ -8,6 +8,7 @@ import tempfile
 import pytest
 
 import zoo
+from zoo.core.native import threads_set_to
 
 # Where zoo and the libraries the tests run would write outside a test's own folders: zoo's
 # token cache (~/.cache/zoo), its crash files ($XDG_CACHE_HOME/zoo/crashes), matplotlib's and
@@ -30,20 +31,16 @@ def writes_stay_in_pytests_folder(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def restore_threads():
     """A test (or the trainer it runs) may set the process's thread count: the next gets its own back."""
-    n = zoo.get_threads()
-    yield
-    if zoo.get_threads() != n:
-        zoo.set_threads(n)
+    with threads_set_to(zoo.get_threads()):
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)
 def restore_threads_after_the_module():
     """Likewise a module's fixtures: test_distributed's reference runs train in this process at one
     thread, and every module after it ran at one thread instead of the machine's count."""
-    n = zoo.get_threads()
-    yield
-    if zoo.get_threads() != n:
-        zoo.set_threads(n)
+    with threads_set_to(zoo.get_threads()):
+        yield
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
